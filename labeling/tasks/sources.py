@@ -32,7 +32,10 @@ def load_official(task: str, source: str, official: str, hub_config: str | None 
         root = Path(source).expanduser()
         if not root.is_dir():
             raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
-        ds = datasets.load_dataset("json", data_files={official: _local_files(task, root, official)}, split=official)
+        path = _local_files(task, root, official)
+        if not Path(path).read_text().strip():  # datasets' json builder fails obscurely on empty files
+            return []
+        ds = datasets.load_dataset("json", data_files={official: path}, split=official)
     else:
         try:
             ds = datasets.load_dataset(source, hub_config, split=official)

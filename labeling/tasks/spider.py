@@ -1,0 +1,82 @@
+"""Spider text-to-SQL (``xlangai/spider``, config ``spider``, or a local directory of JSONL).
+
+Hub rows (checked against the dataset card): ``db_id``, ``query`` (gold SQL), ``question``,
+plus token lists we do not use. The hub has splits ``train`` (7000) and ``validation``
+(1034, Spider's dev set); the official test set is not on the hub, so the dev set plays the
+"official test" role (``test_split: validation``; set ``test_split: test`` for a local
+directory that holds the released test set). A local directory mirrors the hub split names:
+``train.jsonl`` and ``validation.jsonl`` (or ``test.jsonl``) with the same fields.
+
+The databases are not on the hub: ``db_dir`` must point at the Spider ``database`` folder
+holding ``<db_id>/<db_id>.sqlite``. Prompt: the schema (the ``CREATE TABLE`` statements read
+from the database file) and the question; output limit 256 tokens (paper). Q(·): execution
+match on a read-only copy of the database with a timeout (``labeling/evaluators/sql.py``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
+from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
+from labeling.tasks.sources import carve_validation, check_split, load_official
+
+INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
+SCHEMA_SQL = (
+    "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL "
+    "AND name NOT LIKE 'sqlite_%' ORDER BY rowid"
+)
+
+
+def read_schema(db_path: Path) -> str:
+    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite."""
+    conn = connect_readonly(db_path)
+    try:
+        return "\n\n".join(row[0].strip() + ";" for row in conn.execute(SCHEMA_SQL))
+    finally:
+        conn.close()
+
+
+class SpiderTask(BaseTask):
+    name = "spider"
+
+    def __init__(self, source: str = "xlangai/spider", db_dir: str | None = None, max_new_tokens: int = 256,
+                 val_size: int = 500, seed: int = 1234, test_split: str = "validation",
+                 hub_config: str | None = "spider", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 sizes: SplitSizes | None = None) -> None:
+        super().__init__(max_new_tokens, sizes)
+        self.source, self.db_dir, self.val_size, self.seed = source, db_dir, int(val_size), int(seed)
+        self.test_split, self.hub_config, self.timeout_s = test_split, hub_config, float(timeout_s)
+        self._schemas: dict[str, str] = {}
+
+    def schema(self, db_id: str) -> str:
+        """Schema text of ``db_id`` (cached); TaskError if the database file is missing."""
+        if db_id not in self._schemas:
+            self._schemas[db_id] = read_schema(database_path(self.db_dir, db_id))
+        return self._schemas[db_id]
+
+    def load_split(self, split: str) -> list[Example]:
+        check_split(split)
+        official = self.test_split if split == "test" else "train"
+        rows = load_official(self.name, self.source, official, hub_config=self.hub_config)
+        if split != "test":
+            rows = carve_validation(rows, split, self.val_size, self.seed)
+        examples = []
+        for i, r in enumerate(rows):
+            missing = [k for k in ("db_id", "query", "question") if not r.get(k)]
+            if missing:
+                raise TaskError(f"task 'spider': a row of split '{official}' in {self.source} lacks field(s) "
+                                f"{missing} ({str(r)[:100]}…); expected the xlangai/spider fields "
+                                f"db_id, query, question.")
+            examples.append(Example(uid=f"spider-{split}-{i}", question=r["question"], reference=r["query"],
+                                    meta={"db_id": r["db_id"]}))
+        examples = require_nonempty(self.name, split, self.sizes.cap(split, examples), self.source)
+        for ex in examples:  # fail fast on a missing database, before any generation
+            self.schema(ex.meta["db_id"])
+        return examples
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        schema = self.schema(ex.meta["db_id"])
+        return [{"role": "user", "content": f"Database schema:\n{schema}\n\nQuestion: {ex.question}\n{INSTRUCTION}"}]
+
+    def score(self, ex: Example, response: str) -> int:
+        return execution_match(response, ex.reference, database_path(self.db_dir, ex.meta["db_id"]), self.timeout_s)

@@ -1,0 +1,217 @@
+"""Spider execution match: correctness, read-only guarantees, timeout, missing database."""
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from labeling.evaluators.sql import (
+    ResultTooLarge,
+    connect_readonly,
+    database_path,
+    execute_readonly,
+    execution_match,
+    extract_sql,
+)
+from labeling.tasks.base import TaskError
+
+ROWS = [(1, "Ann", 34, "France"), (2, "Ben", 28, "Spain"), (3, "Cara", 41, "France"), (4, "Dan", 22, "Peru")]
+GOLD = "SELECT name FROM singer WHERE age > 30"
+EMPTY_GOLD = "SELECT name FROM singer WHERE age > 1000"
+
+
+def make_db(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, age INTEGER, country TEXT)")
+    conn.executemany("INSERT INTO singer VALUES (?, ?, ?, ?)", ROWS)
+    conn.commit()
+    conn.close()
+    return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def rows_of(path: Path) -> list[tuple]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT * FROM singer ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return make_db(tmp_path / "database" / "concert" / "concert.sqlite")
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("```sql\nSELECT name FROM singer;\n```\nThis lists the names.", "SELECT name FROM singer"),
+    ("Here:\n```SQL\nSELECT 1\n```", "SELECT 1"),
+    ("```\nSELECT 2;\n```", "SELECT 2"),
+    ("SELECT name\nFROM singer\n\nThis query lists names.", "SELECT name\nFROM singer"),
+    ("SELECT 1; DROP TABLE singer", "SELECT 1"),
+    ("SELECT name FROM singer WHERE name = 'a;b'; SELECT 2", "SELECT name FROM singer WHERE name = 'a;b'"),
+    ("   ", None),
+    ("```sql\n\n```", None),
+])
+def test_extract_sql(response: str, expected: str | None) -> None:
+    assert extract_sql(response) == expected
+
+
+def test_correct_query_scores_1(db: Path) -> None:
+    assert execution_match("```sql\nSELECT name FROM singer WHERE 30 < age\n```", GOLD, db) == 1
+    assert execution_match("SELECT name FROM singer WHERE age >= 34;", GOLD, db) == 1
+
+
+def test_wrong_query_scores_0(db: Path) -> None:
+    assert execution_match("SELECT name FROM singer WHERE age < 30", GOLD, db) == 0
+    assert execution_match("SELECT name, age FROM singer WHERE age > 30", GOLD, db) == 0  # extra column
+
+
+def test_order_insensitive_without_order_by(db: Path) -> None:
+    assert execution_match("SELECT name FROM singer WHERE age > 30 ORDER BY name DESC", GOLD, db) == 1
+
+
+def test_order_sensitive_with_gold_order_by(db: Path) -> None:
+    gold = "SELECT name FROM singer ORDER BY age"
+    assert execution_match("SELECT name FROM singer ORDER BY age ASC", gold, db) == 1
+    assert execution_match("SELECT name FROM singer ORDER BY age DESC", gold, db) == 0
+
+
+def test_results_compared_as_multisets(db: Path) -> None:
+    gold = "SELECT country FROM singer"  # France twice
+    assert execution_match("SELECT country FROM singer ORDER BY id DESC", gold, db) == 1
+    assert execution_match("SELECT DISTINCT country FROM singer", gold, db) == 0
+
+
+@pytest.mark.parametrize("response", ["SELEC name FRM singer", "SELECT nope FROM singer", "", "I cannot answer."])
+def test_malformed_or_missing_sql_scores_0(db: Path, response: str) -> None:
+    assert execution_match(response, GOLD, db) == 0
+
+
+def test_failing_gold_scores_0(db: Path) -> None:
+    assert execution_match("SELECT name FROM singer", "SELECT name FROM missing_table", db) == 0
+
+
+WRITES = [
+    "DROP TABLE singer",
+    "INSERT INTO singer VALUES (9, 'Eve', 50, 'Chad')",
+    "UPDATE singer SET age = 99",
+    "DELETE FROM singer",
+    "CREATE TABLE evil (x)",
+    "CREATE TEMP TABLE evil (x)",
+    "PRAGMA writable_schema=1",
+    "ALTER TABLE singer RENAME TO s2",
+    "VACUUM",
+    "BEGIN",
+]
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_writes_score_0_and_leave_the_database_unchanged(db: Path, write: str) -> None:
+    before_hash, before_rows = sha256(db), rows_of(db)
+    # the gold result is empty, like a write's: only the authorizer makes these score 0
+    assert execution_match(f"```sql\n{write}\n```", EMPTY_GOLD, db) == 0
+    assert execution_match(write, GOLD, db) == 0
+    with pytest.raises(sqlite3.DatabaseError):
+        execute_readonly(db, write)
+    assert sha256(db) == before_hash
+    assert rows_of(db) == before_rows
+
+
+def test_attach_is_denied(db: Path, tmp_path: Path) -> None:
+    before = sha256(db)
+    evil = tmp_path / "evil.sqlite"
+    assert execution_match(f"ATTACH DATABASE '{evil}' AS evil", EMPTY_GOLD, db) == 0
+    with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+        execute_readonly(db, f"ATTACH DATABASE '{evil}' AS evil")
+    assert not evil.exists()
+    assert sha256(db) == before
+
+
+def test_load_extension_is_denied(db: Path) -> None:
+    with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+        execute_readonly(db, "SELECT load_extension('/nonexistent/evil')")
+
+
+def test_readonly_connection_denies_writes_even_on_the_original(db: Path) -> None:
+    before = sha256(db)
+    conn = connect_readonly(db)
+    try:
+        assert conn.execute("SELECT count(*) FROM singer").fetchone() == (len(ROWS),)
+        for write in WRITES:
+            with pytest.raises(sqlite3.DatabaseError):
+                conn.execute(write)
+    finally:
+        conn.close()
+    assert sha256(db) == before
+    assert rows_of(db) == ROWS
+
+
+def test_mode_ro_blocks_writes_without_the_authorizer(db: Path) -> None:
+    conn = connect_readonly(db)
+    conn.set_authorizer(None)  # first line of defence alone: the file is opened read-only
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("DELETE FROM singer")
+    finally:
+        conn.close()
+    assert rows_of(db) == ROWS
+
+
+def test_slow_query_times_out_and_scores_0(db: Path) -> None:
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    start = time.monotonic()
+    assert execution_match(endless, GOLD, db, timeout_s=0.3) == 0
+    assert time.monotonic() - start < 3.0
+    start = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        execute_readonly(db, endless, timeout_s=0.3)
+    assert time.monotonic() - start < 3.0
+
+
+def test_recursive_cte_within_limits_is_allowed(db: Path) -> None:
+    q = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3) SELECT x FROM c"
+    assert execute_readonly(db, q) == [(1,), (2,), (3,)]
+
+
+def test_row_cap(db: Path) -> None:
+    with pytest.raises(ResultTooLarge):
+        execute_readonly(db, "SELECT * FROM singer", max_rows=3)
+    assert len(execute_readonly(db, "SELECT * FROM singer", max_rows=4)) == 4
+    assert execution_match("SELECT name FROM singer", "SELECT name FROM singer", db, max_rows=3) == 0
+
+
+def test_database_path_resolves_spider_layout(db: Path) -> None:
+    assert database_path(db.parents[1], "concert") == db
+
+
+def test_missing_database_is_a_clear_task_error(tmp_path: Path) -> None:
+    with pytest.raises(TaskError) as err:
+        database_path(tmp_path, "world_1")
+    msg = str(err.value)
+    assert "world_1" in msg
+    assert str(tmp_path / "world_1" / "world_1.sqlite") in msg
+    assert "db_dir" in msg
+
+
+def test_unset_db_dir_is_a_clear_task_error() -> None:
+    with pytest.raises(TaskError, match="db_dir") as err:
+        database_path(None, "world_1")
+    assert "world_1" in str(err.value)
+
+
+@pytest.mark.parametrize("db_id", ["../concert", "a/b", "..", ""])
+def test_path_like_db_id_is_rejected(db: Path, db_id: str) -> None:
+    with pytest.raises(TaskError, match="db_id"):
+        database_path(db.parents[1], db_id)
+
+
+def test_vanished_database_scores_0_without_raising(tmp_path: Path) -> None:
+    assert execution_match("SELECT 1", "SELECT 1", tmp_path / "gone.sqlite") == 0

@@ -1,0 +1,22 @@
+"""Grouped multi-LoRA shrink/expand kernels with two launch designs.
+
+CPU-safe modules (importable without Triton):
+- `metadata`: the per-batch token→slot metadata (vLLM's contract) and a sync-free builder.
+- `worklist`: the device-built list of useful row tiles walked by the persistent launch.
+- `gridtrim`: the paper's row-bound buckets and two-class expand plan.
+- `layout`: weight views and the split-K partials buffer.
+- `reference`: pure-torch semantics of shrink and expand.
+
+Triton modules (import them explicitly; they need Triton): `tiles`, `shrink`, `expand`, `linear`.
+"""
+from kernels.gridtrim import GridTrimPlan, plan_gridtrim, row_bound
+from kernels.layout import K_CHUNK, as_3d, num_splits, partials_buffer
+from kernels.metadata import LoRABatchMeta, build_metadata
+from kernels.reference import expand_reference, shrink_reference
+from kernels.worklist import RowTileWorklist, persistent_programs
+
+__all__ = [
+    "GridTrimPlan", "K_CHUNK", "LoRABatchMeta", "RowTileWorklist", "as_3d", "build_metadata",
+    "expand_reference", "num_splits", "partials_buffer", "persistent_programs", "plan_gridtrim",
+    "row_bound", "shrink_reference",
+]

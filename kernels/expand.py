@@ -1,0 +1,173 @@
+"""Grouped LoRA expand: y[:, slice cols] (+)= bf(Σ partials) @ Bᵀ per token's adapter (Triton).
+
+An item covers a column chunk (`chunk_tiles` tiles of `block_n` columns) of one row tile.
+Chunks of all slices are numbered back to back (slice 0's, then slice 1's, ...), so one launch
+covers qkv or gate_up. Two launches over the same tile body:
+- work list (ours): a persistent grid of fixed size walks (row tile, column tile) items.
+- GridTrim (the paper's): two classes, every slot at row bound 16 for groups of ≤ 16 rows and a
+  compact list of ≤ 16 larger groups at bound R (or one class at R, see `gridtrim`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
+from kernels.gridtrim import SMALL_ROWS, GridTrimPlan
+from kernels.layout import as_3d
+from kernels.metadata import LoRABatchMeta
+from kernels.tiles import block_rank, expand_tile, load_tile_rows, pick_slice
+from kernels.worklist import RowTileWorklist, persistent_programs
+
+NUM_WARPS = 4
+CHUNK_TILES = 2
+MAX_SLICES = 3
+_NO_UPPER_BOUND = 2**31 - 1
+
+
+@triton.jit
+def _expand_column_tile(
+        part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora, j,
+        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, rank,
+        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn, stride_br, stride_ym, stride_yn,
+        N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    """Expand column chunk j (numbered across slices) of one row tile."""
+    slice_id = (j >= chunks0).to(tl.int32) + (j >= chunks0 + chunks1).to(tl.int32)
+    col0 = (j - pick_slice(slice_id, 0, chunks0, chunks0 + chunks1)) * CHUNK_N
+    expand_tile(part_ptr, pick_slice(slice_id, b0_ptr, b1_ptr, b2_ptr), y_ptr, rows, row_mask,
+                lora, slice_id, col0, pick_slice(slice_id, n0, n1, n2),
+                pick_slice(slice_id, out0, out1, out2), rank,
+                stride_ps, stride_pc, stride_pm, stride_pr,
+                pick_slice(slice_id, sbl0, sbl1, sbl2), stride_bn, stride_br, stride_ym, stride_yn,
+                N_SPLITS, BLOCK_M, BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)
+
+
+@triton.jit
+def _expand_worklist_kernel(
+        part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
+        sorted_idx_ptr,
+        tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
+        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank,
+        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn, stride_br, stride_ym, stride_yn,
+        N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    total = tl.load(num_tiles_ptr) * col_chunks
+    item = tl.program_id(0)
+    while item < total:
+        tile = item // col_chunks
+        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile),
+                                        tl.load(tile_rows_ptr + tile), BLOCK_M)
+        _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
+                            item % col_chunks, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
+                            chunks0, chunks1, rank, stride_ps, stride_pc, stride_pm, stride_pr,
+                            stride_bn, stride_br, stride_ym, stride_yn,
+                            N_SPLITS, BLOCK_M, BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)
+        item += tl.num_programs(0)
+
+
+@triton.jit
+def _expand_grid_kernel(
+        part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
+        sorted_idx_ptr, counts_ptr, starts_ptr, lora_ids_ptr,
+        slot_list_ptr, min_rows, max_rows,
+        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank,
+        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn, stride_br, stride_ym, stride_yn,
+        N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    row0 = (tl.program_id(0) // col_chunks) * BLOCK_M
+    slot = tl.load(slot_list_ptr + tl.program_id(2))
+    safe_slot = tl.maximum(slot, 0)
+    lora = tl.load(lora_ids_ptr + safe_slot).to(tl.int64)
+    n_rows = tl.load(counts_ptr + safe_slot)
+    if (slot >= 0) & (lora >= 0) & (row0 < n_rows) & (n_rows >= min_rows) & (n_rows <= max_rows):
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(starts_ptr + safe_slot) + row0,
+                                        n_rows - row0, BLOCK_M)
+        _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
+                            tl.program_id(0) % col_chunks, n0, n1, n2, out0, out1, out2,
+                            sbl0, sbl1, sbl2, chunks0, chunks1, rank,
+                            stride_ps, stride_pc, stride_pm, stride_pr,
+                            stride_bn, stride_br, stride_ym, stride_yn,
+                            N_SPLITS, BLOCK_M, BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)
+
+
+def default_block_n(rank: int) -> int:
+    """Output columns per tile: 4096 B-tile elements (256 columns up to rank 16), at least 64.
+
+    256 columns × 2 tiles per item was the fastest of the H200 sweep in
+    benchmarks/kernels/RESULTS.md at rank 8.
+    """
+    return max(64, 4096 // block_rank(rank))
+
+
+def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor,
+                meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan, *,
+                offset_start: int = 0, add_inputs: bool = True, block_n: int | None = None,
+                chunk_tiles: int = CHUNK_TILES, num_programs: int | None = None) -> None:
+    """Apply `y[m, c_s:c_s+N_s] (+)= bf(Σ_split partials[:, s, m]) @ B_s[id_m]ᵀ` in place.
+
+    partials: shrink's `[splits, slices, ≥M, rank]` fp32; lora_b: 1–3 slices, each
+    `[max_loras, (1,) N_s, rank]` (fp16/bf16); y: `[M, ≥ offset_start + ΣN_s]`, slices written
+    back to back from `offset_start`. Rows of tokens without an adapter are untouched. The
+    semantics are `reference.expand_reference`'s. An item writes `chunk_tiles` tiles of `block_n`
+    columns (default `default_block_n(rank)`).
+    """
+    b3 = [as_3d(b) for b in lora_b]
+    if not 1 <= len(b3) <= MAX_SLICES:
+        raise ValueError(f"{len(b3)} LoRA slices: use 1..{MAX_SLICES}")
+    if any(b.dtype not in (torch.float16, torch.bfloat16) or b.dtype != b3[0].dtype for b in b3):
+        raise ValueError(f"expand needs fp16/bf16 B of one dtype, got {[b.dtype for b in b3]}")
+    rank = b3[0].shape[2]
+    if any(b.shape[2] != rank or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
+        raise ValueError("all B slices must share the rank and the [out, rank] strides")
+    if partials.shape[1] != len(b3) or partials.shape[2] < y.shape[0] or partials.shape[3] != rank:
+        raise ValueError(f"partials {tuple(partials.shape)} do not match {len(b3)} slices of "
+                         f"rank {rank} for {y.shape[0]} tokens")
+    block_n = block_n or default_block_n(rank)
+    widths = [b.shape[1] for b in b3]
+    if y.shape[1] < offset_start + sum(widths):
+        raise ValueError(f"y has {y.shape[1]} columns, slices need {offset_start + sum(widths)}")
+    outs = [offset_start + sum(widths[:s]) for s in range(len(b3))]
+    chunk_n = block_n * chunk_tiles
+    chunks = [triton.cdiv(w, chunk_n) for w in widths]
+    pad = MAX_SLICES - len(b3)
+    slices, widths, outs, chunks = b3 + [b3[0]] * pad, widths + [0] * pad, outs + [0] * pad, \
+        chunks + [0] * pad
+    common = dict(
+        part_ptr=partials, b0_ptr=slices[0], b1_ptr=slices[1], b2_ptr=slices[2], y_ptr=y,
+        sorted_idx_ptr=meta.token_indices_sorted,
+        n0=widths[0], n1=widths[1], n2=widths[2], out0=outs[0], out1=outs[1], out2=outs[2],
+        sbl0=slices[0].stride(0), sbl1=slices[1].stride(0), sbl2=slices[2].stride(0),
+        chunks0=chunks[0], chunks1=chunks[1], col_chunks=sum(chunks), rank=rank,
+        stride_ps=partials.stride(0), stride_pc=partials.stride(1),
+        stride_pm=partials.stride(2), stride_pr=partials.stride(3),
+        stride_bn=b3[0].stride(1), stride_br=b3[0].stride(2),
+        stride_ym=y.stride(0), stride_yn=y.stride(1),
+        N_SPLITS=partials.shape[0], BLOCK_R=block_rank(rank), BLOCK_N=block_n,
+        CHUNK_N=chunk_n, ADD_INPUTS=add_inputs, num_warps=NUM_WARPS,
+    )
+    if isinstance(schedule, RowTileWorklist):
+        grid = (num_programs or persistent_programs(y.device),)
+        _expand_worklist_kernel[grid](
+            tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
+            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles,
+            BLOCK_M=schedule.block_m, **common)
+        return
+    if schedule.num_slots == 0:
+        return
+    col_chunks = sum(chunks)
+    if schedule.large_slots is None:
+        classes = [(schedule.all_slots, schedule.row_bound, 1, _NO_UPPER_BOUND)]
+    else:
+        classes = [(schedule.all_slots, SMALL_ROWS, 1, SMALL_ROWS),
+                   (schedule.large_slots, schedule.row_bound, SMALL_ROWS + 1, _NO_UPPER_BOUND)]
+    for slot_list, bound, min_rows, max_rows in classes:
+        grid = (triton.cdiv(bound, GRIDTRIM_BLOCK_M) * col_chunks, 1, slot_list.numel())
+        _expand_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
+                                  starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
+                                  slot_list_ptr=slot_list, min_rows=min_rows, max_rows=max_rows,
+                                  BLOCK_M=GRIDTRIM_BLOCK_M, **common)

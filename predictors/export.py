@@ -6,14 +6,15 @@ never-release, or a learned choice for an adapter without an ok head, exports ``
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
-from predictors.frontier import POLICIES, frontier_summary
+from predictors.frontier import DEFAULT_RULES, POLICIES, frontier_summary, pareto, select
 from predictors.heads import Head
-from serve_bridge.bundle import AdapterEntry, adapter_fingerprint
+from serve_bridge.bundle import MANIFEST, AdapterEntry, adapter_fingerprint, config_fingerprint, write_bundle
 
 
 def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier: pd.DataFrame, rule: str,
@@ -47,4 +48,32 @@ def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier:
                                         bias=head.bias, stats=stats))
         else:
             entries.append(AdapterEntry(adapter, fp, "profiled", k=int(row["param"]), stats=stats))
+    return entries
+
+
+CONFIG_SECTIONS = ("task", "backbone", "adapter", "labeling", "predictor", "sweep", "export")
+
+
+def resolve_rule(rule: str, budget: float) -> str:
+    """``export.rule`` as a selection rule: ``budget`` becomes ``budget=<B>``."""
+    return f"budget={float(budget):g}" if rule == "budget" else rule
+
+
+def export_bundle(out_dir: str | Path, *, priced: pd.DataFrame, heads: Mapping[str, Head],
+                  config: Mapping[str, Mapping], adapter_weights: Mapping[str, str | Path]) -> list:
+    """Select the operating point of ``config['export']`` (rule, budget, policy) from the priced
+    candidates and write the bundle to ``out_dir`` (an existing bundle there is replaced).
+
+    ``config`` holds the run's config sections (:data:`CONFIG_SECTIONS`); their fingerprint
+    goes into the manifest. Returns the written :class:`AdapterEntry` list.
+    """
+    ex = config["export"]
+    rule = resolve_rule(ex["rule"], ex["budget"])
+    selection = select(priced, [*DEFAULT_RULES, rule])
+    entries = bundle_entries(heads, selection, pareto(priced), rule, ex["policy"], adapter_weights)
+    out = Path(out_dir)
+    if (out / MANIFEST).is_file():
+        shutil.rmtree(out)
+    write_bundle(out, backbone=config["backbone"]["name"], hidden_size=len(next(iter(heads.values())).weight),
+                 config_fingerprint=config_fingerprint({s: config[s] for s in CONFIG_SECTIONS}), adapters=entries)
     return entries

@@ -57,11 +57,17 @@ def train(args: argparse.Namespace) -> None:
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] != "train"][: args.n_eval]
 
+    def ids(x):
+        return list(x if isinstance(x, list) else x["input_ids"])
+
     def encode(r):
-        p = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
-        p = p["input_ids"] if not isinstance(p, list) else p
-        t = tok(r["target"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return p, t
+        # The target is the chat template's own assistant turn, end-of-turn marker included,
+        # so the adapter learns whatever this tokenizer ends a turn with.
+        p = ids(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True))
+        full = ids(tok.apply_chat_template(r["messages"] + [{"role": "assistant", "content": r["target"]}], tokenize=True))
+        if full[:len(p)] != p:
+            raise ValueError("chat template: the prompt is not a prefix of prompt + answer; cannot mask the prompt")
+        return p, full[len(p):]
 
     enc = [encode(r) for r in train_rows]
     enc = [(p, t) for p, t in enc if len(p) + len(t) <= args.max_len]

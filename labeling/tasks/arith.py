@@ -55,7 +55,7 @@ class ArithTask(BaseTask):
 
     name = "arith"
 
-    def __init__(self, max_new_tokens: int = 64, seed: int = 0, sizes: SplitSizes | None = None,
+    def __init__(self, max_new_tokens: int = 48, seed: int = 0, sizes: SplitSizes | None = None,
                  n_generate: dict[str, int] | None = None) -> None:
         super().__init__(max_new_tokens, sizes)
         self.seed = int(seed)

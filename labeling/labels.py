@@ -1,0 +1,97 @@
+"""The labeling stage: ON/OFF pairs at the release points T, labels and features.
+
+For every (train request, adapter) the engine generates the full-LoRA response (ON) and,
+for each t ∈ T the response continues past, an OFF branch forked from the ON state after
+forward t (release with k = t). Then y_t = Q(ON) ∧ ¬Q(OFF_t): releasing at t is *risky*.
+The feature is h_t, the final-norm hidden state of forward t. A t the response does not
+continue past (t ≥ L−1) has OFF = ON, is never risky, and is not a decision point, so it
+is not labeled.
+
+Work is split into shards of requests; each shard is written atomically with a marker, so
+an interrupted run resumes at the first unfinished shard and yields identical labels
+(greedy decoding, fixed shard composition).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from labeling.engines.hf import GenRequest, GenResult, HFEngine
+from labeling.tasks import Example, Task
+
+POINT_COLUMNS = ["uid", "adapter", "t", "y", "q_on", "q_off", "on_length", "off_length"]
+
+
+def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example],
+                   slots: Sequence[int]) -> list[tuple[Example, GenRequest]]:
+    """Every example once per adapter slot (adapters interleaved so batches mix adapters)."""
+    out = []
+    for ex in examples:
+        ids = engine.encode(task.messages(ex))
+        out.extend((ex, GenRequest(uid=f"{ex.uid}@{s}", prompt_ids=ids, slot=s)) for s in slots)
+    return out
+
+
+def label_results(engine: HFEngine, task: Task, pairs: Sequence[tuple[Example, GenRequest]],
+                  results: Sequence[GenResult], adapter_names: Sequence[str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """Score ON and OFF responses; one point per forked t, with its captured h_t."""
+    rows, feats = [], []
+    for (ex, req), res in zip(pairs, results):
+        q_on = task.score(ex, engine.decode(res.tokens))
+        for t in sorted(res.branches):
+            branch = res.branches[t]
+            q_off = task.score(ex, engine.decode(branch))
+            rows.append((ex.uid, adapter_names[req.slot], t, int(q_on and not q_off), q_on, q_off,
+                         len(res.tokens), len(branch)))
+            feats.append(res.hidden[t].numpy())
+    df = pd.DataFrame(rows, columns=POINT_COLUMNS)
+    h = np.stack(feats).astype(np.float32) if feats else np.zeros((0, engine.hidden_size), np.float32)
+    return df, h
+
+
+def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
+                 points: Sequence[int], out_dir: Path, shard_requests: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points."""
+    t_set = frozenset(int(t) for t in points)
+    pairs = build_requests(engine, task, examples, range(len(adapter_names)))
+    shard_dir = out_dir / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(pairs) + shard_requests - 1) // shard_requests
+    frames, feats = [], []
+    for i in range(n_shards):
+        done = shard_dir / f"{i:05d}.done"
+        pq, npy = shard_dir / f"{i:05d}.parquet", shard_dir / f"{i:05d}.npy"
+        if not done.is_file():
+            chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
+            results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
+                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{n_shards}")
+            df, h = label_results(engine, task, chunk, results, adapter_names)
+            df.to_parquet(pq.with_suffix(".parquet.tmp"), index=False)
+            np.save(npy.with_suffix(".tmp.npy"), h)
+            pq.with_suffix(".parquet.tmp").replace(pq)
+            npy.with_suffix(".tmp.npy").replace(npy)
+            done.write_text(str(len(df)))
+        frames.append(pd.read_parquet(pq))
+        feats.append(np.load(npy))
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=POINT_COLUMNS)
+    return df, np.concatenate(feats) if feats else np.zeros((0, engine.hidden_size), np.float32)
+
+
+def summarize(points: pd.DataFrame) -> dict:
+    """Requests, points, positive rate overall and per t."""
+    per_t = points.groupby("t")["y"].agg(["count", "mean"]) if len(points) else pd.DataFrame()
+    return {
+        "requests": int(points[["uid", "adapter"]].drop_duplicates().shape[0]) if len(points) else 0,
+        "points": int(len(points)),
+        "positive_rate": float(points["y"].mean()) if len(points) else 0.0,
+        "per_t": {int(t): {"points": int(r["count"]), "positive_rate": float(r["mean"])} for t, r in per_t.iterrows()},
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"labels: {s['requests']} requests, {s['points']} points, positive rate {100 * s['positive_rate']:.1f}%"]
+    lines += [f"  t={t:>3}: {v['points']:>5} points, positive {100 * v['positive_rate']:5.1f}%" for t, v in s["per_t"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""The sweep's single full-LoRA pass: release trees for every validation request.
+
+One ON generation per (request, adapter) records s_t at every forward (all heads evaluated
+by one StepTrim scorer) and forks an OFF continuation exactly at the distinct release
+points of the candidates (``predictors.sweep.ForkPlanner``). Every candidate is then priced
+from these trees without regenerating (DESIGN §3.5). Backbone-only rows ride in the same
+batches to report the adapter's lift.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from labeling.engines.hf import GenResult, HFEngine
+from labeling.labels import build_requests
+from labeling.tasks import Example, Task
+from predictors.sweep import ForkPlanner, RequestTree
+from serve_bridge.steptrim import NO_SLOT, StepTrim
+
+
+@dataclass
+class TreePass:
+    """Trees, plus the cost of producing them."""
+
+    trees: list[RequestTree]
+    backbone_accuracy: float  # % on the same requests, no adapter
+    generated_tokens: int  # ON + branch tokens generated after their forks
+    seconds: float
+
+
+def run_trees(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
+              scorer: StepTrim, planner: ForkPlanner) -> TreePass:
+    """Generate release trees for ``examples`` × adapters, and backbone-only responses."""
+    pairs = build_requests(engine, task, examples, [*range(len(adapter_names)), NO_SLOT])
+    states = {req.uid: planner.new_state() for _, req in pairs}
+
+    def fork(res: GenResult, t: int, s: float | None) -> bool:
+        return planner.should_fork(states[res.uid], adapter_names[res.slot], t, s)
+
+    start = time.perf_counter()
+    results = engine.generate([r for _, r in pairs], task.max_new_tokens, scorer=scorer, fork=fork, desc="sweep pass")
+    seconds = time.perf_counter() - start
+    trees, base_correct, base_n, tokens = [], 0, 0, 0
+    for (ex, req), res in zip(pairs, results):
+        tokens += len(res.tokens) + sum(len(b) - (r + 1) for r, b in res.branches.items())
+        q_on = task.score(ex, engine.decode(res.tokens))
+        if req.slot == NO_SLOT:
+            base_correct, base_n = base_correct + q_on, base_n + 1
+            continue
+        branches = {r: (task.score(ex, engine.decode(b)), len(b)) for r, b in res.branches.items()}
+        trees.append(RequestTree(uid=ex.uid, adapter=adapter_names[req.slot], on_length=len(res.tokens),
+                                 on_correct=q_on, scores=res.scores, branches=branches))
+    return TreePass(trees, 100.0 * base_correct / max(1, base_n), tokens, seconds)

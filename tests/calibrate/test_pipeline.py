@@ -1,0 +1,141 @@
+"""`python -m calibrate` end to end on the embedded default (tiny sizes), resume after a kill,
+and the user-facing errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_module
+from safetensors.torch import save_file
+
+from calibrate.context import Context
+from calibrate.errors import ConfigError
+from calibrate.pipeline import format_final, run_pipeline
+from calibrate.resolvers import register
+from calibrate.rundir import RunDir
+from labeling.adapters import AdapterError
+from labeling.tasks import TaskError
+from serve_bridge.bundle import load_bundle
+from tests.conftest import ROOT
+
+TINY = ["task.sizes.train=6", "task.sizes.validation=3", "task.sizes.test=3", "task.options.max_new_tokens=40",
+        "labeling.shard_requests=2", "engine.progress=false"]
+
+
+def compose_cfg(overrides: list[str]):
+    register()
+    with initialize_config_module(config_module="conf", version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def run(tmp: Path, overrides: list[str]) -> dict:
+    return run_pipeline(Context(compose_cfg(overrides), RunDir(tmp)))
+
+
+def cli(run_dir: Path, *overrides: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "calibrate", f"hydra.run.dir={run_dir}", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_end_to_end_tiny(tmp_path: Path) -> None:
+    summaries = run(tmp_path, TINY)
+    assert set(summaries) == {"data", "labels", "heads", "sweep", "export", "test"}
+    bundle = load_bundle(tmp_path / "bundle", expected_hidden_size=576, expected_backbone="smollm2",
+                         known_adapters=["arith-a"])
+    assert set(bundle.adapters) == {"arith-a"}
+    for name in ("candidates", "frontier", "selection", "k_table", "budget_comparison"):
+        assert len(pd.read_csv(tmp_path / "sweep" / f"{name}.csv")) > 0
+    assert (tmp_path / "plots" / "frontier_arith-a.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "positive_rate_per_t.png").stat().st_size > 1000
+    realized = pd.read_csv(tmp_path / "test" / "realized.csv")
+    assert list(realized["adapter"]) == ["arith-a"] and 0 <= realized["test_skip"].iloc[0] <= 1
+    assert "arith-a" in format_final(summaries)
+    # The sweep priced 32 τ + 9 k candidates from one tree pass, far below regenerating each.
+    assert summaries["sweep"]["naive_tokens"] > 2 * summaries["sweep"]["tree_tokens"]
+    # Re-running a finished run is a no-op: every stage is cached, outputs untouched.
+    stamp = (tmp_path / "bundle" / "manifest.json").stat().st_mtime_ns
+    again = run(tmp_path, TINY)
+    assert again == json.loads(json.dumps(summaries))
+    assert (tmp_path / "bundle" / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:
+    labels_only = [*TINY, "stages=[data,labels]"]
+    reference = tmp_path / "reference"
+    run(reference, labels_only)
+    killed = tmp_path / "killed"
+    proc = cli(killed, *labels_only)
+    first_shard = killed / "labels" / "shards" / "00000.done"
+    deadline = time.time() + 300
+    while not first_shard.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert first_shard.exists(), "the first labeling shard never finished"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "stages" / "labels.json").exists(), "the killed run must not be marked done"
+    assert not (killed / "labels" / "shards" / "00002.done").exists()
+    done = cli(killed, *labels_only)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, err
+    pd.testing.assert_frame_equal(pd.read_parquet(killed / "labels" / "points.parquet"),
+                                  pd.read_parquet(reference / "labels" / "points.parquet"))
+    np.testing.assert_array_equal(np.load(killed / "labels" / "features.npy"),
+                                  np.load(reference / "labels" / "features.npy"))
+
+
+def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "task.name=nope")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [lines[0]] and "unknown task 'nope'" in lines[0] and "arith" in lines[0], err
+
+
+def _adapter_for_hidden(tmp: Path, hidden: int) -> Path:
+    import torch
+
+    d = tmp / f"lora-h{hidden}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                       "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, hidden),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(hidden, 4)},
+              d / "adapter_model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("case", ["missing_adapter", "wrong_hidden", "empty_split", "missing_local", "bad_stage"])
+def test_bad_input_gets_one_clear_error(tmp_path: Path, case: str) -> None:
+    overrides, error, match = {
+        "missing_adapter": (["adapter.adapters=[{name: x, path: /nonexistent/lora}]", "stages=[labels]"],
+                            AdapterError, "does not exist"),
+        "wrong_hidden": ([f"adapter.adapters=[{{name: big, path: {_adapter_for_hidden(tmp_path, 4096)}}}]",
+                          "stages=[labels]"], AdapterError, "hidden size 4096.*576"),
+        "empty_split": (["task.sizes.validation=0", "stages=[data]"], TaskError, "empty"),
+        "missing_local": (["task=gsm8k", "task.options.source=/nonexistent/gsm8k", "stages=[data]"], TaskError,
+                          "does not exist"),
+        "bad_stage": (["stages=[data,typo]"], ConfigError, "unknown stage"),
+    }[case]
+    with pytest.raises(error, match=match):
+        run(tmp_path / "run", [*TINY, *overrides])
+    assert not list((tmp_path / "run").glob("stages/*.json")) or case == "bad_stage"
+
+
+def test_wheel_ships_configs_and_demo_adapter(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True)
+    import zipfile
+
+    names = zipfile.ZipFile(next(tmp_path.glob("lorazor-*.whl"))).namelist()
+    for f in ("conf/config.yaml", "conf/task/arith.yaml", "conf/backbone/llama3b.yaml",
+              "labeling/data/adapters/arith-a/adapter_model.safetensors", "calibrate/__main__.py"):
+        assert f in names, f

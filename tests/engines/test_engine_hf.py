@@ -1,0 +1,89 @@
+"""The hf engine against transformers/peft `generate`, and OFF forks against from-scratch runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labeling.engines.hf import GenRequest
+from labeling.tasks import build_task
+from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim, release_point_learned
+
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def requests_mixed(engine) -> list[GenRequest]:
+    """16 prompts cycling arith-a, rand-attn and no adapter, so every batch mixes them."""
+    task = build_task("arith", sizes={"validation": 16})
+    slots = [0, 1, NO_SLOT]
+    return [GenRequest(e.uid, engine.encode(task.messages(e)), slots[i % 3])
+            for i, e in enumerate(task.load_split("validation"))]
+
+
+def test_mixed_batch_matches_peft_generate(engine, requests_mixed) -> None:
+    results = engine.generate(requests_mixed, MAX_NEW)
+    peft_model = engine.model
+    for req, res in zip(requests_mixed, results):
+        ids = torch.tensor([req.prompt_ids])
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                  eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.tokenizer.pad_token_id)
+        if req.slot == NO_SLOT:
+            with peft_model.disable_adapter():
+                out = peft_model.generate(**kw)
+        else:
+            peft_model.set_adapter(engine.adapters[req.slot].name)
+            out = peft_model.generate(**kw)
+        ref = out[0, ids.shape[1]:].tolist()
+        if ref and ref[-1] == engine.tokenizer.pad_token_id and len(ref) > len(res.tokens):
+            ref = ref[:len(res.tokens)]
+        assert res.tokens == ref, f"{req.uid} (slot {req.slot}) differs from peft generate"
+    assert len({r.slot for r in requests_mixed}) == 3
+
+
+def test_fork_equals_profiled_from_scratch(engine, requests_mixed) -> None:
+    """OFF_k forked from the ON state == a from-scratch run with profiled k, for several k at once."""
+    reqs = [r for r in requests_mixed if r.slot != NO_SLOT][:4]
+    ks = (0, 2, 5)
+    forked = engine.generate(reqs, MAX_NEW, fork=lambda res, t, s: t in ks)
+    n_checked = 0
+    for k in ks:
+        scratch = engine.generate(reqs, MAX_NEW, steptrim=StepTrim([ProfiledPolicy(k), ProfiledPolicy(k)], 576))
+        for f, s in zip(forked, scratch):
+            if len(f.tokens) - 1 > k:  # the response continues past forward k: a real fork
+                assert f.branches[k] == s.tokens
+                assert s.release == k
+                n_checked += 1
+            else:
+                assert k not in f.branches and s.tokens == f.tokens
+    assert n_checked >= 9
+
+
+def test_learned_release_matches_scores(engine, requests_mixed) -> None:
+    """A learned policy releases at the first t whose recorded score falls below τ."""
+    reqs = [r for r in requests_mixed if r.slot == 0][:4]
+    g = torch.Generator().manual_seed(3)
+    head = LearnedPolicy(torch.randn(576, generator=g) / 24, 0.0, 0.0)
+    scorer = StepTrim([head, None], 576)
+    on = engine.generate(reqs, MAX_NEW, scorer=scorer)
+    tau = float(torch.tensor([min(r.scores[: len(r.scores) // 2 + 1]) for r in on]).median()) + 1e-4
+    policy = StepTrim([LearnedPolicy(head.weight, 0.0, tau), None], 576)
+    trimmed = engine.generate(reqs, MAX_NEW, steptrim=policy, scorer=scorer)
+    for a, b in zip(on, trimmed):
+        r = release_point_learned(a.scores, tau)
+        assert b.release == (r if r is not None and r < len(b.tokens) else None) or r >= len(a.tokens) - 1
+        if r is not None:
+            assert b.tokens[: r + 1] == a.tokens[: r + 1]
+
+
+def test_captures_hidden_at_requested_forwards(engine, requests_mixed) -> None:
+    reqs = [r for r in requests_mixed if r.slot == 0][:2]
+    res = engine.generate(reqs, MAX_NEW, capture={0, 3}.__contains__)
+    for r in res:
+        assert set(r.hidden) == {0, 3}
+        assert r.hidden[0].shape == (576,) and torch.isfinite(r.hidden[0]).all()
+        assert not torch.equal(r.hidden[0], r.hidden[3])
+
+
+def test_unknown_slot_is_rejected(engine) -> None:
+    with pytest.raises(ValueError, match="slot 5"):
+        engine.generate([GenRequest("x", [1, 2, 3], 5)], 4)

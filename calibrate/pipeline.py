@@ -55,9 +55,8 @@ def stage_labels(ctx: Context) -> dict:
     plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))
     s = summarize(points)
     _say(format_summary(s))
-    if s["points"] and 0 < s["positive_rate"] < 1:
-        return s
-    _say("labels: only one class; every head will be a never-release policy (see heads stage).")
+    if not (s["points"] and 0 < s["positive_rate"] < 1):
+        _say("labels: only one class; every head will be a never-release policy (see heads stage).")
     return s
 
 
@@ -93,11 +92,14 @@ def stage_sweep(ctx: Context) -> dict:
     write_tables(ctx.run.root / "sweep", tables)
     cost = sweep_cost(tp.trees, cands)
     full = {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")}
+    full_tokens = sum(t.on_length for t in tp.trees)
     summary = {"requests": len(tp.trees), "backbone_accuracy": tp.backbone_accuracy, "full_lora_accuracy": full,
-               "tree_tokens": cost.tree_tokens, "naive_tokens": cost.naive_tokens,
-               "token_ratio": cost.naive_tokens / max(1, cost.tree_tokens), "pass_seconds": tp.seconds}
+               "full_generation_tokens": full_tokens, "tree_tokens": cost.tree_tokens,
+               "naive_tokens": cost.naive_tokens, "token_ratio": cost.naive_tokens / max(1, cost.tree_tokens),
+               "pass_seconds": tp.seconds}
     _say(f"sweep: {len(tp.trees)} request trees; full LoRA {full}, backbone only {tp.backbone_accuracy:.1f}%; "
-         f"{cost.tree_tokens} generated tokens for {len(priced)} candidates vs {cost.naive_tokens} naive "
+         f"{cost.tree_tokens} generated tokens ({cost.tree_tokens / max(1, full_tokens):.1f} full validation "
+         f"generations) for {len(priced)} candidates vs {cost.naive_tokens} naive "
          f"({summary['token_ratio']:.1f}× fewer)")
     _say(tables["k_table"].to_string(index=False))
     return summary

@@ -25,7 +25,6 @@ class TreePass:
 
     trees: list[RequestTree]
     backbone_accuracy: float  # % on the same requests, no adapter
-    generated_tokens: int  # ON + branch tokens generated after their forks
     seconds: float
 
 
@@ -41,9 +40,8 @@ def run_trees(engine: HFEngine, task: Task, examples: Sequence[Example], adapter
     start = time.perf_counter()
     results = engine.generate([r for _, r in pairs], task.max_new_tokens, scorer=scorer, fork=fork, desc="sweep pass")
     seconds = time.perf_counter() - start
-    trees, base_correct, base_n, tokens = [], 0, 0, 0
+    trees, base_correct, base_n = [], 0, 0
     for (ex, req), res in zip(pairs, results):
-        tokens += len(res.tokens) + sum(len(b) - (r + 1) for r, b in res.branches.items())
         q_on = task.score(ex, engine.decode(res.tokens))
         if req.slot == NO_SLOT:
             base_correct, base_n = base_correct + q_on, base_n + 1
@@ -51,4 +49,4 @@ def run_trees(engine: HFEngine, task: Task, examples: Sequence[Example], adapter
         branches = {r: (task.score(ex, engine.decode(b)), len(b)) for r, b in res.branches.items()}
         trees.append(RequestTree(uid=ex.uid, adapter=adapter_names[req.slot], on_length=len(res.tokens),
                                  on_correct=q_on, scores=res.scores, branches=branches))
-    return TreePass(trees, 100.0 * base_correct / max(1, base_n), tokens, seconds)
+    return TreePass(trees, 100.0 * base_correct / max(1, base_n), seconds)

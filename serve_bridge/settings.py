@@ -1,0 +1,131 @@
+"""How the vLLM bridge is switched on, and the engine settings it refuses (DESIGN §4).
+
+The bridge is active iff the environment variable ``LORAZOR_BUNDLE`` names a policy bundle
+directory when vLLM loads its general plugins. Environment variables reach every vLLM
+process (front end, engine core, workers), so all of them agree on whether it is active.
+
+- ``LORAZOR_BUNDLE``: the bundle directory (required to activate).
+- ``LORAZOR_ADAPTERS``: optional ``name=path,name=path`` list of the adapters this server
+  serves, with the same names as its LoRA requests. When given, start-up fails on a bundle
+  adapter that is not served and on an adapter whose weights differ from the calibrated ones.
+- ``LORAZOR_LOG_INTERVAL_S``: seconds between counter summaries in the log (default 60,
+  0 disables them).
+
+Everything here is pure Python and reads engine settings by attribute only, so it is
+tested on CPU without vLLM.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUNDLE_ENV = "LORAZOR_BUNDLE"
+ADAPTERS_ENV = "LORAZOR_ADAPTERS"
+LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
+SUPPORTED_VLLM = "0.26.0"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+class BridgeError(RuntimeError):
+    """The bridge cannot run with this vLLM or these engine settings; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    """Activation settings read from the environment.
+
+    bundle: the policy bundle directory.
+    adapters: served adapter name → local adapter directory (empty when not declared).
+    log_interval_s: seconds between counter summaries in the log (0 = never).
+    """
+
+    bundle: Path
+    adapters: dict[str, str] = field(default_factory=dict)
+    log_interval_s: float = 60.0
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
+        """The settings, or None when ``LORAZOR_BUNDLE`` is unset or empty (bridge off)."""
+        env = os.environ if environ is None else environ
+        bundle = env.get(BUNDLE_ENV, "").strip()
+        if not bundle:
+            return None
+        return BridgeSettings(bundle=Path(bundle).expanduser(),
+                              adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
+                              log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")))
+
+
+def parse_adapters(text: str) -> dict[str, str]:
+    """Parse ``name=path,name=path`` (whitespace around items is ignored; empty text → {})."""
+    out: dict[str, str] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, sep, path = (s.strip() for s in item.partition("="))
+        if not sep or not name or not path:
+            raise BridgeError(f"{ADAPTERS_ENV}: item {item!r} is not name=path; write e.g. "
+                              f"{ADAPTERS_ENV}='sql=/adapters/sql,math=/adapters/math'.")
+        if name in out:
+            raise BridgeError(f"{ADAPTERS_ENV}: adapter '{name}' is listed twice; list each adapter once.")
+        out[name] = path
+    return out
+
+
+def _parse_interval(text: str) -> float:
+    if not text.strip():
+        return 60.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise BridgeError(f"{LOG_INTERVAL_ENV}={text!r}: give a number of seconds ≥ 0 (0 disables the log).")
+    return value
+
+
+def require_vllm_version(found: str) -> None:
+    """Refuse any vLLM but the one whose private APIs the bridge hooks."""
+    if found != SUPPORTED_VLLM:
+        raise BridgeError(f"LoRazor's serve_bridge hooks private APIs of vLLM {SUPPORTED_VLLM}, but vLLM {found} "
+                          f"is installed. Install vllm=={SUPPORTED_VLLM} (pip install 'lorazor[vllm]'), or unset "
+                          f"{BUNDLE_ENV} to serve without StepTrim.")
+
+
+def require_v1_runner(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse unless the older GPU runner is selected explicitly (vLLM picks V2 for dense models)."""
+    env = os.environ if environ is None else environ
+    value = env.get(V2_RUNNER_ENV, "").strip().lower()
+    if value not in ("0", "false"):
+        raise BridgeError(f"LoRazor's serve_bridge runs inside vLLM's V1 GPU model runner; set {V2_RUNNER_ENV}=0 "
+                          f"(found {V2_RUNNER_ENV}={env.get(V2_RUNNER_ENV, '<unset>')!r}), or unset {BUNDLE_ENV}.")
+
+
+def require_supported_engine(vllm_config: Any) -> None:
+    """Refuse engine settings under which release would be wrong or unobserved.
+
+    - LoRA must be enabled (there is nothing to release otherwise).
+    - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
+      release would be reused as if computed with the adapter.
+    - Async scheduling off: a decision must reach the next step's LoRA mapping.
+    - No speculative decoding and no pipeline parallelism: one sampled position per
+      request per step, and final hidden states on this rank.
+    """
+    fixes = []
+    if vllm_config.lora_config is None:
+        fixes.append("enable LoRA (enable_lora=True / --enable-lora)")
+    if vllm_config.cache_config.enable_prefix_caching:
+        fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
+                     "blocks decoded after release would be cached under the adapter's name")
+    if vllm_config.scheduler_config.async_scheduling:
+        fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): a release "
+                     "decision must reach the next step's LoRA mapping")
+    if vllm_config.speculative_config is not None:
+        fixes.append("disable speculative decoding (StepTrim decides once per generated token)")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        fixes.append("use pipeline_parallel_size=1 (decisions read the final hidden states on this rank)")
+    if fixes:
+        raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} is set) cannot run with these engine settings: "
+                          + "; ".join(fixes) + ".")

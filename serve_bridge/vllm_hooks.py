@@ -1,0 +1,113 @@
+"""The private vLLM 0.26.0 APIs the bridge hooks, all in one runner subclass.
+
+Imported only when the bridge is active (vLLM is a hard dependency here). Every hook names
+the file:line of vLLM 0.26.0 it relies on (paths inside the ``vllm`` package); the logic
+itself lives in :mod:`serve_bridge.runtime`.
+
+- ``v1/worker/gpu_worker.py:412-416``: ``Worker.init_device`` imports
+  ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` lazily and builds the V1 runner from it,
+  so :func:`install` replaces that module attribute with :class:`LoRazorGPUModelRunner`
+  before any worker starts.
+- ``v1/worker/gpu_model_runner.py:1169`` ``_update_states``: requests finish
+  (``scheduler_output.finished_req_ids``) and start (``scheduled_new_reqs``, whose
+  ``CachedRequestState`` — ``v1/worker/gpu_input_batch.py:34``, ``num_prompt_tokens`` at :68 —
+  is in ``self.requests``).
+- ``v1/worker/lora_model_runner_mixin.py:73`` ``set_active_loras``, called once per step by
+  ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping comes from
+  ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979``), is masked by release
+  position, and goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``). Per-row
+  inputs: ``req_ids`` (:307), ``num_computed_tokens_cpu`` (:171, positions are
+  ``num_computed + query offset`` as in ``gpu_model_runner.py:1969-1972``),
+  ``num_tokens_no_spec`` (:157).
+- ``v1/worker/gpu_model_runner.py:3877`` ``_determine_batch_execution_and_padding``: the
+  adapter count for CUDA graph dispatch is ``len(input_batch.lora_id_to_lora_request)``
+  (:3913-3917), which omits the no-adapter group that the kernel metadata counts
+  (``lora/ops/triton_ops/lora_kernel_metadata.py:143-162``); the hook passes the real group
+  count as ``force_num_active_loras`` (DESIGN §4).
+- ``v1/worker/gpu_model_runner.py:4111`` ``execute_model``: when it returns None it has left
+  ``ExecuteModelState.sample_hidden_states`` (:436-445, set at :4460) — the final-norm hidden
+  states of the sampled positions, one row per request in batch order — for
+  ``sample_tokens``; the hook launches the step's decisions on them there.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+from vllm.lora.layers import LoRAMappingType
+
+from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger
+from serve_bridge.settings import BridgeError, BridgeSettings, require_supported_engine
+
+_BaseRunner = gpu_model_runner.GPUModelRunner
+
+
+class LoRazorGPUModelRunner(_BaseRunner):
+    """vLLM's V1 GPU model runner with StepTrim release.
+
+    GridTrim (a later phase) plugs in beside it without touching the release path: a
+    ``PunicaWrapperGPU`` subclass whose shrink/expand launch the ``kernels`` package, selected
+    by qualname through ``CudaPlatform.get_punica_wrapper`` (``platforms/cuda.py:551``,
+    resolved in ``lora/punica_wrapper/punica_selector.py:13-15``).
+    """
+
+    def __init__(self, vllm_config: Any, device: Any) -> None:
+        settings = BridgeSettings.from_env()
+        if settings is None:
+            raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE; the plugin installs it "
+                              "only when the variable is set in every vLLM process.")
+        require_supported_engine(vllm_config)
+        hidden_size = vllm_config.model_config.get_hidden_size()
+        runtime = build_runtime(settings, hidden_size, device)
+        super().__init__(vllm_config, device)
+        self.lorazor: ReleaseRuntime = runtime
+        self._lorazor_groups: int | None = None
+        logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d).",
+                    settings.bundle, len(runtime.slot_of), hidden_size)
+
+    def _update_states(self, scheduler_output: Any) -> Any:
+        rt = self.lorazor
+        rt.resolve()
+        for req_id in scheduler_output.finished_req_ids:
+            rt.finish(req_id)
+        out = super()._update_states(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            lora = new.lora_request
+            rt.add(new.req_id, lora.lora_name if lora else None, lora.lora_path if lora else None,
+                   self.requests[new.req_id].num_prompt_tokens)
+        rt.maybe_log()
+        return out
+
+    def set_active_loras(self, input_batch: Any, num_scheduled_tokens: np.ndarray,
+                         num_sampled_tokens: np.ndarray | None = None,
+                         mapping_type: LoRAMappingType = LoRAMappingType.LANGUAGE) -> None:
+        if mapping_type != LoRAMappingType.LANGUAGE:
+            return super().set_active_loras(input_batch, num_scheduled_tokens, num_sampled_tokens, mapping_type)
+        if num_sampled_tokens is None:
+            num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
+        sampled, tokens, lora_requests = input_batch.make_lora_inputs(num_scheduled_tokens, num_sampled_tokens)
+        n = input_batch.num_reqs
+        step = self.lorazor.begin_step(input_batch.req_ids[:n], input_batch.num_computed_tokens_cpu[:n],
+                                       num_scheduled_tokens, input_batch.num_tokens_no_spec[:n], tokens, sampled)
+        self._lorazor_groups = step.lora_groups
+        self._set_active_loras(tuple(step.sampled_mapping), tuple(step.token_mapping), lora_requests, mapping_type)
+
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
+        groups, self._lorazor_groups = self._lorazor_groups, None
+        if (groups is not None and kwargs.get("force_num_active_loras") is None
+                and self.compilation_config.cudagraph_specialize_lora):
+            kwargs["force_num_active_loras"] = groups
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        out = super().execute_model(scheduler_output, intermediate_tensors)
+        state = self.execute_model_state
+        if out is None and state is not None:
+            self.lorazor.decide(state.sample_hidden_states)
+        return out
+
+
+def install() -> None:
+    """Make vLLM's workers build :class:`LoRazorGPUModelRunner` (idempotent)."""
+    gpu_model_runner.GPUModelRunner = LoRazorGPUModelRunner

@@ -1,0 +1,285 @@
+"""ReleaseRuntime driven by a small fake engine: chunked prefill, preemption recompute,
+profiled / learned / none / unknown adapters, counters and start-up checks."""
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from serve_bridge.bundle import HEADS_FILE, AdapterEntry, BundleError, adapter_fingerprint, write_bundle
+from serve_bridge.rpc import lorazor_counters, lorazor_requests
+from serve_bridge.runtime import build_runtime
+from serve_bridge.settings import BridgeSettings
+from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
+
+H = 8
+W_LEARN = np.linspace(-1.0, 1.0, H, dtype=np.float32)
+B_LEARN, TAU_LEARN = 0.1, 0.0
+
+
+def _adapter(root: Path, name: str, seed: int) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    save_file({"lora_A": rng.standard_normal((4, H)).astype(np.float32)}, str(d / "adapter_model.safetensors"))
+    return d
+
+
+@pytest.fixture
+def served(tmp_path) -> dict[str, Path]:
+    """Adapter directories by served name; 'tampered' has other weights than calibrated."""
+    names = ["prof0", "prof2", "learn", "off", "stranger"]
+    paths = {n: _adapter(tmp_path / "adapters", n, i) for i, n in enumerate(names)}
+    paths["tampered"] = _adapter(tmp_path / "adapters", "tampered", 99)
+    return paths
+
+
+def _bundle(tmp_path: Path, served: dict[str, Path], hidden: int = H) -> Path:
+    fp = {n: adapter_fingerprint(p) for n, p in served.items()}
+    entries = [AdapterEntry("prof0", fp["prof0"], "profiled", k=0),
+               AdapterEntry("prof2", fp["prof2"], "profiled", k=2),
+               AdapterEntry("learn", fp["learn"], "learned", tau=TAU_LEARN,
+                            weight=np.resize(W_LEARN, hidden), bias=B_LEARN),
+               AdapterEntry("off", fp["off"], "none"),
+               AdapterEntry("tampered", fp["prof2"], "profiled", k=1)]  # calibrated on other weights
+    return write_bundle(tmp_path / f"bundle{hidden}", backbone="tiny", hidden_size=hidden,
+                        config_fingerprint="0" * 64, adapters=entries)
+
+
+def _hidden(req_id: str, t: int) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(f"{req_id}:{t}".encode()))
+    return rng.standard_normal(H).astype(np.float32)
+
+
+def _reference_release(adapter: str | None) -> callable:
+    """r for a request, computed independently of the runtime (None: never released)."""
+    def ref(req_id: str, length: int) -> int | None:
+        if adapter == "prof0":
+            r = 0
+        elif adapter == "prof2":
+            r = 2
+        elif adapter == "learn":
+            r = next((t for t in range(length) if float(W_LEARN @ _hidden(req_id, t)) + B_LEARN < TAU_LEARN), None)
+        else:
+            r = None
+        return r if r is not None and r <= length - 1 else None  # a forward that never ran decides nothing
+    return ref
+
+
+@dataclass
+class _Req:
+    req_id: str
+    adapter: str | None
+    lora_id: int
+    prompt: int
+    length: int
+    computed: int = 0
+    generated: int = 0
+
+
+def _run(rt, reqs: list[_Req], budget: int, preempt: set[str], paths: dict[str, Path]) -> None:
+    """Schedule like vLLM's runner: chunked prefill under a token budget, decodes of one
+    token, and a recompute from position 0 for each request in ``preempt`` once it has
+    generated 4 tokens; check every step's mapping against the reference release."""
+    for r in reqs:
+        rt.add(r.req_id, r.adapter, str(paths[r.adapter]) if r.adapter else None, r.prompt)
+    running = list(reqs)
+    preempted = set()
+    while running:
+        rt.resolve()
+        for r in running:
+            if r.req_id in preempt and r.req_id not in preempted and r.generated == 4:
+                preempted.add(r.req_id)
+                r.computed = 0
+        rows, left = [], budget
+        for r in running:
+            n = min(r.prompt + r.generated - r.computed, left)
+            if n > 0:
+                rows.append((r, n))
+                left -= n
+        tokens = np.concatenate([np.full(n, r.lora_id) for r, n in rows])
+        sampled = np.array([r.lora_id for r, _ in rows])
+        m = rt.begin_step([r.req_id for r, _ in rows], np.array([r.computed for r, _ in rows]),
+                          np.array([n for _, n in rows]), np.array([r.prompt + r.generated for r, _ in rows]),
+                          tuple(tokens), tuple(sampled))
+        got = np.asarray(m.token_mapping)
+        off = 0
+        for r, n in rows:
+            ref = _reference_release(r.adapter)(r.req_id, r.length)
+            for q in range(n):
+                pos = r.computed + q
+                expect = r.lora_id if ref is None or pos < r.prompt + ref else 0
+                assert got[off + q] == expect, (r.req_id, pos, ref)
+            off += n
+        hidden = np.stack([_hidden(r.req_id, r.computed + n - r.prompt) for r, n in rows])
+        rt.decide(torch.from_numpy(hidden))
+        for r, n in rows:
+            r.computed += n
+            if r.computed == r.prompt + r.generated:
+                r.generated += 1
+        for r in [r for r in running if r.generated == r.length]:
+            running.remove(r)
+            rt.resolve()
+            rt.finish(r.req_id)
+    assert preempted == preempt
+
+
+def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
+    paths = dict(served)
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    ids = {"prof0": 1, "prof2": 2, "learn": 3, "off": 4, "stranger": 5, "tampered": 6, None: 0}
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(36):
+        adapter = list(ids)[i % len(ids)]
+        reqs.append(_Req(f"r{i}", adapter, ids[adapter], prompt=int(rng.integers(2, 14)),
+                         length=int(rng.integers(1, 12))))
+    victims = {next(r for r in reqs if r.adapter == a).req_id for a in ("prof0", "prof2", "learn", "off")}
+    for r in reqs:
+        if r.req_id in victims:
+            r.length = 11
+    with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
+        _run(rt, reqs, budget=10, preempt=victims, paths=paths)
+    warned = caplog.text
+    assert "'stranger' has no policy" in warned and "'tampered'" in warned and "differ from" in warned
+    assert warned.count("'stranger' has no policy") == 1  # once per adapter
+
+    records = {rec["req_id"]: rec for rec in lorazor_requests(SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt)))}
+    assert all(rec["finished"] for rec in records.values())
+    assert set(records) == {r.req_id for r in reqs} and not rt.states
+    releases = {}
+    for r in reqs:
+        ref = _reference_release(r.adapter)(r.req_id, r.length)
+        assert records[r.req_id]["release"] == ref, r
+        assert records[r.req_id]["forwards"] == r.length
+        releases[r.req_id] = ref
+    assert any(releases[r.req_id] not in (None, 0) for r in reqs if r.adapter == "learn")  # non-trivial heads
+
+    c = rt.counters()
+    with_adapter = [r for r in reqs if r.adapter is not None]
+    assert c["decode_forwards"] == sum(r.length - 1 for r in with_adapter)  # recompute is not counted twice
+    assert c["skipped_forwards"] == sum(skipped_decode_forwards(r.length, releases[r.req_id]) for r in with_adapter)
+    assert c["skip_fraction"] == pytest.approx(skip_fraction([r.length for r in with_adapter],
+                                                             [releases[r.req_id] for r in with_adapter]))
+    for name in ("prof0", "prof2", "learn", "off", "stranger", "tampered"):
+        mine = [r for r in reqs if r.adapter == name]
+        a = c["adapters"][name]
+        assert a["requests"] == len(mine)
+        assert a["released"] == sum(releases[r.req_id] is not None for r in mine)
+        assert a["skipped_forwards"] == sum(skipped_decode_forwards(r.length, releases[r.req_id]) for r in mine)
+    assert c["adapters"]["off"]["released"] == c["adapters"]["stranger"]["released"] == 0
+    assert c["adapters"]["tampered"]["released"] == 0  # full LoRA, although the bundle says k=1
+    assert c["released_requests"] == sum(v is not None for v in releases.values())
+    assert c["decision_steps"] > 0 and c["decided_rows"] >= c["released_requests"]
+    assert lorazor_counters(SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt))) == c
+
+
+def test_partial_prefill_chunk_does_not_decide(tmp_path, served):
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt.add("a", "prof0", str(served["prof0"]), 10)
+    rt.begin_step(["a"], np.array([0]), np.array([6]), np.array([10]), (1,) * 6, (1,))
+    rt.decide(torch.zeros(1, H))
+    rt.resolve()
+    assert rt.states["a"].release is None and rt.decision_steps == 0
+    rt.begin_step(["a"], np.array([6]), np.array([4]), np.array([10]), (1,) * 4, (1,))
+    rt.decide(torch.zeros(1, H))
+    rt.resolve()
+    assert rt.states["a"].release == 0 and rt.states["a"].forwards == 1
+    m = rt.begin_step(["a"], np.array([10]), np.array([1]), np.array([11]), (1,), (1,))
+    assert list(m.token_mapping) == [0] and m.lora_groups == 0
+
+
+def test_group_count_follows_masked_mapping(tmp_path, served):
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt.add("a", "prof0", str(served["prof0"]), 4)
+    rt.add("b", "off", str(served["off"]), 4)
+    m = rt.begin_step(["a", "b"], np.array([0, 0]), np.array([4, 4]), np.array([4, 4]), (1,) * 4 + (4,) * 4, (1, 4))
+    assert m.lora_groups == 2
+    rt.decide(torch.zeros(2, H))
+    m = rt.begin_step(["a", "b"], np.array([4, 4]), np.array([1, 1]), np.array([5, 5]), (1, 4), (1, 4))
+    assert list(m.token_mapping) == [0, 4] and m.lora_groups == 2  # adapter 4 plus the released row
+    assert rt.counters()["adapters"]["prof0"]["skipped_forwards"] == 1
+
+
+def test_mismatched_hidden_rows_skip_the_decision(tmp_path, served, caplog):
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt.add("a", "prof0", str(served["prof0"]), 3)
+    rt.begin_step(["a"], np.array([0]), np.array([3]), np.array([3]), (1,) * 3, (1,))
+    with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
+        rt.decide(torch.zeros(2, H))
+    rt.resolve()
+    assert rt.states["a"].release is None and "skipped a step" in caplog.text
+
+
+def test_summary_is_logged_on_interval(tmp_path, served, caplog):
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), log_interval_s=10), H, "cpu")
+    with caplog.at_level(logging.INFO, logger="vllm.lorazor"):
+        rt.maybe_log(now=rt._last_log + 5)
+        assert "LoRazor StepTrim:" not in caplog.text
+        rt.maybe_log(now=rt._last_log + 11)
+    assert "LoRazor StepTrim: 0 adapter requests, 0 released" in caplog.text
+
+
+# -- start-up checks: one BundleError each ----------------------------------------------------
+
+def test_tampered_bundle_fails_at_start(tmp_path, served):
+    b = _bundle(tmp_path, served)
+    raw = bytearray((b / HEADS_FILE).read_bytes())
+    raw[-2] ^= 1
+    (b / HEADS_FILE).write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="sha256 does not match"):
+        build_runtime(BridgeSettings(bundle=b), H, "cpu")
+
+
+def test_wrong_hidden_size_fails_at_start(tmp_path, served):
+    with pytest.raises(BundleError, match="'hidden_size' is 8 but the served model has 576"):
+        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), 576, "cpu")
+
+
+def test_unserved_bundle_adapter_fails_at_start(tmp_path, served):
+    adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off")}  # 'tampered' not served
+    with pytest.raises(BundleError, match="adapter 'tampered' is not served here"):
+        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+
+
+def test_served_weights_differ_from_calibrated_fails_at_start(tmp_path, served):
+    adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off", "tampered")}
+    with pytest.raises(BundleError, match="weights of adapter 'tampered' differ"):
+        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+
+
+def test_served_adapter_missing_from_bundle_warns_and_runs_full_lora(tmp_path, served, caplog):
+    adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off", "stranger")}
+    adapters["tampered"] = str(served["prof2"])  # the weights the bundle calibrated
+    with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
+        rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+    assert "adapter 'stranger' has no policy" in caplog.text
+    assert rt.bundle.policies["stranger"] is None and "stranger" not in rt.slot_of
+    rt.add("x", "tampered", adapters["tampered"], 3)
+    assert rt.states["x"].slot == rt.slot_of["tampered"]  # verified at start-up
+
+
+def test_request_records_include_tracked_requests_and_clear_finished(tmp_path, served):
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    worker = SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt))
+    for rid in ("a", "b"):
+        rt.add(rid, "prof0", str(served["prof0"]), 3)
+    rt.begin_step(["a", "b"], np.array([0, 0]), np.array([3, 3]), np.array([3, 3]), (1,) * 6, (1, 1))
+    rt.decide(torch.zeros(2, H))
+    rt.finish("a")  # applies the pending decision before recording
+    recs = lorazor_requests(worker, clear=True)
+    assert [(r["req_id"], r["finished"], r["forwards"], r["release"]) for r in recs] == [
+        ("a", True, 1, 0), ("b", False, 1, 0)]
+    assert [r["req_id"] for r in lorazor_requests(worker)] == ["b"]
+
+
+def test_rpc_without_bridge_explains_how_to_start():
+    with pytest.raises(RuntimeError, match="LORAZOR_BUNDLE=<bundle directory>"):
+        lorazor_counters(SimpleNamespace(model_runner=SimpleNamespace()))

@@ -1,0 +1,118 @@
+"""Activation from the environment, the version / runner / engine gates, and the entry point."""
+from __future__ import annotations
+
+import importlib
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from serve_bridge import plugin
+from serve_bridge.settings import (BridgeError, BridgeSettings, parse_adapters, require_supported_engine,
+                                   require_v1_runner, require_vllm_version)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_inactive_without_bundle():
+    assert BridgeSettings.from_env({}) is None
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "  "}) is None
+
+
+def test_settings_from_env():
+    s = BridgeSettings.from_env({"LORAZOR_BUNDLE": "~/b", "LORAZOR_ADAPTERS": " sql=/a/sql , math=/a/math,",
+                                 "LORAZOR_LOG_INTERVAL_S": "0"})
+    assert s.bundle == Path("~/b").expanduser()
+    assert s.adapters == {"sql": "/a/sql", "math": "/a/math"} and s.log_interval_s == 0.0
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).log_interval_s == 60.0
+
+
+@pytest.mark.parametrize("text,match", [("sql", "not name=path"), ("=/p", "not name=path"),
+                                        ("a=/x,a=/y", "listed twice")])
+def test_bad_adapter_list(text, match):
+    with pytest.raises(BridgeError, match=match):
+        parse_adapters(text)
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_bad_log_interval(value):
+    with pytest.raises(BridgeError, match="LORAZOR_LOG_INTERVAL_S"):
+        BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_LOG_INTERVAL_S": value})
+
+
+def test_version_gate():
+    require_vllm_version("0.26.0")
+    with pytest.raises(BridgeError, match=r"vLLM 0\.26\.1 is installed.*vllm==0\.26\.0"):
+        require_vllm_version("0.26.1")
+
+
+def test_v1_runner_gate():
+    require_v1_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
+        with pytest.raises(BridgeError, match="set VLLM_USE_V2_MODEL_RUNNER=0"):
+            require_v1_runner(env)
+
+
+def _config(**over):
+    cfg = dict(lora_config=object(), cache_config=SimpleNamespace(enable_prefix_caching=False),
+               scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
+               parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+def test_engine_gate_accepts_supported_settings():
+    require_supported_engine(_config())
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"lora_config": None}, "enable LoRA"),
+    ({"cache_config": SimpleNamespace(enable_prefix_caching=True)}, "disable prefix caching"),
+    ({"scheduler_config": SimpleNamespace(async_scheduling=True)}, "disable async scheduling"),
+    ({"speculative_config": object()}, "disable speculative decoding"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "pipeline_parallel_size=1"),
+])
+def test_engine_gate_refuses(over, match):
+    with pytest.raises(BridgeError, match=match):
+        require_supported_engine(_config(**over))
+
+
+def test_engine_gate_lists_every_fix_at_once():
+    with pytest.raises(BridgeError) as err:
+        require_supported_engine(_config(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                                         scheduler_config=SimpleNamespace(async_scheduling=True)))
+    assert "prefix caching" in str(err.value) and "async scheduling" in str(err.value)
+
+
+def test_entry_point_names_register():
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, attr = eps["lorazor"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is plugin.register
+
+
+def test_register_is_a_no_op_without_bundle(monkeypatch):
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would fail
+    plugin.register()
+
+
+def test_register_refuses_other_vllm(monkeypatch):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.27.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(BridgeError, match="vLLM 0.27.0 is installed"):
+        plugin.register()
+
+
+def test_register_refuses_v2_runner(monkeypatch):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.26.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    with pytest.raises(BridgeError, match="V1 GPU model runner"):
+        plugin.register()

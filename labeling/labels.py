@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from labeling.engines.hf import GenRequest, GenResult, HFEngine
 from labeling.tasks import Example, Task
+
+if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and readers need neither
+    from labeling.engines.hf import GenRequest, GenResult, HFEngine
 
 POINT_COLUMNS = ["uid", "adapter", "t", "y", "q_on", "q_off", "on_length", "off_length"]
 
@@ -28,6 +31,8 @@ POINT_COLUMNS = ["uid", "adapter", "t", "y", "q_on", "q_off", "on_length", "off_
 def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example],
                    slots: Sequence[int]) -> list[tuple[Example, GenRequest]]:
     """Every example once per adapter slot (adapters interleaved so batches mix adapters)."""
+    from labeling.engines.hf import GenRequest
+
     out = []
     for ex in examples:
         ids = engine.encode(task.messages(ex))

@@ -1,0 +1,152 @@
+"""The throughput benchmark's workload, release schedule and files, on CPU (serve_bridge/bench.py)."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from serve_bridge import bench
+from serve_bridge.bundle import adapter_fingerprint, load_bundle
+from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    return {(n, skewed): bench.make_workload(n, skewed=skewed) for n in (4, 128) for skewed in (False, True)}
+
+
+def test_seeded(workloads):
+    again = bench.make_workload(128)
+    assert again == workloads[(128, False)]
+    other = bench.make_workload(128, seed=1)
+    assert other.prompt != again.prompt and other.max_tokens != again.max_tokens and other.adapter != again.adapter
+
+
+@pytest.mark.parametrize("n,skewed", [(4, False), (4, True), (128, False), (128, True)])
+def test_lengths_in_range(workloads, n, skewed):
+    wl = workloads[(n, skewed)]
+    assert len(wl.prompt) == len(wl.max_tokens) == len(wl.adapter) == bench.N_REQUESTS == 2048
+    assert min(map(len, wl.prompt)) >= 100 and max(map(len, wl.prompt)) <= 300
+    assert min(wl.max_tokens) >= 20 and max(wl.max_tokens) <= 100
+    assert min(min(p) for p in wl.prompt) >= 3 and max(max(p) for p in wl.prompt) < 128256
+    assert set(wl.adapter) <= set(range(n)) and len(wl.k) == n
+    # both ends of the ranges occur, so the bounds are inclusive as in the paper's set-up
+    assert {min(map(len, wl.prompt)), max(map(len, wl.prompt))} == {100, 300}
+    assert {min(wl.max_tokens), max(wl.max_tokens)} == {20, 100}
+
+
+def test_same_requests_for_every_adapter_count_and_traffic(workloads):
+    ref = workloads[(128, False)]
+    for wl in workloads.values():
+        assert wl.prompt == ref.prompt and wl.max_tokens == ref.max_tokens
+
+
+@pytest.mark.parametrize("n", [4, 128])
+def test_uniform_traffic(workloads, n):
+    counts = Counter(workloads[(n, False)].adapter)
+    assert len(counts) == n  # every adapter is served
+    expected = 2048 / n
+    assert max(counts.values()) < expected + 5 * expected ** 0.5 and min(counts.values()) > expected - 5 * expected ** 0.5
+
+
+@pytest.mark.parametrize("n,hot", [(4, 1), (128, 26)])
+def test_skewed_share(workloads, n, hot):
+    assert bench.hot_adapter_count(n) == hot
+    assert abs(hot / n - 0.2) <= 0.05  # ≈ 20% of the adapters (1 of 4 is the nearest)
+    adapter = workloads[(n, True)].adapter
+    share = sum(a < hot for a in adapter) / len(adapter)
+    assert abs(share - 0.8) < 0.03  # ≈ 80% of the requests
+    assert len(set(adapter)) == n  # the cold adapters still get traffic
+
+
+def test_skewed_edge_cases():
+    assert bench.hot_adapter_count(1) == 1 and bench.hot_adapter_count(2) == 1
+    assert bench.make_workload(1, 50, skewed=True).adapter == [0] * 50
+    with pytest.raises(ValueError):
+        bench.make_workload(0, 10)
+
+
+@pytest.mark.parametrize("n,skewed", [(4, False), (4, True), (128, False), (128, True)])
+def test_profiled_k_skips_half(workloads, n, skewed):
+    wl = workloads[(n, skewed)]
+    assert wl.planned_skip == skip_fraction(wl.max_tokens, wl.releases())
+    assert abs(wl.planned_skip - 0.5) <= 0.05
+    # per adapter too: its k is chosen on its own requests' lengths
+    for a in range(n):
+        lengths = [m for m, b in zip(wl.max_tokens, wl.adapter) if b == a]
+        if len(lengths) >= 8:
+            assert abs(skip_fraction(lengths, [wl.k[a]] * len(lengths)) - 0.5) <= 0.05
+
+
+def test_choose_k_is_the_nearest():
+    rnd = random.Random(0)
+    for _ in range(200):
+        lengths = [rnd.randint(1, 60) for _ in range(rnd.randint(1, 12))]
+        target = rnd.random()
+        brute = min(range(max(lengths)), key=lambda k: (abs(skip_fraction(lengths, [k] * len(lengths)) - target), k))
+        assert bench.choose_k(lengths, target) == brute
+    assert bench.choose_k([]) == 0 and bench.choose_k([1, 1]) == 0
+    assert bench.profiled_ks([0, 0], [21, 21], 3) == [10, 10, 10]  # adapters without requests: k of all lengths
+
+
+def test_llama32_3b_config_and_targets():
+    cfg = bench.LLAMA32_3B
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["intermediate_size"], cfg["vocab_size"]) == (3072, 28, 24, 8, 8192, 128256)
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3"
+    assert cfg["max_position_embeddings"] == 131072 and cfg["tie_word_embeddings"] is True
+    t = bench.lora_targets(cfg)
+    assert t["q_proj"][1:] == (3072, 3072) and t["k_proj"][1:] == (3072, 1024) and t["o_proj"][1:] == (3072, 3072)
+    assert t["gate_proj"][1:] == (3072, 8192) and t["down_proj"][1:] == (8192, 3072)
+
+
+def test_config_loads_with_llama3_rope(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(bench.LLAMA32_3B))
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    rope = cfg.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0 and rope["rope_theta"] == 500000.0
+
+
+def test_engine_options_follow_the_device_readme():
+    opts = bench.engine_options(128)
+    assert opts["max_loras"] == 128 and opts["max_lora_rank"] == 8 and opts["max_cpu_loras"] == 256
+    assert opts["max_num_seqs"] == 256 and opts["max_num_batched_tokens"] == 2048
+    assert opts["enable_prefix_caching"] is False and opts["async_scheduling"] is False
+    assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"
+    assert opts["skip_tokenizer_init"] is True
+    assert max(opts["compilation_config"]["cudagraph_capture_sizes"]) == opts["max_num_seqs"]
+
+
+def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
+    """The adapters come from check_correctness.py's writer; the bundle's fingerprints match them."""
+    tiny = {**bench.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    fps = bench.write_model_and_adapters(tmp_path, 40, tiny)  # more than check_correctness's own 32
+    assert json.loads((tmp_path / "model" / "config.json").read_text()) == tiny
+    assert fps == {bench.adapter_name(a): adapter_fingerprint(tmp_path / "adapters" / bench.adapter_name(a))
+                   for a in range(40)}
+    peft = json.loads((tmp_path / "adapters" / "a00" / "adapter_config.json").read_text())
+    assert peft["r"] == 8 and set(peft["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"}
+    wl = bench.make_workload(40, 256)
+    bundle = load_bundle(bench.write_profiled_bundle(tmp_path / "b", wl, fps, tiny), expected_hidden_size=64,
+                         known_adapters=list(fps))
+    assert bundle.policies == {bench.adapter_name(a): ProfiledPolicy(wl.k[a]) for a in range(40)}
+    assert {n: e.weights_sha256 for n, e in bundle.adapters.items()} == fps
+
+
+def test_table_rows():
+    stock = {"mode": "stock", "adapters": 128, "skewed": False, "req_per_s": 40.0, "output_tok_per_s": 2400.0,
+             "counters": None}
+    trim = {**stock, "mode": "steptrim", "req_per_s": 42.0, "counters": {"realized_skip": 0.5001}}
+    text = bench.render(["pre"], [stock, trim, {"mode": "stock", "adapters": 4, "skewed": True,
+                                               "error": "timed out"}], ["note"])
+    lines = text.splitlines()
+    assert lines[2] == bench.HEADER
+    assert lines[4] == "| 128 | uniform | stock | 40.0 | 2400 | — | 1.00 |"
+    assert lines[5] == ("| 128 | uniform | steptrim (stock LoRA kernels; GridTrim not integrated) | 42.0 | 2400 | "
+                        "0.500 | 1.05 |")
+    assert lines[6].startswith("| 4 | skewed 80/20 | stock | timed out |") and lines[-1] == "note"

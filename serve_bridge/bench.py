@@ -28,14 +28,12 @@ Workload generation (:func:`make_workload`) is pure and seeded, and is tested on
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from serve_bridge.steptrim import skip_fraction
+from serve_bridge.synthetic import write_model_config, write_random_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK_CORRECTNESS = ROOT / "benchmarks" / "serve_bridge" / "check_correctness.py"
 
 # Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
 # rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope
@@ -59,7 +57,7 @@ LLAMA32_3B = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
     "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
-RANK = 8
+RANK, ALPHA = 8, 16
 N_REQUESTS = 2048
 PROMPT_LEN = (100, 300)  # inclusive
 OUTPUT_LEN = (20, 100)  # inclusive
@@ -167,64 +165,17 @@ def make_workload(n_adapters: int, n_requests: int = N_REQUESTS, *, skewed: bool
 
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
-def lora_targets(cfg: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
-    """peft target → (block, in features, out features) for a Llama config."""
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    d = cfg.get("head_dim", h // cfg["num_attention_heads"])
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return {"q_proj": ("self_attn", h, q), "k_proj": ("self_attn", h, kv), "v_proj": ("self_attn", h, kv),
-            "o_proj": ("self_attn", q, h), "gate_proj": ("mlp", h, i), "up_proj": ("mlp", h, i),
-            "down_proj": ("mlp", i, h)}
-
-
-def _load_check_correctness():
-    spec = importlib.util.spec_from_file_location("lorazor_check_correctness", CHECK_CORRECTNESS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextmanager
-def _patched(obj: Any, **values: Any):
-    saved = {k: getattr(obj, k) for k in values}
-    for k, v in values.items():
-        setattr(obj, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(obj, k, v)
-
-
 def adapter_name(a: int) -> str:
     """Served name of adapter a (check_correctness.py's naming)."""
     return f"a{a:02d}"
 
 
 def write_model_and_adapters(work: Path, n_adapters: int, cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, str]:
-    """``work/model/config.json`` and ``work/adapters/aNN`` (random rank-8 peft adapters on
-    q,k,v,o,gate,up,down), written by check_correctness.py's ``prepare`` with this model's
-    shapes; returns adapter name → weights sha256.
-
-    ``prepare`` also writes its own bundles, an empty request list and a shrink-kernel
-    config under ``work``; the benchmark uses none of them (its bundles go elsewhere).
-    """
-    import torch
-
-    cc = _load_check_correctness()
-    if cc.RANK != RANK:
-        raise RuntimeError(f"check_correctness.py writes rank-{cc.RANK} adapters; this benchmark needs rank {RANK}")
-    gpu_name = torch.cuda.get_device_name if torch.cuda.is_available() else (lambda *a: "cpu")
-    # learned_group() only knows check_correctness's 32 adapters; its learned heads are unused here.
-    with _patched(cc, MODEL=cfg, TARGETS=lora_targets(cfg), N_ADAPTERS=n_adapters, learned_group=lambda a: "sign"), \
-            _patched(torch.cuda, get_device_name=gpu_name):
-        cc.prepare(work, 0)
-    manifest = json.loads((work / "bundle" / "manifest.json").read_text())
-    fps = {e["name"].removesuffix("-prof"): e["weights_sha256"] for e in manifest["adapters"]
-           if e["name"].endswith("-prof")}
-    if sorted(fps) != sorted(adapter_name(a) for a in range(n_adapters)):
-        raise RuntimeError(f"{work}: expected {n_adapters} adapters in check_correctness's bundle, found {len(fps)}")
-    return fps
+    """``work/model/config.json`` and ``work/adapters/aNN``: random rank-8 peft adapters on
+    q,k,v,o,gate,up,down of this model's shapes; returns adapter name → weights sha256."""
+    write_model_config(work, cfg)
+    fps = write_random_adapters(work, cfg, n_adapters, RANK, ALPHA, adapter_name)
+    return {adapter_name(a): fp for a, fp in fps.items()}
 
 
 def write_profiled_bundle(directory: Path, wl: Workload, fingerprints: dict[str, str],

@@ -38,17 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from serve_bridge.bundle import AdapterEntry, adapter_fingerprint, write_bundle  # noqa: E402
+from serve_bridge.bundle import AdapterEntry, write_bundle  # noqa: E402
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards  # noqa: E402
+from serve_bridge.synthetic import write_model_config, write_random_adapters  # noqa: E402
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
          "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
          "rope_theta": 100000.0, "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
          "bos_token_id": 1, "eos_token_id": 2}
-TARGETS = {"q_proj": ("self_attn", 576, 576), "k_proj": ("self_attn", 576, 192), "v_proj": ("self_attn", 576, 192),
-           "o_proj": ("self_attn", 576, 576), "gate_proj": ("mlp", 576, 1536), "up_proj": ("mlp", 576, 1536),
-           "down_proj": ("mlp", 1536, 576)}
 N_ADAPTERS, RANK, ALPHA = 32, 8, 16
 PROFILED_K = [0, 1, 2, 4, 8, 16, 32, 64, 128]
 FAMILIES = ("off", "prof", "learn")
@@ -72,7 +70,7 @@ def profiled_k(a: int) -> int:
 
 def learned_group(a: int) -> str:
     """Random heads: 'sign' (b=0, τ=0: fires where wᵀh<0), 'always' (fires at t=0), 'never'."""
-    return ("sign", "always", "never", "sign")[a // 8]
+    return ("sign", "always", "never", "sign")[(a // 8) % 4]
 
 
 # -- preparation (CPU) ------------------------------------------------------------------------
@@ -81,29 +79,10 @@ def prepare(work: Path, n_requests: int) -> None:
     """Model config, adapters, bundles, request set and the split_k=1 shrink config."""
     import numpy as np
     import torch
-    from safetensors.torch import save_file
 
     work.mkdir(parents=True, exist_ok=True)
-    (work / "model").mkdir(exist_ok=True)
-    (work / "model" / "config.json").write_text(json.dumps(MODEL, indent=1))
-    g = torch.Generator().manual_seed(0)
-    for a in range(N_ADAPTERS):
-        d = work / "adapters" / adapter_name(a)
-        d.mkdir(parents=True, exist_ok=True)
-        scale = 0.1 + 0.1 * a / N_ADAPTERS
-        tensors = {}
-        for layer in range(MODEL["num_hidden_layers"]):
-            for mod, (block, n_in, n_out) in TARGETS.items():
-                key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
-                tensors[f"{key}.lora_A.weight"] = ((torch.rand(RANK, n_in, generator=g) * 2 - 1) * scale).bfloat16()
-                tensors[f"{key}.lora_B.weight"] = ((torch.rand(n_out, RANK, generator=g) * 2 - 1) * scale).bfloat16()
-        save_file(tensors, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "bias": "none",
-             "target_modules": list(TARGETS), "base_model_name_or_path": str(work / "model"),
-             "modules_to_save": None, "use_rslora": False, "use_dora": False}))
-
-    fps = {a: adapter_fingerprint(work / "adapters" / adapter_name(a)) for a in range(N_ADAPTERS)}
+    write_model_config(work, MODEL)
+    fps = write_random_adapters(work, MODEL, N_ADAPTERS, RANK, ALPHA, adapter_name)
     rng = np.random.default_rng(0)
     entries = []
     for a in range(N_ADAPTERS):

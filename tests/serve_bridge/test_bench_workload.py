@@ -10,6 +10,7 @@ import pytest
 from serve_bridge import bench
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
+from serve_bridge.synthetic import lora_targets
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_llama32_3b_config_and_targets():
             cfg["intermediate_size"], cfg["vocab_size"]) == (3072, 28, 24, 8, 8192, 128256)
     assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3"
     assert cfg["max_position_embeddings"] == 131072 and cfg["tie_word_embeddings"] is True
-    t = bench.lora_targets(cfg)
+    t = lora_targets(cfg)
     assert t["q_proj"][1:] == (3072, 3072) and t["k_proj"][1:] == (3072, 1024) and t["o_proj"][1:] == (3072, 3072)
     assert t["gate_proj"][1:] == (3072, 8192) and t["down_proj"][1:] == (8192, 3072)
 

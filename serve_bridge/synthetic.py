@@ -1,0 +1,63 @@
+"""Synthetic serving fixtures for the device checks and benchmarks: a dummy-weight Llama model
+directory and random peft LoRA adapters of that model's shapes.
+
+vLLM serves the model with ``load_format="dummy"`` (only ``config.json`` is read); the
+adapters are real peft directories (``adapter_config.json`` + ``adapter_model.safetensors``)
+with non-zero random A and B in bf16, so LoRA changes outputs.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from serve_bridge.bundle import adapter_fingerprint
+
+
+def lora_targets(cfg: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
+    """peft target → (block, in features, out features) for a Llama config."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"q_proj": ("self_attn", h, q), "k_proj": ("self_attn", h, kv), "v_proj": ("self_attn", h, kv),
+            "o_proj": ("self_attn", q, h), "gate_proj": ("mlp", h, i), "up_proj": ("mlp", h, i),
+            "down_proj": ("mlp", i, h)}
+
+
+def write_model_config(work: Path, cfg: dict[str, Any]) -> Path:
+    """``work/model/config.json``; returns the model directory."""
+    d = work / "model"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+def write_random_adapters(work: Path, cfg: dict[str, Any], n_adapters: int, rank: int, alpha: int,
+                          name: Callable[[int], str], seed: int = 0) -> dict[int, str]:
+    """Adapters ``work/adapters/<name(a)>`` for a = 0 … n−1 on q,k,v,o,gate,up,down; returns
+    a → weights sha256. Adapter a has entries uniform in ±(0.1 + 0.1·a/n); one seeded
+    generator draws all of them in order, so the same arguments give the same bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    targets = lora_targets(cfg)
+    g = torch.Generator().manual_seed(seed)
+    fingerprints = {}
+    for a in range(n_adapters):
+        d = work / "adapters" / name(a)
+        d.mkdir(parents=True, exist_ok=True)
+        scale = 0.1 + 0.1 * a / n_adapters
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for mod, (block, n_in, n_out) in targets.items():
+                key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
+                tensors[f"{key}.lora_A.weight"] = ((torch.rand(rank, n_in, generator=g) * 2 - 1) * scale).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = ((torch.rand(n_out, rank, generator=g) * 2 - 1) * scale).bfloat16()
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "bias": "none",
+             "target_modules": list(targets), "base_model_name_or_path": str(work / "model"),
+             "modules_to_save": None, "use_rslora": False, "use_dora": False}))
+        fingerprints[a] = adapter_fingerprint(d)
+    return fingerprints

@@ -10,7 +10,7 @@ import re
 
 from labeling.evaluators.numeric import Mode, numeric_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, require_nonempty
-from labeling.tasks.sources import carve_validation, check_split, load_official
+from labeling.tasks.sources import paper_split
 
 INSTRUCTION = "Solve step by step, then give the final answer as '#### <number>'."
 CALC_RE = re.compile(r"<<[^>]*>>")
@@ -30,11 +30,7 @@ class GSM8KTask(BaseTask):
         self.source, self.val_size, self.seed, self.extractor = source, int(val_size), int(seed), extractor
 
     def load_split(self, split: str) -> list[Example]:
-        check_split(split)
-        official = "test" if split == "test" else "train"
-        rows = load_official(self.name, self.source, official, hub_config="main")
-        if split != "test":
-            rows = carve_validation(rows, split, self.val_size, self.seed)
+        rows = paper_split(self.name, self.source, split, self.val_size, self.seed, hub_config="main")
         examples = [
             Example(uid=f"gsm8k-{split}-{i}", question=r["question"],
                     reference=r["answer"].split("####")[-1].strip(),

@@ -16,7 +16,7 @@ from typing import Any
 
 from labeling.evaluators.letters import MEDQA_LETTERS, format_choices, letter_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import carve_validation, check_split, load_official
+from labeling.tasks.sources import paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -52,11 +52,7 @@ class MedQA4Task(BaseTask):
                        meta={"options": options})
 
     def load_split(self, split: str) -> list[Example]:
-        check_split(split)
-        official = "test" if split == "test" else "train"
-        rows = load_official(self.name, self.source, official)
-        if split != "test":
-            rows = carve_validation(rows, split, self.val_size, self.seed)
+        rows = paper_split(self.name, self.source, split, self.val_size, self.seed)
         examples = [self._example(split, i, r) for i, r in enumerate(rows)]
         return require_nonempty(self.name, split, self.sizes.cap(split, examples), self.source)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import carve_validation, check_split, load_official
+from labeling.tasks.sources import paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -50,11 +50,7 @@ class ScienceQATask(BaseTask):
                        meta={"choices": dict(zip(letters, map(str, choices))), "hint": str(row.get("hint") or "")})
 
     def load_split(self, split: str) -> list[Example]:
-        check_split(split)
-        official = "test" if split == "test" else "train"
-        rows = [r for r in load_official(self.name, self.source, official) if is_text_only(r)]
-        if split != "test":
-            rows = carve_validation(rows, split, self.val_size, self.seed)
+        rows = paper_split(self.name, self.source, split, self.val_size, self.seed, keep=is_text_only)
         examples = [self._example(split, i, r) for i, r in enumerate(rows)]
         return require_nonempty(self.name, split, self.sizes.cap(split, examples), f"{self.source}, text-only rows")
 

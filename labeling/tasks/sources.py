@@ -6,6 +6,7 @@ holding ``train.jsonl`` / ``test.jsonl`` (``.json`` also accepted).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,19 @@ def carve_validation(rows: list[dict[str, Any]], split: str, val_size: int, seed
     val_size = min(val_size, len(rows))
     picked = order[:val_size] if split == "validation" else sorted(order[val_size:])
     return [rows[i] for i in (sorted(picked) if split == "validation" else picked)]
+
+
+def paper_split(task: str, source: str, split: str, val_size: int, seed: int, test_split: str = "test",
+                hub_config: str | None = None,
+                keep: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+    """Rows of ``split`` as the paper splits them: ``test`` is the official ``test_split``;
+    ``train``/``validation`` are carved from the official train split (fixed ``seed``).
+    ``keep`` filters rows before the carve (e.g. ScienceQA's text-only rows)."""
+    check_split(split)
+    rows = load_official(task, source, test_split if split == "test" else "train", hub_config=hub_config)
+    if keep is not None:
+        rows = [r for r in rows if keep(r)]
+    return rows if split == "test" else carve_validation(rows, split, val_size, seed)
 
 
 def check_split(split: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import carve_validation, check_split, load_official
+from labeling.tasks.sources import paper_split
 
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 SCHEMA_SQL = (
@@ -55,11 +55,9 @@ class SpiderTask(BaseTask):
         return self._schemas[db_id]
 
     def load_split(self, split: str) -> list[Example]:
-        check_split(split)
         official = self.test_split if split == "test" else "train"
-        rows = load_official(self.name, self.source, official, hub_config=self.hub_config)
-        if split != "test":
-            rows = carve_validation(rows, split, self.val_size, self.seed)
+        rows = paper_split(self.name, self.source, split, self.val_size, self.seed, test_split=self.test_split,
+                           hub_config=self.hub_config)
         examples = []
         for i, r in enumerate(rows):
             missing = [k for k in ("db_id", "query", "question") if not r.get(k)]

@@ -1,4 +1,8 @@
-"""Grouped multi-LoRA shrink/expand kernels with two launch designs.
+"""Grouped multi-LoRA shrink/expand kernels with three launch designs.
+
+GridTrim (the paper's row-bound grid) and the work list (a persistent launch over the useful row
+tiles) run shrink then expand, through a split-K partials buffer; the fused launch walks the same
+work list and does both in one launch per op (`fused`).
 
 CPU-safe modules (importable without Triton):
 - `metadata`: the per-batch token→slot metadata (vLLM's contract) and a sync-free builder.
@@ -7,7 +11,8 @@ CPU-safe modules (importable without Triton):
 - `layout`: weight views and the split-K partials buffer.
 - `reference`: pure-torch semantics of shrink and expand.
 
-Triton modules (import them explicitly; they need Triton): `tiles`, `shrink`, `expand`, `linear`.
+Triton modules (import them explicitly; they need Triton): `tiles`, `shrink`, `expand`, `fused`,
+`linear`.
 """
 from kernels.gridtrim import GridTrimPlan, plan_gridtrim, row_bound
 from kernels.layout import K_CHUNK, as_3d, num_splits, partials_buffer

@@ -19,7 +19,7 @@ from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from kernels.gridtrim import SMALL_ROWS, GridTrimPlan
 from kernels.layout import as_3d
 from kernels.metadata import LoRABatchMeta
-from kernels.tiles import block_rank, expand_tile, load_tile_rows, pick_slice
+from kernels.tiles import block_rank, column_chunk, expand_tile, load_tile_rows, pick_slice
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
@@ -36,8 +36,7 @@ def _expand_column_tile(
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
     """Expand column chunk j (numbered across slices) of one row tile."""
-    slice_id = (j >= chunks0).to(tl.int32) + (j >= chunks0 + chunks1).to(tl.int32)
-    col0 = (j - pick_slice(slice_id, 0, chunks0, chunks0 + chunks1)) * CHUNK_N
+    slice_id, col0 = column_chunk(j, chunks0, chunks1, CHUNK_N)
     expand_tile(part_ptr, pick_slice(slice_id, b0_ptr, b1_ptr, b2_ptr), y_ptr, rows, row_mask,
                 lora, slice_id, col0, pick_slice(slice_id, n0, n1, n2),
                 pick_slice(slice_id, out0, out1, out2), rank,
@@ -104,6 +103,42 @@ def default_block_n(rank: int) -> int:
     return max(64, 4096 // block_rank(rank))
 
 
+def check_b(lora_b: Sequence[torch.Tensor], y: torch.Tensor,
+            offset_start: int) -> list[torch.Tensor]:
+    """Validate 1–3 B slices `[max_loras, (1,) N_s, rank]` (fp16/bf16, one dtype, one rank and
+    `[out, rank]` strides) against y's columns; return the slices as 3-D views."""
+    b3 = [as_3d(b) for b in lora_b]
+    if not 1 <= len(b3) <= MAX_SLICES:
+        raise ValueError(f"{len(b3)} LoRA slices: use 1..{MAX_SLICES}")
+    if any(b.dtype not in (torch.float16, torch.bfloat16) or b.dtype != b3[0].dtype for b in b3):
+        raise ValueError(f"expand needs fp16/bf16 B of one dtype, got {[b.dtype for b in b3]}")
+    if any(b.shape[2] != b3[0].shape[2] or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
+        raise ValueError("all B slices must share the rank and the [out, rank] strides")
+    needed = offset_start + sum(b.shape[1] for b in b3)
+    if y.shape[1] < needed:
+        raise ValueError(f"y has {y.shape[1]} columns, slices need {needed}")
+    return b3
+
+
+def b_kwargs(b3: list[torch.Tensor], y: torch.Tensor, offset_start: int, chunk_n: int) -> dict:
+    """Kernel arguments for the B slices (padded to 3) and y: slice widths, output columns,
+    adapter strides, and column chunks of `chunk_n` per slice (`col_chunks` in all)."""
+    widths = [b.shape[1] for b in b3]
+    outs = [offset_start + sum(widths[:s]) for s in range(len(b3))]
+    chunks = [triton.cdiv(n, chunk_n) for n in widths]
+    pad = MAX_SLICES - len(b3)
+    slices, widths, outs, chunks = b3 + [b3[0]] * pad, widths + [0] * pad, outs + [0] * pad, \
+        chunks + [0] * pad
+    return dict(
+        b0_ptr=slices[0], b1_ptr=slices[1], b2_ptr=slices[2], y_ptr=y,
+        n0=widths[0], n1=widths[1], n2=widths[2], out0=outs[0], out1=outs[1], out2=outs[2],
+        sbl0=slices[0].stride(0), sbl1=slices[1].stride(0), sbl2=slices[2].stride(0),
+        chunks0=chunks[0], chunks1=chunks[1], col_chunks=sum(chunks),
+        stride_bn=b3[0].stride(1), stride_br=b3[0].stride(2),
+        stride_ym=y.stride(0), stride_yn=y.stride(1), CHUNK_N=chunk_n,
+    )
+
+
 def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor,
                 meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan, *,
                 offset_start: int = 0, add_inputs: bool = True, block_n: int | None = None,
@@ -116,39 +151,20 @@ def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch
     semantics are `reference.expand_reference`'s. An item writes `chunk_tiles` tiles of `block_n`
     columns (default `default_block_n(rank)`).
     """
-    b3 = [as_3d(b) for b in lora_b]
-    if not 1 <= len(b3) <= MAX_SLICES:
-        raise ValueError(f"{len(b3)} LoRA slices: use 1..{MAX_SLICES}")
-    if any(b.dtype not in (torch.float16, torch.bfloat16) or b.dtype != b3[0].dtype for b in b3):
-        raise ValueError(f"expand needs fp16/bf16 B of one dtype, got {[b.dtype for b in b3]}")
+    b3 = check_b(lora_b, y, offset_start)
     rank = b3[0].shape[2]
-    if any(b.shape[2] != rank or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
-        raise ValueError("all B slices must share the rank and the [out, rank] strides")
     if partials.shape[1] != len(b3) or partials.shape[2] < y.shape[0] or partials.shape[3] != rank:
         raise ValueError(f"partials {tuple(partials.shape)} do not match {len(b3)} slices of "
                          f"rank {rank} for {y.shape[0]} tokens")
     block_n = block_n or default_block_n(rank)
-    widths = [b.shape[1] for b in b3]
-    if y.shape[1] < offset_start + sum(widths):
-        raise ValueError(f"y has {y.shape[1]} columns, slices need {offset_start + sum(widths)}")
-    outs = [offset_start + sum(widths[:s]) for s in range(len(b3))]
-    chunk_n = block_n * chunk_tiles
-    chunks = [triton.cdiv(w, chunk_n) for w in widths]
-    pad = MAX_SLICES - len(b3)
-    slices, widths, outs, chunks = b3 + [b3[0]] * pad, widths + [0] * pad, outs + [0] * pad, \
-        chunks + [0] * pad
+    slice_args = b_kwargs(b3, y, offset_start, block_n * chunk_tiles)
+    col_chunks = slice_args["col_chunks"]
     common = dict(
-        part_ptr=partials, b0_ptr=slices[0], b1_ptr=slices[1], b2_ptr=slices[2], y_ptr=y,
-        sorted_idx_ptr=meta.token_indices_sorted,
-        n0=widths[0], n1=widths[1], n2=widths[2], out0=outs[0], out1=outs[1], out2=outs[2],
-        sbl0=slices[0].stride(0), sbl1=slices[1].stride(0), sbl2=slices[2].stride(0),
-        chunks0=chunks[0], chunks1=chunks[1], col_chunks=sum(chunks), rank=rank,
+        **slice_args, part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted, rank=rank,
         stride_ps=partials.stride(0), stride_pc=partials.stride(1),
         stride_pm=partials.stride(2), stride_pr=partials.stride(3),
-        stride_bn=b3[0].stride(1), stride_br=b3[0].stride(2),
-        stride_ym=y.stride(0), stride_yn=y.stride(1),
         N_SPLITS=partials.shape[0], BLOCK_R=block_rank(rank), BLOCK_N=block_n,
-        CHUNK_N=chunk_n, ADD_INPUTS=add_inputs, num_warps=NUM_WARPS,
+        ADD_INPUTS=add_inputs, num_warps=NUM_WARPS,
     )
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(y.device),)
@@ -159,7 +175,6 @@ def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch
         return
     if schedule.num_slots == 0:
         return
-    col_chunks = sum(chunks)
     if schedule.large_slots is None:
         classes = [(schedule.all_slots, schedule.row_bound, 1, _NO_UPPER_BOUND)]
     else:

@@ -80,6 +80,31 @@ def _shrink_grid_kernel(
                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
 
 
+def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Validate x `[M, K]` and 1–3 A slices `[max_loras, (1,) rank, K]` of x's dtype (fp16/bf16)
+    sharing shape and strides; return the slices as 3-D views."""
+    a3 = [as_3d(a) for a in lora_a]
+    if not 1 <= len(a3) <= MAX_SLICES:
+        raise ValueError(f"{len(a3)} LoRA slices: use 1..{MAX_SLICES}")
+    if x.dtype not in (torch.float16, torch.bfloat16) or any(a.dtype != x.dtype for a in a3):
+        raise ValueError(f"shrink needs fp16/bf16 x and A of the same dtype, got {x.dtype}, "
+                         f"{[a.dtype for a in a3]}")
+    if any(a.shape[1:] != a3[0].shape[1:] or a.stride() != a3[0].stride() for a in a3):
+        raise ValueError("all A slices must share shape [rank, hidden] and strides")
+    if x.shape[1] != a3[0].shape[2]:
+        raise ValueError(f"x has {x.shape[1]} features, A expects {a3[0].shape[2]}")
+    return a3
+
+
+def a_kwargs(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
+    """Kernel arguments for x and the A slices (padded to 3 with slice 0)."""
+    slices = a3 + [a3[0]] * (MAX_SLICES - len(a3))
+    return dict(x_ptr=x, a0_ptr=slices[0], a1_ptr=slices[1], a2_ptr=slices[2],
+                K=a3[0].shape[2], rank=a3[0].shape[1],
+                stride_xm=x.stride(0), stride_xk=x.stride(1),
+                stride_al=a3[0].stride(0), stride_ar=a3[0].stride(1), stride_ak=a3[0].stride(2))
+
+
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,
                 meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
                 scale: float = 1.0, *, k_chunk: int = K_CHUNK,
@@ -91,30 +116,16 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch
     rows of tokens with an adapter are written. `schedule` picks the launch design;
     `num_programs` sizes the persistent grid (default: `persistent_programs`).
     """
-    a3 = [as_3d(a) for a in lora_a]
-    if not 1 <= len(a3) <= MAX_SLICES:
-        raise ValueError(f"{len(a3)} LoRA slices: use 1..{MAX_SLICES}")
-    if x.dtype not in (torch.float16, torch.bfloat16) or any(a.dtype != x.dtype for a in a3):
-        raise ValueError(f"shrink needs fp16/bf16 x and A of the same dtype, got {x.dtype}, "
-                         f"{[a.dtype for a in a3]}")
-    if any(a.shape[1:] != a3[0].shape[1:] or a.stride() != a3[0].stride() for a in a3):
-        raise ValueError("all A slices must share shape [rank, hidden] and strides")
+    a3 = check_a(x, lora_a)
     rank, hidden = a3[0].shape[1:]
-    if x.shape[1] != hidden:
-        raise ValueError(f"x has {x.shape[1]} features, A expects {hidden}")
     splits = num_splits(hidden, k_chunk)
     if tuple(partials.shape[:2]) != (splits, len(a3)) or partials.shape[2] < x.shape[0] \
             or partials.shape[3] != rank or partials.dtype != torch.float32:
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
                          f"[{splits}, {len(a3)}, ≥{x.shape[0]}, {rank}] float32")
-    slices = a3 + [a3[0]] * (MAX_SLICES - len(a3))
     common = dict(
-        x_ptr=x, a0_ptr=slices[0], a1_ptr=slices[1], a2_ptr=slices[2], part_ptr=partials,
-        sorted_idx_ptr=meta.token_indices_sorted,
-        K=hidden, rank=rank, scale=scale,
-        stride_xm=x.stride(0), stride_xk=x.stride(1),
-        stride_al=a3[0].stride(0), stride_ar=a3[0].stride(1), stride_ak=a3[0].stride(2),
-        stride_ps=partials.stride(0), stride_pc=partials.stride(1),
+        **a_kwargs(x, a3), part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted,
+        scale=scale, stride_ps=partials.stride(0), stride_pc=partials.stride(1),
         stride_pm=partials.stride(2), stride_pr=partials.stride(3),
         N_SPLITS=splits, BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk),
         K_CHUNK=k_chunk, num_warps=NUM_WARPS,
@@ -133,4 +144,3 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch
         _shrink_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
                                   BLOCK_M=GRIDTRIM_BLOCK_M, **common)
-

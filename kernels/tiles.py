@@ -1,8 +1,10 @@
 """Triton tile bodies shared by both launch designs (needs Triton).
 
 A tile is BLOCK_M rows of one slot's group. Rows past the group's end are masked, so a tile
-never touches another group's tokens. Both designs call the same bodies; they differ only in
-how (slot, row tile, sub-item) is found: from the grid (GridTrim) or from the work list.
+never touches another group's tokens. All designs call the same bodies; they differ only in
+how (slot, row tile, sub-item) is found: from the grid (GridTrim) or from the work list, and in
+whether the shrink result goes through the partials buffer (`shrink_tile` → `expand_tile`) or
+stays in registers (`shrink_acc` → `expand_columns`, the fused launch).
 """
 from __future__ import annotations
 
@@ -33,51 +35,84 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def shrink_acc(x_ptr, a_ptr, rows, row_mask, lora, k_first, K, rank,
+               stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               K_LEN: tl.constexpr, K_GROUPS: tl.constexpr = 1):
+    """fp32 `x[rows, k] @ A[lora, :, k]ᵀ` over k in `[k_first, k_first + K_LEN)` ∩ `[0, K)`,
+    shape `[BLOCK_M, BLOCK_R]` (masked rows and ranks are 0).
+
+    With K_GROUPS > 1 each step is a batched dot over K_GROUPS slices of BLOCK_K, summed at the
+    end: the warps then split the hidden dimension instead of repeating a 16 × 16 output tile.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    if K_GROUPS == 1:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        a_rows = a_ptr + lora * stride_al + offs_r[:, None] * stride_ar
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kk in range(0, K_LEN, BLOCK_K):
+            k = k_first + kk + offs_k
+            k_mask = k < K
+            xt = tl.load(x_rows + k[None, :] * stride_xk,
+                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + k[None, :] * stride_ak,
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(xt, tl.trans(at))
+    else:
+        KS: tl.constexpr = BLOCK_K // K_GROUPS
+        offs_gk = tl.arange(0, K_GROUPS)[:, None] * KS + tl.arange(0, KS)[None, :]  # [G, KS]
+        x_rows = x_ptr + rows[None, :, None] * stride_xm  # [1, M, 1]
+        a_rows = a_ptr + lora * stride_al + offs_r[None, None, :] * stride_ar  # [1, 1, R]
+        acc3 = tl.zeros((K_GROUPS, BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kk in range(0, K_LEN, BLOCK_K):
+            k = k_first + kk + offs_gk
+            k_mask = k < K
+            xt = tl.load(x_rows + k[:, None, :] * stride_xk,
+                         mask=row_mask[None, :, None] & k_mask[:, None, :], other=0.0)
+            at = tl.load(a_rows + k[:, :, None] * stride_ak,
+                         mask=r_mask[None, None, :] & k_mask[:, :, None], other=0.0)
+            acc3 += tl.dot(xt, at)
+        acc = tl.sum(acc3, axis=0)
+    return acc
+
+
+@triton.jit
 def shrink_tile(x_ptr, a_ptr, part_ptr, rows, row_mask, lora, slice_id, split, K, rank, scale,
                 stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                 stride_ps, stride_pc, stride_pm, stride_pr,
                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 K_CHUNK: tl.constexpr):
     """partials[split, slice, rows] = scale · x[rows, chunk] @ A[lora, :, chunk]ᵀ (fp32)."""
+    acc = shrink_acc(x_ptr, a_ptr, rows, row_mask, lora, split * K_CHUNK, K, rank,
+                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
+                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    r_mask = offs_r < rank
-    x_rows = x_ptr + rows[:, None] * stride_xm
-    a_rows = a_ptr + lora * stride_al + offs_r[:, None] * stride_ar
-    k_first = split * K_CHUNK
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for kk in range(0, K_CHUNK, BLOCK_K):
-        k = k_first + kk + offs_k
-        k_mask = k < K
-        xt = tl.load(x_rows + k[None, :] * stride_xk,
-                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + k[None, :] * stride_ak,
-                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(xt, tl.trans(at))
     out = (part_ptr + split * stride_ps + slice_id * stride_pc
            + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr)
-    tl.store(out, acc * scale, mask=row_mask[:, None] & r_mask[None, :])
+    tl.store(out, acc * scale, mask=row_mask[:, None] & (offs_r < rank)[None, :])
 
 
 @triton.jit
-def expand_tile(part_ptr, b_ptr, y_ptr, rows, row_mask, lora, slice_id, col0, n_cols, out_col0,
-                rank, stride_ps, stride_pc, stride_pm, stride_pr,
-                stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
-                N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
-    """y[rows, out_col0 + cols] (+)= bf(Σ_split partials[split, slice, rows]) @ B[lora, cols]ᵀ.
+def column_chunk(j, chunks0, chunks1, CHUNK_N: tl.constexpr):
+    """(slice, first column within the slice) of column chunk j, chunks of all slices being
+    numbered back to back (`chunks0` of slice 0, `chunks1` of slice 1, then slice 2's)."""
+    slice_id = (j >= chunks0).to(tl.int32) + (j >= chunks0 + chunks1).to(tl.int32)
+    col0 = (j - pick_slice(slice_id, 0, chunks0, chunks0 + chunks1)) * CHUNK_N
+    return slice_id, col0
 
-    cols = `[col0, col0 + CHUNK_N)` ∩ `[0, n_cols)` of the slice, in steps of BLOCK_N;
-    bf casts to B's dtype.
-    """
+
+@triton.jit
+def expand_columns(inter, b_ptr, y_ptr, rows, row_mask, lora, col0, n_cols, out_col0, rank,
+                   stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+                   ADD_INPUTS: tl.constexpr):
+    """y[rows, out_col0 + cols] (+)= inter @ B[lora, cols]ᵀ, inter `[BLOCK_M, BLOCK_R]` already in
+    B's dtype; cols = `[col0, col0 + CHUNK_N)` ∩ `[0, n_cols)` of the slice, in steps of BLOCK_N.
+    Products and the sum are fp32, then cast to y's dtype."""
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    p = part_ptr + slice_id * stride_pc + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr
-    p_mask = row_mask[:, None] & r_mask[None, :]
-    inter = tl.load(p, mask=p_mask, other=0.0)
-    for sp in tl.static_range(1, N_SPLITS):
-        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0)
-    inter = inter.to(b_ptr.dtype.element_ty)
     b_rows = b_ptr + lora * stride_bl + offs_r[:, None] * stride_br
     y_rows = y_ptr + rows[:, None] * stride_ym
     for c in range(0, CHUNK_N, BLOCK_N):
@@ -91,3 +126,24 @@ def expand_tile(part_ptr, b_ptr, y_ptr, rows, row_mask, lora, slice_id, col0, n_
         if ADD_INPUTS:
             acc += tl.load(y, mask=y_mask, other=0.0).to(tl.float32)
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def expand_tile(part_ptr, b_ptr, y_ptr, rows, row_mask, lora, slice_id, col0, n_cols, out_col0,
+                rank, stride_ps, stride_pc, stride_pm, stride_pr,
+                stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
+                N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    """y[rows, out_col0 + cols] (+)= bf(Σ_split partials[split, slice, rows]) @ B[lora, cols]ᵀ.
+
+    cols as in `expand_columns`; bf casts to B's dtype.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    p = part_ptr + slice_id * stride_pc + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr
+    p_mask = row_mask[:, None] & (offs_r < rank)[None, :]
+    inter = tl.load(p, mask=p_mask, other=0.0)
+    for sp in tl.static_range(1, N_SPLITS):
+        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0)
+    expand_columns(inter.to(b_ptr.dtype.element_ty), b_ptr, y_ptr, rows, row_mask, lora, col0,
+                   n_cols, out_col0, rank, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
+                   BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)

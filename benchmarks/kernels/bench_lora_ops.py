@@ -1,41 +1,50 @@
-"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs the work-list launch.
+"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs the work list vs fused.
 
-Times, as CUDA-graph replays in one process, the shrink+expand of qkv (3 slices), o, gate_up
+Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o, gate_up
 (2 slices) and down at rank 8 with 128 adapter slots, for:
 - vLLM: `vllm.lora.ops.triton_ops.lora_shrink` / `lora_expand` (torch.ops.vllm custom ops),
   with the metadata of vLLM's own `LoRAKernelMeta.prepare_tensors` (lora_kernel_metadata.py:
   109-168) and `meta_args(M, specialize_active_lora=True)` (:170-205), as punica_gpu.py:90-169
   calls them (fp32 buffer `[slices, M, rank]`, add_inputs=True, scale 1.0);
 - GridTrim: the paper's row-bound buckets with two-class expand, one graph per scenario;
-- work list (ours): one graph per batch size M, reused across scenarios after refreshing the
-  metadata and the work list in place (the refresh is timed on its own: it runs once per step,
-  not per layer).
-All three read the very same vLLM metadata tensors. Each design's first replay per scenario is
-checked against the torch reference. The floor is the bytes that must move (A and B of the
-active adapters, x of the rows with an adapter, and y read + written for them) at the measured
-device-to-device copy bandwidth.
+- work list (ours): shrink + expand per op, one graph per batch size M, reused across scenarios
+  after refreshing the metadata and the work list in place (the refresh is timed on its own: it
+  runs once per step, not per layer);
+- fused (ours): one launch per op walking the same work list (`kernels.fused`), graphs as for
+  the work list.
+All read the very same metadata tensors (vLLM's; without `vllm` in --designs, static buffers
+refreshed by `kernels.metadata.build_metadata`). Each design's first replay per scenario and
+config is checked against the torch reference. The floor is the bytes that must move (A and B
+of the active adapters, x of the rows with an adapter, and y read + written for them) at the
+measured device-to-device copy bandwidth.
 
-    python3 benchmarks/kernels/bench_lora_ops.py [--out results.md]
+Sweeps: the work list's tile knobs (skipped by --quick, which uses the chosen row of the
+2026-11-29 run) and the fused launch's knobs, on the 128 × 2 and mixed scenarios; the main table
+uses the best of each.
+
+    python3 benchmarks/kernels/bench_lora_ops.py [--out results.md] [--quick]
+        [--designs vllm gridtrim worklist fused]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
-import vllm
 from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
-from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
 
+from kernels.fused import FusedConfig
 from kernels.gridtrim import plan_gridtrim
 from kernels.layout import partials_buffer
 from kernels.linear import add_lora_linear
-from kernels.metadata import LoRABatchMeta
+from kernels.metadata import LoRABatchMeta, build_metadata
 from kernels.reference import expand_reference, shrink_reference
 from kernels.worklist import RowTileWorklist, persistent_programs
 
@@ -47,6 +56,8 @@ DTYPE = torch.bfloat16
 OPS = MODELS["llama-3.2-3b"]
 TOLERANCE = 1e-2
 SWEEP_SCENARIOS = ("256 rows, 128 adapters x 2", "2048 rows, mixed 1792 + 127 x 2")
+DESIGNS = ("vllm", "gridtrim", "worklist", "fused")
+DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list", "fused": "fused"}
 
 
 @dataclass(frozen=True)
@@ -67,10 +78,26 @@ class LaunchConfig:
 # The first run of this script (2026-11-29) swept block_n 64..256, chunk_tiles 1..8 and 2..8
 # programs per SM at k_chunk 1024; (256, 2, ·, 1024) at 4 per SM was best. This sweep starts
 # there and tries more programs per SM and longer hidden chunks (fewer, longer shrink items).
+WORKLIST_CHOSEN = LaunchConfig(256, 2, 1024, 8)  # the 2026-11-29 sweep's best (RESULTS.md)
 CONFIGS = [LaunchConfig(256, 2, 1024, 4), LaunchConfig(256, 2, 1024, 8),
            LaunchConfig(256, 2, 2048, 8), LaunchConfig(256, 2, 4096, 8),
            LaunchConfig(256, 4, 2048, 8), LaunchConfig(256, 8, 4096, 8),
            LaunchConfig(128, 4, 2048, 8)]
+
+# Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
+# than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
+# 233 µs. The shrink over the whole hidden size is a serial chain of K / block_k dependent steps
+# per item, so few, wide column chunks (col_chunks 2, cut evenly from the widest slice) beat one
+# item per program, and batched dots over k_groups stop the warps from repeating the 16 × 16
+# shrink tile. The first row is the default FusedConfig().
+FUSED_CONFIGS = [
+    FusedConfig(),
+    FusedConfig(col_chunks=4),
+    FusedConfig(block_n=256, col_chunks=4),
+    FusedConfig(col_chunks=2, k_groups=8, num_warps=8, num_stages=3),
+    FusedConfig(block_n=256, col_chunks=4, k_groups=1, num_warps=2, num_stages=3),
+    FusedConfig(programs_per_sm=4),
+]
 
 
 def scenarios(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -142,6 +169,9 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int = 100) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+Config = LaunchConfig | FusedConfig
+
+
 class Layer:
     """The four ops' weights, inputs and outputs (y is reset before each checked replay)."""
 
@@ -179,43 +209,95 @@ class Layer:
         return max(errs)
 
     def run_vllm(self, args: tuple, buffers: list[torch.Tensor]) -> None:
+        from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
         m = args[0].numel()
         for t, buf in zip(self.ops, buffers):
             lora_shrink(t.x[:m], t.lora_a, buf, *args, 1.0)
             lora_expand(buf, t.lora_b, t.y[:m], *args, offset_start=0, add_inputs=True)
 
-    def run_kernels(self, meta: LoRABatchMeta, schedule, m: int, cfg: LaunchConfig) -> None:
-        for t, part in zip(self.ops, self.partials_for(cfg.k_chunk)):
-            add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, part[:, :, :m], meta, schedule,
-                            block_n=cfg.block_n, chunk_tiles=cfg.chunk_tiles, k_chunk=cfg.k_chunk,
-                            num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
+    def run_op(self, i: int, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
+        """Op i through our kernels: fused (FusedConfig) or shrink + expand (LaunchConfig)."""
+        t = self.ops[i]
+        if isinstance(cfg, FusedConfig):
+            add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, None, meta, schedule,
+                            fused=cfg, num_programs=persistent_programs(DEVICE,
+                                                                        cfg.programs_per_sm))
+            return
+        part = self.partials_for(cfg.k_chunk)[i]
+        add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, part[:, :, :m], meta, schedule,
+                        block_n=cfg.block_n, chunk_tiles=cfg.chunk_tiles, k_chunk=cfg.k_chunk,
+                        num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
+
+    def run_kernels(self, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
+        for i in range(len(self.ops)):
+            self.run_op(i, meta, schedule, m, cfg)
+
+
+class StaticMeta:
+    """vLLM-free stand-in for `LoRAKernelMeta`: static buffers that `load` refreshes in place with
+    `build_metadata`'s output, so graphs captured on them replay later batches of the same M."""
+
+    def __init__(self) -> None:
+        self.buffers = build_metadata(
+            torch.full((MAX_TOKENS,), -1, dtype=torch.int32, device=DEVICE), MAX_LORAS)
+
+    def load(self, mapping: torch.Tensor) -> LoRABatchMeta:
+        fresh = build_metadata(mapping.to(DEVICE), MAX_LORAS)
+        views = []
+        for f in dataclasses.fields(LoRABatchMeta):
+            src, dst = getattr(fresh, f.name), getattr(self.buffers, f.name)
+            dst[:src.numel()].copy_(src)
+            views.append(dst[:src.numel()])
+        return LoRABatchMeta(*views)
 
 
 class Bench:
-    """Holds the static metadata buffers, the work list and the per-M graphs of our launch."""
+    """Holds the static metadata buffers, the work list and the per-M graphs of our launches."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self, gen: torch.Generator, with_vllm: bool) -> None:
         self.layer = Layer(gen)
-        self.vmeta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, device=DEVICE)
+        if with_vllm:
+            from vllm.lora.ops.triton_ops import LoRAKernelMeta
+            self.vmeta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, device=DEVICE)
+        else:
+            self.vmeta, self.static_meta = None, StaticMeta()
         self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-        self.ours: dict[tuple[int, LaunchConfig], torch.cuda.CUDAGraph] = {}
+        self.ours: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.worklist_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def load(self, mapping: torch.Tensor) -> tuple[tuple, LoRABatchMeta]:
-        """Write a batch's metadata into the static buffers (vLLM's per-step preparation)."""
-        self.vmeta.prepare_tensors(mapping.to(DEVICE))
-        args = self.vmeta.meta_args(mapping.numel(), True)
-        meta = LoRABatchMeta.from_vllm_meta_args(args)
+    def load(self, mapping: torch.Tensor) -> tuple[tuple | None, LoRABatchMeta, int]:
+        """Write a batch's metadata into the static buffers (vLLM's per-step preparation) and
+        refresh the work list. Returns vLLM's meta_args (None without vLLM), the metadata and
+        the number of slots a GridTrim grid covers (vLLM's num_active_loras)."""
+        if self.vmeta is None:
+            meta = self.static_meta.load(mapping)
+            args, active = None, meta.num_slots
+        else:
+            self.vmeta.prepare_tensors(mapping.to(DEVICE))
+            args = self.vmeta.meta_args(mapping.numel(), True)
+            meta, active = LoRABatchMeta.from_vllm_meta_args(args), int(args[6].item())
         self.worklist.update(meta)
-        return args, meta
+        return args, meta, active
 
-    def time_ours(self, mapping: torch.Tensor, meta: LoRABatchMeta, cfg: LaunchConfig,
+    def time_ours(self, mapping: torch.Tensor, meta: LoRABatchMeta, cfg: Config,
                   refs: list[torch.Tensor]) -> tuple[float, float]:
+        """(µs, max error) of the whole layer through our kernels with `cfg`."""
         m = mapping.numel()
         if (m, cfg) not in self.ours:
             self.ours[m, cfg] = capture(
                 lambda: self.layer.run_kernels(meta, self.worklist, m, cfg))
         return self.check_and_time(self.ours[m, cfg], mapping, refs)
+
+    def time_ops(self, mapping: torch.Tensor, meta: LoRABatchMeta, cfg: Config) -> list[float]:
+        """µs of each op alone (its own graph) through our kernels with `cfg`."""
+        m = mapping.numel()
+        out = []
+        for i in range(len(OPS)):
+            if (m, cfg, i) not in self.ours:
+                self.ours[m, cfg, i] = capture(
+                    lambda i=i: self.layer.run_op(i, meta, self.worklist, m, cfg))
+            out.append(replay_us(self.ours[m, cfg, i]))
+        return out
 
     def worklist_us(self, meta: LoRABatchMeta, m: int) -> float:
         if m not in self.worklist_graphs:
@@ -231,9 +313,9 @@ class Bench:
         return replay_us(graph), err
 
 
-def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float]:
-    """(µs, error) of one design, or (NaN, NaN) with the traceback printed if it fails, so one
-    broken design does not hide the others' numbers."""
+def measured(fn: Callable[[], tuple]) -> tuple:
+    """fn()'s (µs, error, ...), or NaNs with the traceback printed if it fails, so one broken
+    design does not hide the others' numbers."""
     try:
         return fn()
     except Exception:  # noqa: BLE001 - reported in the table as NaN, traceback in the log
@@ -241,73 +323,210 @@ def measured(fn: Callable[[], tuple[float, float]]) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """A table cell: '–' for a design that was not run."""
+    return "–" if value is None else format(value, spec)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the work-list sweep (use its 2026-11-29 choice); the fused "
+                             "sweep and the main table still run")
+    parser.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS),
+                        help="designs to time (default: all); without vllm no vLLM import")
     args = parser.parse_args()
+    designs = [d for d in DESIGNS if d in args.designs]
     lines: list[str] = []
 
     def emit(line: str = "") -> None:
         print(line, flush=True)
         lines.append(line)
 
+    start = time.time()
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         bandwidth = copy_bandwidth()
-        bench = Bench(torch.Generator(device=DEVICE).manual_seed(0))
+        bench = Bench(torch.Generator(device=DEVICE).manual_seed(0), "vllm" in designs)
         batches = scenarios(gen)
+        vllm_version = "not run"
+        if "vllm" in designs:
+            import vllm
+            vllm_version = vllm.__version__
         emit(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-             f"{triton.__version__} | vllm {vllm.__version__} | "
+             f"{triton.__version__} | vllm {vllm_version} | "
              f"{datetime.date.today().isoformat()} | copy bandwidth {bandwidth / 1e12:.2f} TB/s | "
-             f"VLLM_LORA_ENABLE_DUAL_STREAM={os.environ.get('VLLM_LORA_ENABLE_DUAL_STREAM', '')}")
+             f"VLLM_LORA_ENABLE_DUAL_STREAM={os.environ.get('VLLM_LORA_ENABLE_DUAL_STREAM', '')}"
+             f" | designs {' '.join(designs)}{' | --quick' if args.quick else ''}")
         emit()
-        emit("Work-list launch sweep (µs per layer, graph replay; max rel err):")
-        emit()
-        emit("| config | " + " | ".join(SWEEP_SCENARIOS) + " |")
-        emit("|---|" + "---|" * len(SWEEP_SCENARIOS))
-        totals: dict[LaunchConfig, float] = {}
         refs = {name: bench.layer.references(batches[name].to(DEVICE)) for name in SWEEP_SCENARIOS}
-        for cfg in CONFIGS:
-            row = []
-            for name in SWEEP_SCENARIOS:
-                mapping = batches[name]
-                _, meta = bench.load(mapping)
-                us, err = measured(lambda: bench.time_ours(mapping, meta, cfg, refs[name]))
-                row.append(f"{us:.1f} ({err:.1e})")
-                ok = err < TOLERANCE  # NaN (failed) compares False
-                totals[cfg] = totals.get(cfg, 0.0) + (us if ok else float("inf"))
-            emit(f"| {cfg} | " + " | ".join(row) + " |")
-        best = min(totals, key=totals.get)
+        floors = {name: floor_bytes(m) / bandwidth * 1e6 for name, m in batches.items()}
+        best = WORKLIST_CHOSEN
+        if not args.quick and {"worklist", "gridtrim"} & set(designs):
+            emit("Work-list launch sweep (µs per layer, graph replay; max rel err):")
+            emit()
+            emit("| config | " + " | ".join(SWEEP_SCENARIOS) + " |")
+            emit("|---|" + "---|" * len(SWEEP_SCENARIOS))
+            totals: dict[LaunchConfig, float] = {}
+            for cfg in CONFIGS:
+                row = []
+                for name in SWEEP_SCENARIOS:
+                    mapping = batches[name]
+                    _, meta, _ = bench.load(mapping)
+                    us, err = measured(lambda: bench.time_ours(mapping, meta, cfg, refs[name]))
+                    row.append(f"{us:.1f} ({err:.1e})")
+                    ok = err < TOLERANCE  # NaN (failed) compares False
+                    totals[cfg] = totals.get(cfg, 0.0) + (us if ok else float("inf"))
+                emit(f"| {cfg} | " + " | ".join(row) + " |")
+            best = min(totals, key=totals.get)
+            emit()
+            emit(f"Chosen: {best} (GridTrim uses the same tile knobs; only the launch differs)")
+            emit()
+        elif {"worklist", "gridtrim"} & set(designs):
+            emit(f"Work list / GridTrim tile knobs (no sweep, --quick): {best}")
+            emit()
+        fused_best = None
+        if "fused" in designs:
+            fused_best = fused_sweep(bench, batches, refs, floors, emit)
+        emit(f"Main table ({time.time() - start:.0f} s so far): µs per layer, graph replay; "
+             "× = speedup over vLLM; / floor = ratio to the bytes floor.")
         emit()
-        emit(f"Chosen: {best} (GridTrim uses the same tile knobs; only the launch differs)")
+        results = main_table(bench, batches, designs, best, fused_best, floors, emit)
         emit()
-        emit("| scenario | adapters | rows | R | vLLM µs | GridTrim µs | ours µs | "
-             "ours × vs vLLM | GridTrim × vs vLLM | floor µs | ours / floor | GridTrim / floor | "
-             "work list build µs | max rel err vLLM / GridTrim / ours |")
-        emit("|---|" + "---|" * 13)
-        for name, mapping in batches.items():
-            m = mapping.numel()
-            vargs, meta = bench.load(mapping)
-            ref = refs.get(name) or bench.layer.references(mapping.to(DEVICE))
-            vbufs = [torch.empty(len(op.widths), m, RANK, dtype=torch.float32, device=DEVICE)
-                     for op in OPS]
-            v_us, v_err = measured(lambda: bench.check_and_time(
-                capture(lambda: bench.layer.run_vllm(vargs, vbufs)), mapping, ref))
-            plan = plan_gridtrim(meta, m, int(vargs[6].item()))
-            g_us, g_err = measured(lambda: bench.check_and_time(
-                capture(lambda: bench.layer.run_kernels(meta, plan, m, best)), mapping, ref))
-            o_us, o_err = measured(lambda: bench.time_ours(mapping, meta, best, ref))
-            wl_us, _ = measured(lambda: (bench.worklist_us(meta, m), 0.0))
-            floor = floor_bytes(mapping) / bandwidth * 1e6
-            adapters = torch.unique(mapping[mapping >= 0]).numel()
-            emit(f"| {name} | {adapters} | {int((mapping >= 0).sum())} | {plan.row_bound}"
-                 f"{'' if plan.large_slots is None else ' (2-class)'} | {v_us:.0f} | "
-                 f"{g_us:.0f} | {o_us:.1f} | {v_us / o_us:.1f} | {v_us / g_us:.1f} | "
-                 f"{floor:.1f} | {o_us / floor:.2f} | {g_us / floor:.2f} | {wl_us:.1f} | "
-                 f"{v_err:.1e} / {g_err:.1e} / {o_err:.1e} |")
+        targets(results, floors, emit)
+        emit()
+        emit(f"Total {time.time() - start:.0f} s.")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def fused_sweep(bench: Bench, batches: dict[str, torch.Tensor],
+                refs: dict[str, list[torch.Tensor]], floors: dict[str, float],
+                emit: Callable[[str], None]) -> FusedConfig | None:
+    """Time FUSED_CONFIGS on the sweep scenarios (the layer, and each op alone); return the config
+    with the smallest Σ layer µs / floor µs over them (each scenario counts as much)."""
+    emit("Fused launch sweep (µs per layer, graph replay, [qkv / o / gate_up / down alone]; "
+         "max rel err):")
+    emit()
+    emit("| config | " + " | ".join(SWEEP_SCENARIOS) + " | Σ µs / floor µs |")
+    emit("|---|" + "---|" * (len(SWEEP_SCENARIOS) + 1))
+    scores: dict[FusedConfig, float] = {}
+    per_op: dict[str, list[list[float]]] = {name: [] for name in SWEEP_SCENARIOS}
+    for cfg in FUSED_CONFIGS:
+        row, score = [], 0.0
+        for name in SWEEP_SCENARIOS:
+            mapping = batches[name]
+            _, meta, _ = bench.load(mapping)
+            us, err = measured(lambda: bench.time_ours(mapping, meta, cfg, refs[name]))
+            ops, _ = measured(lambda: (bench.time_ops(mapping, meta, cfg), 0.0))
+            ops = ops if isinstance(ops, list) else [float("nan")] * len(OPS)
+            per_op[name].append(ops)
+            row.append(f"{us:.1f} [{' / '.join(f'{u:.1f}' for u in ops)}] ({err:.1e})")
+            score += us / floors[name] if err < TOLERANCE else float("inf")
+        scores[cfg] = score
+        emit(f"| {cfg} | " + " | ".join(row) + f" | {score:.2f} |")
+    emit()
+    finite = {cfg: v for cfg, v in scores.items() if v < float("inf")}
+    if not finite:
+        emit("Fused: no config passed the check.")
+        emit()
+        return None
+    chosen = min(finite, key=finite.get)
+    emit(f"Chosen: {chosen}")
+    for name in SWEEP_SCENARIOS:
+        best_ops = [min(u[i] for u in per_op[name]) for i in range(len(OPS))]
+        emit(f"- {name}: each op with its own fastest config would sum to "
+             f"{sum(best_ops):.1f} µs ({' / '.join(f'{u:.1f}' for u in best_ops)}; ops alone, "
+             "without the layer graph's overlap)")
+    emit()
+    return chosen
+
+
+def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str],
+               worklist_cfg: LaunchConfig, fused_cfg: FusedConfig | None,
+               floors: dict[str, float], emit: Callable[[str], None]) -> dict[str, dict]:
+    """Every scenario × design; returns {scenario: {design: µs}} (designs not run are absent)."""
+    timed = [d for d in DESIGNS if d in designs and not (d == "fused" and fused_cfg is None)]
+    ours = ("gridtrim", "worklist", "fused")
+    emit(f"Designs: work list and GridTrim with {worklist_cfg}; fused with {fused_cfg}.")
+    emit()
+    emit("| scenario | adapters | rows | R | " + " | ".join(
+        f"{DESIGN_NAMES[d]} µs" for d in DESIGNS) + " | " + " | ".join(
+        f"{DESIGN_NAMES[d]} ×" for d in ours) + " | floor µs | " + " | ".join(
+        f"{DESIGN_NAMES[d]} / floor" for d in ours) + " | work list build µs | max rel err "
+        + " / ".join(DESIGN_NAMES[d] for d in DESIGNS) + " |")
+    emit("|---|" + "---|" * (4 + len(DESIGNS) + 2 * len(ours) + 2))
+    results: dict[str, dict] = {}
+    for name, mapping in batches.items():
+        m = mapping.numel()
+        vargs, meta, active = bench.load(mapping)
+        ref = bench.layer.references(mapping.to(DEVICE))
+        plan = plan_gridtrim(meta, m, active)
+        us: dict[str, float] = {}
+        err: dict[str, float] = {}
+        for design in timed:
+            if design == "vllm":
+                vbufs = [torch.empty(len(op.widths), m, RANK, dtype=torch.float32,
+                                     device=DEVICE) for op in OPS]
+                fn = lambda: bench.check_and_time(  # noqa: E731
+                    capture(lambda: bench.layer.run_vllm(vargs, vbufs)), mapping, ref)
+            elif design == "gridtrim":
+                fn = lambda: bench.check_and_time(  # noqa: E731
+                    capture(lambda: bench.layer.run_kernels(meta, plan, m, worklist_cfg)),
+                    mapping, ref)
+            else:
+                cfg = worklist_cfg if design == "worklist" else fused_cfg
+                fn = lambda cfg=cfg: bench.time_ours(mapping, meta, cfg, ref)  # noqa: E731
+            us[design], err[design] = measured(fn)
+        wl_us, _ = measured(lambda: (bench.worklist_us(meta, m), 0.0))
+        floor = floors[name]
+        vllm_us = us.get("vllm")
+        adapters = torch.unique(mapping[mapping >= 0]).numel()
+        emit(f"| {name} | {adapters} | {int((mapping >= 0).sum())} | {plan.row_bound}"
+             f"{'' if plan.large_slots is None else ' (2-class)'} | "
+             + " | ".join(fmt(us.get(d), ".1f") for d in DESIGNS) + " | "
+             + " | ".join(fmt(None if vllm_us is None or d not in us else vllm_us / us[d], ".1f")
+                          for d in ours)
+             + f" | {floor:.1f} | "
+             + " | ".join(fmt(us[d] / floor if d in us else None, ".2f") for d in ours)
+             + f" | {wl_us:.1f} | " + " / ".join(fmt(err.get(d), ".1e") for d in DESIGNS) + " |")
+        results[name] = us
+    return results
+
+
+def targets(results: dict[str, dict], floors: dict[str, float],
+            emit: Callable[[str], None]) -> None:
+    """The issue's targets for our two persistent designs (– where a design was not run)."""
+    full, mixed = "256 rows, 128 adapters x 2", "2048 rows, mixed 1792 + 127 x 2"
+    half_rows, half_ads = ("256 rows, 128 x 2, half rows released",
+                           "256 rows, 128 x 2, half adapters released")
+
+    def cell(design: str, value: Callable[[dict], float], spec: str) -> str:
+        try:
+            return format(value(design), spec)
+        except (KeyError, ZeroDivisionError):
+            return "–"
+
+    def ratio(name: str) -> Callable[[str], float]:
+        return lambda d: results[name][d] / results[full][d]
+
+    rows = [
+        (f"{full}: ≤ 3 × floor", lambda d: results[full][d] / floors[full], ".2f"),
+        (f"{full}: ≥ 10 × vLLM", lambda d: results[full]["vllm"] / results[full][d], ".1f"),
+        (f"half rows released: time / full (floor {floors[half_rows] / floors[full]:.2f})",
+         ratio(half_rows), ".2f"),
+        (f"half adapters released: time / full (floor {floors[half_ads] / floors[full]:.2f})",
+         ratio(half_ads), ".2f"),
+        (f"{mixed}: ≥ 5 × vLLM", lambda d: results[mixed]["vllm"] / results[mixed][d], ".1f"),
+        ("never slower than vLLM: smallest × over scenarios",
+         lambda d: min(r["vllm"] / r[d] for r in results.values()), ".1f"),
+    ]
+    emit("| target | work list | fused |")
+    emit("|---|---|---|")
+    for label, value, spec in rows:
+        emit(f"| {label} | {cell('worklist', value, spec)} | {cell('fused', value, spec)} |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""GPU correctness sweep of both launch designs (work list, GridTrim) against the torch reference.
+"""GPU correctness sweep of the launch designs (work list, GridTrim, fused) vs the torch reference.
 
 Covers adapters 1…128, groups of 1…2048 rows, released (-1) rows, ranks 8/16/64, 1–3 slices,
-bf16 and fp16, on the layer shapes of Llama-3.2-3B, Mistral-7B-v0.3 and SmolLM2-135M. Each
-case checks the LoRA update's relative error (< 1e-2), that rows without an adapter are left
-bit-for-bit untouched, and (add_inputs=False, output poisoned with NaN) that every element the
-reference writes is written.
+bf16 and fp16, on the layer shapes of Llama-3.2-3B, Mistral-7B-v0.3 and SmolLM2-135M, each
+design with its default knobs (the fused launch: `FusedConfig()`). Each case checks the LoRA
+update's relative error (< 1e-2), that rows without an adapter are left bit-for-bit untouched,
+and (add_inputs=False, output poisoned with NaN) that every element the reference writes is
+written.
 
     python3 benchmarks/kernels/check_lora_ops.py [--models llama-3.2-3b ...]
+        [--designs worklist gridtrim fused]
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ DEVICE = "cuda"
 MAX_LORAS = 128
 MAX_TOKENS = 2048
 TOLERANCE = 1e-2
+DESIGNS = ("worklist", "gridtrim", "fused")
+HEADERS = {"worklist": "worklist", "gridtrim": "GridTrim", "fused": "fused"}
 
 
 def batches(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -65,8 +69,8 @@ def cases(models: list[str]) -> list[tuple[str, LoRAOp, int, torch.dtype, bool, 
 
 
 def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: bool,
-          mapping: torch.Tensor, worklist: RowTileWorklist,
-          gen: torch.Generator) -> dict[str, float]:
+          mapping: torch.Tensor, worklist: RowTileWorklist, gen: torch.Generator,
+          designs: list[str]) -> dict[str, float]:
     """Relative update error of each design; NaN if an untouched-element check fails."""
     tensors = random_op(op, MAX_LORAS, rank, mapping.numel(), dtype, DEVICE, gen)
     mapping = mapping.to(DEVICE)
@@ -78,11 +82,14 @@ def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: boo
                            y0, mapping, add_inputs=add_inputs)
     mapped = mapping >= 0
     errors = {}
-    for name, schedule in (("worklist", worklist), ("gridtrim", plan)):
-        partials = partials_buffer(len(op.widths), mapping.numel(), rank, op.hidden, DEVICE)
+    schedules = {"worklist": worklist, "gridtrim": plan, "fused": worklist}
+    for name in designs:
+        fused = name == "fused"
+        partials = None if fused else partials_buffer(
+            len(op.widths), mapping.numel(), rank, op.hidden, DEVICE).fill_(float("nan"))
         y = y0.clone()
-        add_lora_linear(y, tensors.x, tensors.lora_a, tensors.lora_b, partials.fill_(float("nan")),
-                        meta, schedule, add_inputs=add_inputs)
+        add_lora_linear(y, tensors.x, tensors.lora_a, tensors.lora_b, partials, meta,
+                        schedules[name], add_inputs=add_inputs, fused=fused)
         untouched = torch.equal(y[~mapped].nan_to_num(7.0), y0[~mapped].nan_to_num(7.0))
         written = torch.equal(torch.isnan(y), torch.isnan(ref))
         if not (untouched and written):
@@ -99,30 +106,33 @@ def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: boo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
     args = parser.parse_args()
+    designs = [d for d in DESIGNS if d in args.designs]
     gen = torch.Generator().manual_seed(0)
     dev_gen = torch.Generator(device=DEVICE).manual_seed(0)
     mappings = batches(gen)
     worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
     failures = total = 0
     start = time.time()
-    print("| model | op | rank | dtype | add | batch | err worklist | err GridTrim | ok |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | op | rank | dtype | add | batch | "
+          + " | ".join(f"err {HEADERS[d]}" for d in designs) + " | ok |")
+    print("|---|---|---|---|---|---|" + "---|" * (len(designs) + 1))
     with torch.inference_mode():
         for model, op, rank, dtype, add_inputs, names in cases(args.models):
             for name in names:
                 try:
                     errors = check(model, op, rank, dtype, add_inputs, mappings[name], worklist,
-                                   dev_gen)
+                                   dev_gen, designs)
                 except Exception:  # noqa: BLE001 - counted as a failure, traceback printed
                     traceback.print_exc()
-                    errors = {"worklist": float("nan"), "gridtrim": float("nan")}
+                    errors = {d: float("nan") for d in designs}
                 ok = all(e < TOLERANCE for e in errors.values())  # NaN compares False
                 failures += not ok
                 total += 1
                 print(f"| {model} | {op.name} | {rank} | {str(dtype)[6:]} | {add_inputs} | "
-                      f"{name} | {errors['worklist']:.1e} | {errors['gridtrim']:.1e} | "
-                      f"{'ok' if ok else 'FAIL'} |", flush=True)
+                      f"{name} | " + " | ".join(f"{errors[d]:.1e}" for d in designs)
+                      + f" | {'ok' if ok else 'FAIL'} |", flush=True)
     print(f"{total - failures} passed, {failures} failed ({time.time() - start:.0f} s, "
           f"{' '.join(args.models)})")
     return 1 if failures else 0

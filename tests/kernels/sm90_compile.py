@@ -1,8 +1,9 @@
 """Compile every kernel launch of one qkv-shaped layer op for sm_90 without a GPU.
 
 Run as a script (`python tests/kernels/sm90_compile.py`, TRITON_INTERPRET unset): it calls the
-host ops on CPU tensors with the kernels' launchers replaced by recorders, then compiles each
-recorded launch with Triton's ahead-of-time path for an H100/H200 target. Catches GPU codegen
+host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers replaced by
+recorders, then compiles each recorded launch with Triton's ahead-of-time path for an H100/H200
+target. Catches GPU codegen
 errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import expand, shrink  # noqa: E402
+from kernels import expand, fused, shrink  # noqa: E402
 from kernels.gridtrim import plan_gridtrim  # noqa: E402
 from kernels.layout import partials_buffer  # noqa: E402
 from kernels.metadata import build_metadata  # noqa: E402
@@ -53,13 +54,15 @@ def _compile(fn: triton.JITFunction, kwargs: dict[str, Any]) -> Any:
             attrs[(i,)] = BaseBackend.parse_attr(spec)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": kwargs["num_warps"]})
+                          options={"num_warps": kwargs["num_warps"],
+                                   "num_stages": kwargs.get("num_stages", 3)})
 
 
 def main() -> None:
     launches: list = []
     for mod, names in ((shrink, ("_shrink_worklist_kernel", "_shrink_grid_kernel")),
-                       (expand, ("_expand_worklist_kernel", "_expand_grid_kernel"))):
+                       (expand, ("_expand_worklist_kernel", "_expand_grid_kernel")),
+                       (fused, ("_fused_worklist_kernel",))):
         for name in names:
             setattr(mod, name, _Recorder(getattr(mod, name), launches))
     m, loras = 64, 4
@@ -78,6 +81,7 @@ def main() -> None:
         for schedule in (worklist, plan_gridtrim(meta, m, meta.num_slots)):
             shrink.lora_shrink(x, a, part, meta, schedule, num_programs=8)
             expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, num_programs=8)
+        fused.lora_fused(x, a, b, y, meta, worklist, num_programs=8)
     for fn, kwargs in launches:
         compiled = _compile(fn, kwargs)
         print(f"{fn.__name__} {kwargs['BLOCK_R']=}: {len(compiled.asm['cubin'])} B cubin, "

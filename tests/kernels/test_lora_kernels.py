@@ -1,4 +1,7 @@
-"""Triton shrink/expand, both launch designs, against the torch reference.
+"""Triton shrink/expand, all three launch designs, against the torch reference.
+
+The designs: GridTrim and the work list (shrink → partials → expand, two launches), and the
+fused work-list launch (shrink in registers, then expand, one launch; no partials).
 
 Runs on the GPU when there is one, else in Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py before Triton is imported). The interpreter multiplies bf16 tiles as raw uint16 bits
@@ -24,8 +27,10 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 from kernels.expand import lora_expand  # noqa: E402
+from kernels.fused import FusedConfig  # noqa: E402
 from kernels.gridtrim import plan_gridtrim  # noqa: E402
 from kernels.layout import partials_buffer  # noqa: E402
+from kernels.linear import add_lora_linear  # noqa: E402
 from kernels.metadata import LoRABatchMeta, build_metadata  # noqa: E402
 from kernels.reference import expand_reference, shrink_reference  # noqa: E402
 from kernels.shrink import lora_shrink  # noqa: E402
@@ -33,10 +38,13 @@ from kernels.worklist import RowTileWorklist  # noqa: E402
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 PROGRAMS = 3  # a persistent grid smaller than the work, so programs stride over items
+# Small tiles so that items span several column chunks (some straddling a slice's end) and the
+# shrink loop several hidden steps with a masked tail.
+FUSED = FusedConfig(block_n=16, col_chunks=3, block_k=128)
 
 
 def _schedule(kind: str, meta: LoRABatchMeta, num_tokens: int, num_slots: int):
-    if kind == "worklist":
+    if kind in ("worklist", "fused"):
         wl = RowTileWorklist.allocate(num_tokens, meta.num_slots, DEVICE)
         wl.update(meta)
         return wl
@@ -57,10 +65,11 @@ CASES = {
     "17_large_groups": ({i: 17 for i in range(17)}, [32], 8, 64, 1024, 0, True, True),
     "rank64_offset": ({-1: 3, 2: 5, 5: 20}, [96], 64, 130, 64, 7, False, False),
     "no_adapter_rows": ({-1: 9}, [16, 16], 16, 64, 1024, 0, True, False),
+    "uneven_3_slices_offset": ({-1: 2, 0: 20, 4: 3}, [40, 24, 9], 16, 96, 64, 5, True, False),
 }
 
 
-@pytest.mark.parametrize("kind", ["worklist", "gridtrim"])
+@pytest.mark.parametrize("kind", ["worklist", "gridtrim", "fused"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
@@ -91,19 +100,23 @@ def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
         y0[:, :offset] = float("nan")
         y0[:, offset + sum(widths):] = float("nan")
     schedule = _schedule(kind, meta, m, num_slots)
-
-    partials = partials_buffer(len(widths), m, rank, hidden, DEVICE, k_chunk).fill_(float("nan"))
-    lora_shrink(x, lora_a, partials, meta, schedule, scale=0.5, k_chunk=k_chunk,
-                num_programs=PROGRAMS)
     inter = shrink_reference(x, lora_a, mapping, scale=0.5)
     mapped = mapping >= 0
-    assert torch.isnan(partials[:, :, ~mapped]).all(), "rows without adapter must not be written"
-    if mapped.any():
-        assert _rel_err(partials.sum(0)[:, mapped], inter[:, mapped]) < 1e-3
-
     y = y0.clone()
-    lora_expand(partials, lora_b, y, meta, schedule, offset_start=offset, add_inputs=add_inputs,
-                block_n=16, chunk_tiles=2, num_programs=PROGRAMS)
+    if kind == "fused":
+        add_lora_linear(y, x, lora_a, lora_b, None, meta, schedule, scale=0.5,
+                        offset_start=offset, add_inputs=add_inputs, fused=FUSED,
+                        num_programs=PROGRAMS)
+    else:
+        partials = partials_buffer(len(widths), m, rank, hidden, DEVICE, k_chunk)
+        partials.fill_(float("nan"))
+        lora_shrink(x, lora_a, partials, meta, schedule, scale=0.5, k_chunk=k_chunk,
+                    num_programs=PROGRAMS)
+        assert torch.isnan(partials[:, :, ~mapped]).all(), "rows without adapter: not written"
+        if mapped.any():
+            assert _rel_err(partials.sum(0)[:, mapped], inter[:, mapped]) < 1e-3
+        lora_expand(partials, lora_b, y, meta, schedule, offset_start=offset,
+                    add_inputs=add_inputs, block_n=16, chunk_tiles=2, num_programs=PROGRAMS)
     ref = expand_reference(inter, lora_b, y0, mapping, offset_start=offset, add_inputs=add_inputs)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)), "written/untouched elements differ"
     torch.testing.assert_close(y[~mapped], y0[~mapped], rtol=0, atol=0, equal_nan=True)
@@ -111,22 +124,24 @@ def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
         assert _rel_err(y, ref) < 1e-2
 
 
-def test_one_worklist_and_grid_serve_successive_batches(gen: torch.Generator) -> None:
-    """The persistent launch reads the batch only from device buffers: the same buffers and
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_worklist_and_grid_serve_successive_batches(gen: torch.Generator,
+                                                        fused: bool) -> None:
+    """The persistent launches read the batch only from device buffers: the same buffers and
     grid (as a replayed CUDA graph would use) give right answers for different batches."""
     m, max_loras, hidden, rank, width = 48, 8, 96, 8, 40
     wl = RowTileWorklist.allocate(m, max_loras + 1, DEVICE)
     lora_a = [(torch.randn(max_loras, rank, hidden, generator=gen) / 10).to(DEVICE, torch.float16)]
     lora_b = [(torch.randn(max_loras, width, rank, generator=gen) / 3).to(DEVICE, torch.float16)]
     x = torch.randn(m, hidden, generator=gen).to(DEVICE, torch.float16)
-    partials = partials_buffer(1, m, rank, hidden, DEVICE)
+    partials = None if fused else partials_buffer(1, m, rank, hidden, DEVICE)
     for groups in ({i: 6 for i in range(8)}, {-1: 40, 3: 8}, {0: 1, 1: 47}):
         mapping = mapping_from_groups(groups, gen).to(DEVICE)
         meta = build_metadata(mapping, max_loras)
         wl.update(meta)
         y = torch.zeros(m, width, device=DEVICE, dtype=torch.float16)
-        lora_shrink(x, lora_a, partials, meta, wl, num_programs=PROGRAMS)
-        lora_expand(partials, lora_b, y, meta, wl, num_programs=PROGRAMS)
+        add_lora_linear(y, x, lora_a, lora_b, partials, meta, wl, num_programs=PROGRAMS,
+                        fused=FUSED if fused else False)
         ref = expand_reference(shrink_reference(x, lora_a, mapping), lora_b,
                                torch.zeros_like(y), mapping)
         assert _rel_err(y, ref) < 1e-2
@@ -146,6 +161,14 @@ def test_rejects_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="columns"):
         lora_expand(partials_buffer(1, 4, 8, 32, DEVICE), b, torch.zeros(4, 60, device=DEVICE,
                     dtype=torch.float16), meta, wl)
+    y = torch.zeros(4, 64, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="RowTileWorklist"):
+        add_lora_linear(y, x, a, b, None, meta, plan_gridtrim(meta, 4, 2), fused=True)
+    with pytest.raises(ValueError, match="B slices"):
+        add_lora_linear(y, x, a, [torch.zeros(1, 64, 16, device=DEVICE, dtype=torch.float16)],
+                        None, meta, wl, fused=True)
+    with pytest.raises(ValueError, match="partials"):
+        add_lora_linear(y, x, a, b, None, meta, wl)
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -155,4 +178,4 @@ def test_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 10
+    assert done.stdout.count("cubin") == 12

@@ -1,22 +1,41 @@
 """Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
 
-    python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock steptrim] [--skewed]
+    python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both]
+                                 [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
 (``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
-GPU machine.) It serves a Llama-3.2-3B-shaped model with dummy weights and N random rank-8
-peft adapters on q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
+GPU machine.) It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
+``--model mistral7b``) with dummy weights and N random rank-8 peft adapters on
+q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
 prompts of 100–300 tokens and 20–100 output tokens (``ignore_eos``, per-request
 ``max_tokens``), spread uniformly over the adapters, or 80% of requests on 20% of them with
 ``--skewed``. StepTrim runs a P50-like profiled schedule: each adapter gets the k whose
 release skips about half of its decode forwards, given its requests' output lengths
 (:func:`serve_bridge.steptrim.skip_fraction`).
 
-Every (adapters, mode) pair runs in its own subprocess, back to back on the same machine:
+Every (adapters, mode) pair runs in its own subprocess, back to back on the same machine, in
+the order stock, gridtrim, steptrim, both:
 
-- ``stock``: ``LORAZOR_BUNDLE`` unset, so the plugin stays inactive (vLLM's own runner).
-- ``steptrim``: the plugin with the profiled bundle; the realized skip comes from the
-  plugin's counters over ``collective_rpc``. GridTrim's kernels are not integrated yet, so
-  released rows still go through vLLM's stock LoRA kernels.
+- ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
+  punica wrapper, with ``specialize_active_lora`` (the device README's setting).
+- ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only: vLLM's runner, our punica wrapper
+  (``serve_bridge.vllm_punica``: LoRA linears on the work-list kernels). No release, so it
+  measures the kernels alone. ``specialize_active_lora`` off: the kernels ignore the adapter
+  count, so one LoRA CUDA graph per batch size serves every adapter mix.
+- ``steptrim``: the bundle variables (``LORAZOR_BUNDLE``, ``LORAZOR_ADAPTERS``) only: the
+  StepTrim runner with the profiled bundle, vLLM's LoRA kernels (released rows still launch
+  their tiles), ``specialize_active_lora`` on as in stock.
+- ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
+  ``specialize_active_lora`` off.
+
+Each engine checks that its runner class and its punica wrapper class are the mode's, and
+fails otherwise. The realized skip of the StepTrim modes comes from the plugin's counters over
+``collective_rpc``.
+
+With ``--arrival-rate R`` each engine instead serves the requests open-loop: request i is added
+through vLLM V1's ``LLMEngine.add_request`` at its Poisson arrival time (:func:`arrival_times`,
+seeded) while the harness drives ``step()``; the table then gives P50/P90 TTFT and TPOT, and
+"vs stock" is stock's TPOT P50 over the mode's.
 
 The first stock engine starts while the adapters are being written. Each engine serves one
 short request per adapter (loading every adapter) before the timed ``generate`` of all
@@ -57,6 +76,17 @@ LLAMA32_3B = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
     "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
+# Mistral-7B-v0.3's config.json (vLLM 0.26 registers MistralForCausalLM in
+# model_executor/models/registry.py:168, a LlamaForCausalLM subclass in mistral.py:230).
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "sliding_window": None, "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B}
+MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3"}
 RANK, ALPHA = 8, 16
 N_REQUESTS = 2048
 PROMPT_LEN = (100, 300)  # inclusive
@@ -64,10 +94,21 @@ OUTPUT_LEN = (20, 100)  # inclusive
 TARGET_SKIP = 0.5
 HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
 # Decode batches replay CUDA graphs (no torch.compile), as in check_correctness.py; mixed
-# prefill/decode steps run eagerly. Both modes use the same settings.
+# prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
-MODES = ("stock", "steptrim")
-MODE_LABEL = {"stock": "stock", "steptrim": "steptrim (stock LoRA kernels; GridTrim not integrated)"}
+MODES = ("stock", "gridtrim", "steptrim", "both")
+MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
+              "steptrim": "steptrim (release, vLLM's LoRA kernels)",
+              "both": "steptrim + gridtrim (release, our LoRA kernels)"}
+STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
+GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
+# vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
+# off with ours (their grid ignores the adapter count: one LoRA graph per batch size).
+SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES}
+RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "LoRazorGPUModelRunner",
+          "both": "LoRazorGPUModelRunner"}
+WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
+           "both": "GridTrimPunicaWrapper"}
 
 
 # -- workload (pure) ------------------------------------------------------------------------
@@ -163,6 +204,34 @@ def make_workload(n_adapters: int, n_requests: int = N_REQUESTS, *, skewed: bool
     return Workload(n_adapters, skewed, adapter, prompts, lengths, ks, planned)
 
 
+def arrival_times(n_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Open-loop Poisson arrivals: seconds after the start at which each request arrives, in order.
+
+    Gaps are exponential with mean 1/rate (seeded, independent of the workload's draws); the
+    first request arrives at 0."""
+    if not rate > 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
+    if n_requests <= 0:
+        return []
+    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, n_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def latency_summary(arrival: Sequence[float], first_token: Sequence[float], finish: Sequence[float],
+                    n_tokens: Sequence[int]) -> dict[str, float]:
+    """P50/P90 of TTFT (first token − arrival) and TPOT ((finish − first token) / (tokens − 1), over
+    requests with ≥ 2 tokens), in milliseconds."""
+    ttft = np.asarray(first_token) - np.asarray(arrival)
+    multi = [i for i, n in enumerate(n_tokens) if n > 1]
+    tpot = np.asarray([(finish[i] - first_token[i]) / (n_tokens[i] - 1) for i in multi])
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90):
+            out[f"{name}_p{q}_ms"] = float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
+    return out
+
+
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
@@ -187,7 +256,8 @@ def write_profiled_bundle(directory: Path, wl: Workload, fingerprints: dict[str,
                             stats={"rule": "profiled k: ~50% of decode forwards skipped on the bench lengths",
                                    "target_skip": TARGET_SKIP})
                for a in range(wl.n_adapters)]
-    return write_bundle(directory, backbone="llama-3.2-3b-shape-dummy", hidden_size=cfg["hidden_size"],
+    backbone = "mistral-7b-v0.3-shape-dummy" if cfg.get("model_type") == "mistral" else "llama-3.2-3b-shape-dummy"
+    return write_bundle(directory, backbone=backbone, hidden_size=cfg["hidden_size"],
                         config_fingerprint=config_fingerprint(cfg), adapters=entries)
 
 
@@ -195,52 +265,88 @@ def _tag(n: int, skewed: bool) -> str:
     return f"n{n}_{'skewed' if skewed else 'uniform'}"
 
 
-def _prep_key(adapters: Sequence[int]) -> dict[str, Any]:
-    return {"config": LLAMA32_3B, "rank": RANK, "adapters": max(adapters)}
+def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, Any]:
+    return {"config": cfg, "rank": RANK, "adapters": max(adapters)}
 
 
-def drop_stale_stamp(work: Path, adapters: Sequence[int]) -> None:
-    """Remove ``work/prepared.json`` unless it was written for these adapters."""
+def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> None:
+    """Remove ``work/prepared.json`` unless it was written for these adapters and this model."""
     stamp = work / "prepared.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters):
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters, cfg):
         stamp.unlink()
 
 
-def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, seed: int) -> None:
+def workload_for(n: int, n_requests: int, skewed: bool, seed: int, cfg: dict[str, Any] = LLAMA32_3B) -> Workload:
+    """The bench's workload for this model (prompt token ids drawn below its vocabulary size)."""
+    return make_workload(n, n_requests, skewed=skewed, seed=seed, vocab_size=cfg["vocab_size"])
+
+
+def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, seed: int,
+            cfg: dict[str, Any] = LLAMA32_3B) -> None:
     """Adapters for max(adapters), a bundle per adapter count; ``work/prepared.json`` last.
 
     Adapters already written for the same model and adapter count (same stamp) are kept."""
     import shutil
 
     stamp = work / "prepared.json"
-    drop_stale_stamp(work, adapters)
+    drop_stale_stamp(work, adapters, cfg)
     if stamp.exists():
         fps = json.loads(stamp.read_text())["fingerprints"]
     else:
         for stale in ("adapters", "bundle", "bundle_bad", "bundles"):
             shutil.rmtree(work / stale, ignore_errors=True)
-        fps = write_model_and_adapters(work, max(adapters))
+        fps = write_model_and_adapters(work, max(adapters), cfg)
     for n in adapters:
-        wl = make_workload(n, n_requests, skewed=skewed, seed=seed)
+        wl = workload_for(n, n_requests, skewed, seed, cfg)
         directory = work / "bundles" / f"{_tag(n, skewed)}_r{n_requests}_s{seed}"
         if not directory.exists():
-            write_profiled_bundle(directory, wl, fps)
-    stamp.write_text(json.dumps({"key": _prep_key(adapters), "fingerprints": fps}))
+            write_profiled_bundle(directory, wl, fps, cfg)
+    stamp.write_text(json.dumps({"key": _prep_key(adapters, cfg), "fingerprints": fps}))
 
 
 # -- one engine (subprocess) ----------------------------------------------------------------------
 
-def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES) -> dict[str, Any]:
-    """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes."""
+def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES,
+                   mode: str = "stock") -> dict[str, Any]:
+    """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes;
+    ``specialize_active_lora`` per mode (:data:`SPECIALIZE`)."""
     return dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=n_adapters,
                 max_lora_rank=RANK, max_cpu_loras=256, max_num_seqs=256, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=True, dtype="bfloat16",
-                compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                    "cudagraph_capture_sizes": list(capture_sizes)})
+                enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=SPECIALIZE[mode],
+                dtype="bfloat16", compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                                      "cudagraph_capture_sizes": list(capture_sizes)})
 
 
-def _runner_name(worker: Any) -> str:
-    return type(worker.model_runner).__name__
+def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path]) -> dict[str, str]:
+    """The subprocess environment of a mode: ``environ`` without any ``LORAZOR_*`` variable, plus
+    ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both."""
+    env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
+    if mode in GRIDTRIM_MODES:
+        env["LORAZOR_GRIDTRIM"] = "1"
+    if mode in STEPTRIM_MODES:
+        env |= {"LORAZOR_BUNDLE": str(bundle), "LORAZOR_ADAPTERS": ",".join(f"{k}={v}" for k, v in adapters.items()),
+                "LORAZOR_LOG_INTERVAL_S": "0"}
+    return env
+
+
+def engine_classes(worker: Any) -> dict[str, str]:
+    """The worker's model runner class and its language model's punica wrapper class (vLLM 0.26.0):
+    ``model_runner.lora_manager`` is the ``LRUCacheWorkerLoRAManager``
+    (``v1/worker/lora_model_runner_mixin.py:41``), whose ``_adapter_manager`` is the
+    ``LoRAModelManager`` (``lora/worker_manager.py:102``); it keeps the wrappers by prefix in
+    ``punica_wrapper_mapping``, the language model's under ``"language_model"``
+    (``lora/model_manager.py:51``, filled at :164-177)."""
+    runner = worker.model_runner
+    manager = runner.lora_manager._adapter_manager
+    return {"runner": type(runner).__name__,
+            "punica_wrapper": type(manager.punica_wrapper_mapping["language_model"]).__name__}
+
+
+def check_engine_classes(mode: str, found: dict[str, str]) -> None:
+    """Refuse an engine whose runner or punica wrapper is not the mode's."""
+    want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode]}
+    if found != want:
+        raise RuntimeError(f"mode {mode}: the engine runs {found}, expected {want}")
 
 
 def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
@@ -253,21 +359,55 @@ def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
         time.sleep(0.2)
 
 
+def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
+                    arrival: Sequence[float]) -> tuple[float, dict[str, float], list[int]]:
+    """Submit request i at ``arrival[i]`` seconds through vLLM V1's ``LLMEngine.add_request`` and drive
+    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs carry the request id
+    given to add_request, ``v1/engine/output_processor.py:371``). Returns the wall time, the latency
+    summary (TTFT counted from the scheduled arrival) and each request's token count."""
+    n = len(prompts)
+    first = [float("nan")] * n
+    finish = [float("nan")] * n
+    tokens = [0] * n
+    done, nxt = 0, 0
+    start = time.perf_counter()
+    while done < n:
+        now = time.perf_counter() - start
+        while nxt < n and arrival[nxt] <= now:
+            engine.add_request(f"r{nxt}", prompts[nxt], params[nxt], lora_request=loras[nxt])
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            if nxt >= n:
+                raise RuntimeError(f"the engine has no unfinished request but {n - done} never finished")
+            time.sleep(max(0.0, min(arrival[nxt] - now, 0.05)))
+            continue
+        for out in engine.step():
+            i = int(out.request_id[1:])
+            t = time.perf_counter() - start
+            tokens[i] = len(out.outputs[0].token_ids)
+            if tokens[i] and first[i] != first[i]:  # NaN: no token seen yet
+                first[i] = t
+            if out.finished:
+                finish[i] = t
+                done += 1
+    return time.perf_counter() - start, latency_summary(arrival, first, finish, tokens), tokens
+
+
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
-               capture_sizes: Sequence[int] = CAPTURE_SIZES) -> None:
-    """Start one engine, serve one warm-up request per adapter, time ``generate`` of the workload."""
+               capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
+               arrival_rate: float | None = None) -> None:
+    """Start one engine, serve one warm-up request per adapter, then time ``generate`` of the
+    workload (offline), or serve it open-loop at ``arrival_rate`` requests/s (Poisson)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    wl = make_workload(n, n_requests, skewed=skewed, seed=seed)
+    wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes))
+    llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode))
     startup = time.time() - t0
-    runner = llm.collective_rpc(_runner_name)[0]
-    want = "GPUModelRunner" if mode == "stock" else "LoRazorGPUModelRunner"
-    if runner != want:
-        raise RuntimeError(f"mode {mode}: the engine runs {runner}, expected {want}")
+    classes = llm.collective_rpc(engine_classes)[0]
+    check_engine_classes(mode, classes)
     waited = time.time()
     _wait_prepared(work)
     waited = time.time() - waited
@@ -281,7 +421,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                  lora_request=[lora(a) for a in range(n)], use_tqdm=False)
     warmup = time.time() - t
     counters = None
-    if mode == "steptrim":
+    if mode in STEPTRIM_MODES:
         from serve_bridge.rpc import lorazor_counters
 
         before = llm.collective_rpc(lorazor_counters)[0]
@@ -290,14 +430,20 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     loras = [lora(a) for a in wl.adapter]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    latency: dict[str, float] = {}
+    if arrival_rate:
+        # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
+        elapsed, latency, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
+                                                    arrival_times(n_requests, arrival_rate, seed))
+    else:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
     if lengths != wl.max_tokens:
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
-    if mode == "steptrim":
+    if mode in STEPTRIM_MODES:
         after = llm.collective_rpc(lorazor_counters)[0]
         decode = after["decode_forwards"] - before["decode_forwards"]
         skipped = after["skipped_forwards"] - before["skipped_forwards"]
@@ -306,11 +452,12 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                     "realized_skip": skipped / decode if decode else 0.0,
                     "decision_ms_mean": after["decision_ms_mean"], "decision_steps": after["decision_steps"],
                     "mapping_ms_total": after["mapping_ms_total"]}
-    out = {"mode": mode, "adapters": n, "skewed": skewed, "requests": n_requests, "seed": seed,
+    out = {"mode": mode, "model": model, "adapters": n, "skewed": skewed, "requests": n_requests, "seed": seed,
            "elapsed_s": elapsed, "req_per_s": n_requests / elapsed, "output_tokens": sum(lengths),
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
-           "warmup_s": warmup, "runner": runner,
+           "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE[mode],
+           "arrival_rate": arrival_rate, **latency,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
 
@@ -318,23 +465,33 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 # -- orchestration ----------------------------------------------------------------------------
 
 HEADER = "| adapters | traffic | mode | req/s | output tok/s | realized skip | vs stock |"
+# --arrival-rate: open-loop latency; "vs stock" is then stock's TPOT P50 over the row's
+LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50 ms | TTFT P90 ms | TPOT P50 ms | "
+                  "TPOT P90 ms | realized skip | vs stock (TPOT P50) |")
 
 
-def format_row(r: dict[str, Any], stock: dict[str, Any] | None) -> str:
+def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
     traffic = "skewed 80/20" if r["skewed"] else "uniform"
+    width = 7 if latency else 3  # empty cells after the error
     if "error" in r:
-        return f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['error']} | | | |"
+        return f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['error']} |" + " |" * width
     skip = "—" if r["counters"] is None else f"{r['counters']['realized_skip']:.3f}"
-    ratio = "1.00" if r["mode"] == "stock" else (
-        f"{r['req_per_s'] / stock['req_per_s']:.2f}" if stock and "error" not in stock else "—")
+    ok = stock is not None and "error" not in stock
+    if latency:
+        ratio = "1.00" if r["mode"] == "stock" else (f"{stock['tpot_p50_ms'] / r['tpot_p50_ms']:.2f}" if ok else "—")
+        lat = " | ".join(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"))
+        return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
+                f"{r['output_tok_per_s']:.0f} | {lat} | {skip} | {ratio} |")
+    ratio = "1.00" if r["mode"] == "stock" else (f"{r['req_per_s'] / stock['req_per_s']:.2f}" if ok else "—")
     return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
             f"{r['output_tok_per_s']:.0f} | {skip} | {ratio} |")
 
 
-def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str]) -> str:
+def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
     stock = {(r["adapters"], r["skewed"]): r for r in rows if r["mode"] == "stock"}
-    lines = preamble + ["", HEADER, "|---|---|---|---|---|---|---|"]
-    lines += [format_row(r, stock.get((r["adapters"], r["skewed"]))) for r in rows]
+    header = LATENCY_HEADER if latency else HEADER
+    lines = preamble + ["", header, "|" + "---|" * header.count(" | ") + "---|"]
+    lines += [format_row(r, stock.get((r["adapters"], r["skewed"])), latency) for r in rows]
     return "\n".join(lines + [""] + notes) + "\n"
 
 
@@ -344,43 +501,58 @@ def orchestrate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     (work / "prepare.failed").unlink(missing_ok=True)
-    drop_stale_stamp(work, args.adapters)
-    common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed),
-              "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else [])
+    cfg = MODELS[args.model]
+    modes = [m for m in MODES if m in args.modes]  # always in the order stock, gridtrim, steptrim, both
+    drop_stale_stamp(work, args.adapters, cfg)
+    common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
+              "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
+        ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])
+    latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "serve_bridge.bench"]
     prep_log = open(out / "prepare.log", "w")
     prep = subprocess.Popen(me + ["--phase", "prepare", "--adapters", *map(str, args.adapters)] + common,
                             stdout=prep_log, stderr=subprocess.STDOUT)
-    workloads = {n: make_workload(n, args.requests, skewed=args.skewed, seed=args.seed) for n in args.adapters}
+    workloads = {n: workload_for(n, args.requests, args.skewed, args.seed, cfg) for n in args.adapters}
     w0 = workloads[args.adapters[0]]
     preamble = [
-        "LoRazor serve_bridge throughput: stock vLLM 0.26.0 vs the LoRazor plugin (StepTrim), same machine, "
-        "back-to-back subprocesses",
-        f"model: Llama-3.2-3B config, dummy weights, bf16; rank-{RANK} random peft adapters on q,k,v,o,gate,up,down",
+        "LoRazor serve_bridge throughput: stock vLLM 0.26.0 vs the LoRazor plugin (GridTrim kernels, StepTrim "
+        "release, both), same machine, back-to-back subprocesses",
+        f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{RANK} "
+        f"random peft adapters on q,k,v,o,gate,up,down",
         f"workload: {args.requests} requests, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, outputs "
         f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]} tokens ({sum(w0.max_tokens)} in all), ignore_eos, seed {args.seed}, "
-        f"{'skewed: 80% of requests on 20% of adapters' if args.skewed else 'uniform traffic'}",
+        f"{'skewed: 80% of requests on 20% of adapters' if args.skewed else 'uniform traffic'}, "
+        + (f"open-loop Poisson arrivals at {args.arrival_rate:g} req/s through LLMEngine.add_request/step "
+           "(TTFT from the scheduled arrival; TPOT = (finish - first token) / (tokens - 1))"
+           if latency else "offline: one LLM.generate of all requests"),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
-        f"engine: {json.dumps(engine_options(0, args.capture_sizes) | {'max_loras': 'N'})}",
+        "engine: " + json.dumps(engine_options(0, args.capture_sizes)
+                                | {"max_loras": "N", "specialize_active_lora": "per mode"}),
+        "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
+        "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
+        "LoRA kernels); both = the two together. Each engine's runner and punica wrapper classes are checked.",
+        "specialize_active_lora: on for stock and steptrim (the device README's setting: one decode graph per batch "
+        "size and adapter-count bucket); off for gridtrim and both, whose kernels ignore the adapter count, so each "
+        "batch size has one LoRA graph (plus the no-LoRA one).",
     ]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
 
     def flush() -> None:
-        (out / "bench.txt").write_text(render(preamble, rows, notes))
+        (out / "bench.txt").write_text(render(preamble, rows, notes, latency))
         (out / "bench.json").write_text(json.dumps({"preamble": preamble, "rows": rows, "notes": notes}, indent=1))
 
     flush()
     rc = 0
     for n in args.adapters:
-        for mode in args.modes:
+        for mode in modes:
             left = args.budget_s - (time.time() - start)
             if left < args.min_run_s:
                 notes.append(f"N={n} {mode}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
                 flush()
                 continue
-            if mode == "steptrim" and prep.poll() is None:
+            if mode in STEPTRIM_MODES and prep.poll() is None:
                 try:
                     prep.wait(timeout=left)
                 except subprocess.TimeoutExpired:
@@ -391,11 +563,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                 notes.append(f"preparation failed (rc {prep.returncode}), see prepare.log")
                 flush()
                 return 1
-            env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
-            if mode == "steptrim":
-                names = ",".join(f"{adapter_name(a)}={work / 'adapters' / adapter_name(a)}" for a in range(n))
-                env |= {"LORAZOR_BUNDLE": str(work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}"),
-                        "LORAZOR_ADAPTERS": names, "LORAZOR_LOG_INTERVAL_S": "0"}
+            env = mode_env(mode, dict(os.environ),
+                           work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}",
+                           {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)})
             result = out / f"{_tag(n, args.skewed)}_{mode}.json"
             result.unlink(missing_ok=True)
             t = time.time()
@@ -440,13 +610,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_bench_out")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_bench"))
     ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="modes to run; they always run in the order stock, gridtrim, steptrim, both")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
+                    help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
                     help="decode CUDA graph batch sizes; each is captured once per adapter-count case, "
-                         "so fewer sizes start the engine faster (both modes use the same)")
+                         "so fewer sizes start the engine faster (all modes use the same)")
+    ap.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+                    help="serve open-loop with Poisson arrivals at R requests/s (LLMEngine add_request/step) "
+                         "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate)")
     ap.add_argument("--budget-s", type=float, default=3600, help="stop starting engines past this")
     ap.add_argument("--min-run-s", type=float, default=40, help="do not start an engine with less time left")
     ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)
@@ -455,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.phase == "prepare":
         try:
-            prepare(args.work, args.adapters, args.skewed, args.requests, args.seed)
+            prepare(args.work, args.adapters, args.skewed, args.requests, args.seed, MODELS[args.model])
         except BaseException:
             import traceback
 
@@ -465,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
-                   args.capture_sizes)
+                   args.capture_sizes, args.model, args.arrival_rate)
         return 0
     return orchestrate(args)
 

@@ -6,13 +6,28 @@ vLLM runs a callable passed to ``collective_rpc`` as ``callable(worker, *args)``
     from serve_bridge.rpc import lorazor_counters, lorazor_requests
     counters = llm.collective_rpc(lorazor_counters)[0]
     records = llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]
+
+Calibration mode (``LORAZOR_CALIBRATION=1``, :mod:`serve_bridge.calibration`)::
+
+    from serve_bridge.calibration import calibration_config
+    from serve_bridge.rpc import lorazor_calibrate, lorazor_captures
+    llm.collective_rpc(lorazor_calibrate, args=(calibration_config(names, policy, scorer, {0, 3}),))
+    llm.generate(...)  # requests tagged with extra_args={"lorazor": {"uid": ...}}
+    records = llm.collective_rpc(lorazor_captures)[0]  # uid -> release, scores, hidden
+
+Arguments and results are plain data, so they pass vLLM's process boundaries. A callable
+itself crosses them by cloudpickle (tensor-parallel workers: ``v1/executor/
+multiproc_executor.py:373-377``); with the engine core in its own process (vLLM's default
+``VLLM_ENABLE_V1_MULTIPROCESSING=1``) vLLM only sends callables with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (``v1/serial_utils.py:221-231``), so the calibration
+engine runs the engine core in-process.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from serve_bridge.runtime import ReleaseRuntime
-from serve_bridge.settings import BUNDLE_ENV
+from serve_bridge.settings import BUNDLE_ENV, CALIBRATION_ENV
 
 
 def _runtime(worker: Any) -> ReleaseRuntime:
@@ -45,3 +60,45 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     if clear:
         runtime.finished_log.clear()
     return records
+
+
+def _calibration(worker: Any):
+    from serve_bridge.calibration import CalibrationRuntime
+
+    runtime = _runtime(worker)
+    if not isinstance(runtime, CalibrationRuntime):
+        raise RuntimeError(f"this vLLM worker runs LoRazor in serving mode; calibration needs {CALIBRATION_ENV}=1 "
+                           f"(and no {BUNDLE_ENV}) in every vLLM process.")
+    return runtime
+
+
+def lorazor_calibrate(worker: Any, config: dict[str, Any]) -> None:
+    """Set the calibration runtime's slots, release policy, scorer and capture set for the
+    next requests (``config``: :func:`serve_bridge.calibration.calibration_config`)."""
+    _calibration(worker).configure(config)
+
+
+def lorazor_captures(worker: Any, clear: bool = True) -> dict[str, dict[str, Any]]:
+    """uid → {release, forced_release_position, forwards, scores, hidden} of every uid-tagged
+    request since the last read (:meth:`CalibrationRuntime.take_records`); ``clear`` drops them."""
+    return _calibration(worker).take_records(clear=clear)
+
+
+class LoRazorWorkerExtension:
+    """The read-outs as worker methods, for callers that can only name a method.
+
+    Pass ``worker_extension_cls="serve_bridge.rpc.LoRazorWorkerExtension"`` (``vllm serve
+    --worker-extension-cls ...``); vLLM 0.26.0 adds the class to the worker's bases
+    (``v1/worker/worker_base.py:261-285``), so ``llm.collective_rpc("lorazor_counters")`` works,
+    and so does the OpenAI server's ``POST /collective_rpc`` with ``{"method": "lorazor_counters"}``
+    when ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/serve/dev/rpc/api_router.py:23-53``; it passes
+    arguments as strings and returns dicts and lists as JSON).
+    """
+
+    def lorazor_counters(self) -> dict[str, Any]:
+        """:func:`lorazor_counters` of this worker."""
+        return lorazor_counters(self)
+
+    def lorazor_requests(self, clear: bool | str = False) -> list[dict[str, Any]]:
+        """:func:`lorazor_requests` of this worker; ``clear`` may arrive as the string "true"."""
+        return lorazor_requests(self, clear=clear is True or str(clear).lower() == "true")

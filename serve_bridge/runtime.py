@@ -15,6 +15,19 @@ Release position. A request released at r (adapter on at forwards t ≤ r) runs 
 t > r, which consumes the token at position P+t−1 ≥ P+r, without its adapter. Masking
 every position ≥ P+r to "no adapter" — in every step, whichever forward it belongs to —
 is therefore exact under chunked prefill and under preemption recompute.
+
+Per-request arguments. A request may carry, in ``SamplingParams.extra_args``::
+
+    {"lorazor": {"uid": "q17@0", "release_position": 412}}
+
+both keys optional (:func:`request_args`). ``release_position`` P is a *forced release*: every
+position ≥ P runs without the adapter, by the same masking, and the request takes no StepTrim
+decision. It may lie inside the prompt: an OFF_t branch replayed as prompt + the first t+1 ON
+tokens has P = its prompt length − 1, so the prefill applies the adapter to exactly the
+positions the ON request consumed with it (forwards ≤ t) and runs the last token, consumed
+by forward t+1, without it. ``uid`` names the request in the calibration runtime's records
+(:mod:`serve_bridge.calibration`); serving ignores it. Malformed arguments are logged and
+ignored (the request runs as if it had none).
 """
 from __future__ import annotations
 
@@ -31,6 +44,7 @@ import numpy as np
 import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
+from serve_bridge.decision import DecisionLauncher
 from serve_bridge.settings import BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
@@ -39,6 +53,33 @@ logger = logging.getLogger("vllm.lorazor")
 
 NEVER = np.iinfo(np.int64).max  # release position of a request that is not released
 NO_ADAPTER = 0  # vLLM's LoRA id for "no adapter" in a token→LoRA mapping
+REQUEST_ARGS_KEY = "lorazor"  # SamplingParams.extra_args[REQUEST_ARGS_KEY] = {"uid", "release_position"}
+_REQUEST_ARG_NAMES = ("uid", "release_position")
+
+
+def request_args(extra_args: Mapping[str, Any] | None) -> tuple[str | None, int | None]:
+    """(uid, forced release position) from a request's ``SamplingParams.extra_args``.
+
+    ``extra_args[REQUEST_ARGS_KEY]`` is a mapping with optional ``uid`` (a string) and
+    ``release_position`` (an int ≥ 0, an absolute token position). Absent → (None, None).
+    Raises ValueError naming the problem on anything else.
+    """
+    spec = (extra_args or {}).get(REQUEST_ARGS_KEY)
+    if spec is None:
+        return None, None
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"extra_args[{REQUEST_ARGS_KEY!r}] must be a mapping with keys {_REQUEST_ARG_NAMES}, got "
+                         f"{type(spec).__name__}")
+    unknown = sorted(set(spec) - set(_REQUEST_ARG_NAMES))
+    if unknown:
+        raise ValueError(f"extra_args[{REQUEST_ARGS_KEY!r}] has unknown keys {unknown}; known: {_REQUEST_ARG_NAMES}")
+    uid, pos = spec.get("uid"), spec.get("release_position")
+    if uid is not None and not isinstance(uid, str):
+        raise ValueError(f"extra_args[{REQUEST_ARGS_KEY!r}]['uid'] must be a string, got {uid!r}")
+    if pos is not None and (isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0):
+        raise ValueError(f"extra_args[{REQUEST_ARGS_KEY!r}]['release_position'] must be an int ≥ 0 (an absolute "
+                         f"token position), got {pos!r}")
+    return uid, None if pos is None else int(pos)
 
 
 def mask_released(token_mapping: np.ndarray, sampled_mapping: np.ndarray, num_computed: np.ndarray,
@@ -87,6 +128,9 @@ class RequestState:
     adapter: its adapter name (None: a base-model request). slot: the adapter's StepTrim
     slot, or NO_SLOT when it must never be released. release: r once released (one-way).
     forwards: forwards completed so far (the last one was t = forwards − 1).
+    uid: the request's calibration name (``extra_args``), if any.
+    forced_release_position: a forced release (``extra_args``): positions ≥ it run without
+    the adapter, and the request takes no decision.
     """
 
     adapter: str | None
@@ -94,11 +138,21 @@ class RequestState:
     num_prompt_tokens: int
     release: int | None = None
     forwards: int = 0
+    uid: str | None = None
+    forced_release_position: int | None = None
 
     @property
     def release_position(self) -> int:
         """First position that runs without the adapter (:data:`NEVER` if not released)."""
-        return NEVER if self.release is None else self.num_prompt_tokens + self.release
+        pos = NEVER if self.release is None else self.num_prompt_tokens + self.release
+        if self.forced_release_position is not None:
+            pos = min(pos, self.forced_release_position)
+        return pos
+
+    @property
+    def decides(self) -> bool:
+        """Whether StepTrim still decides for this request after its next forward."""
+        return self.slot != NO_SLOT and self.release is None and self.forced_release_position is None
 
 
 @dataclass
@@ -137,13 +191,11 @@ class _Plan:
 
 @dataclass
 class _Pending:
-    """A launched decision whose result is read back before the next step."""
+    """A launched decision (its result sits in the launcher) to apply before the next step."""
 
     states: list[RequestState]
     forwards: list[int]
-    fired: torch.Tensor
-    events: tuple[Any, Any] | None
-    host_ms: float
+    host_ms: float  # engine-thread time spent in decide()
 
 
 class ReleaseRuntime:
@@ -155,7 +207,8 @@ class ReleaseRuntime:
 
     def __init__(self, bundle: Bundle, steptrim: StepTrim, slot_names: Sequence[str],
                  verified: Mapping[str, str] | None = None, log_interval_s: float = 60.0,
-                 finished_capacity: int = 65536) -> None:
+                 finished_capacity: int = 65536, max_rows: int = 256, cuda_graphs: bool = True,
+                 latency_window: int = 4096) -> None:
         self.bundle = bundle
         self.steptrim = steptrim
         self.slot_of = {name: i for i, name in enumerate(slot_names)}
@@ -170,14 +223,31 @@ class ReleaseRuntime:
         self._last_log = time.monotonic()
         self._plan: _Plan | None = None
         self._pending: _Pending | None = None
+        # decisions: preallocated buffers for up to max_rows rows (more on demand), optionally
+        # replayed as CUDA graphs; latency samples (ms) of the last latency_window decisions.
+        self._launcher = DecisionLauncher(steptrim, max_rows=max_rows, cuda_graphs=cuda_graphs)
+        self._lat_decide: deque[float] = deque(maxlen=latency_window)  # host, in decide()
+        self._lat_resolve: deque[float] = deque(maxlen=latency_window)  # host, in resolve()
+        self._lat_gpu: deque[float] = deque(maxlen=latency_window)  # GPU events (host decide off CUDA)
 
     # -- request lifecycle -------------------------------------------------------------
-    def add(self, req_id: str, adapter: str | None, adapter_path: str | None, num_prompt_tokens: int) -> None:
-        """Track a new request (a request already tracked keeps its state)."""
+    def add(self, req_id: str, adapter: str | None, adapter_path: str | None, num_prompt_tokens: int,
+            extra_args: Mapping[str, Any] | None = None) -> None:
+        """Track a new request (a request already tracked keeps its state).
+
+        extra_args: the request's ``SamplingParams.extra_args`` (uid, forced release; see
+        :func:`request_args`); malformed arguments are logged once per message and ignored.
+        """
         if req_id in self.states:
             return
+        try:
+            uid, forced = request_args(extra_args)
+        except ValueError as err:
+            self._warn_once(f"request-args:{err}", f"request {req_id}: {err}; the request runs without them.")
+            uid, forced = None, None
         slot = NO_SLOT if adapter is None else self._slot(adapter, adapter_path)
-        self.states[req_id] = RequestState(adapter=adapter, slot=slot, num_prompt_tokens=int(num_prompt_tokens))
+        self.states[req_id] = RequestState(adapter=adapter, slot=slot, num_prompt_tokens=int(num_prompt_tokens),
+                                           uid=uid, forced_release_position=forced)
         if adapter is not None:
             self.adapters.setdefault(adapter, AdapterCounters()).requests += 1
 
@@ -244,7 +314,7 @@ class ReleaseRuntime:
                 c = self.adapters[st.adapter]
                 c.decode_forwards += 1
                 c.skipped_forwards += int(sampled[i] == NO_ADAPTER)
-            if st.slot != NO_SLOT and st.release is None:
+            if st.decides:
                 plan.rows.append(i)
                 plan.states.append(st)
                 plan.forwards.append(t)
@@ -263,40 +333,53 @@ class ReleaseRuntime:
             logger.warning("StepTrim skipped a step: %d hidden rows for %d requests.", hidden.shape[0],
                            plan.num_rows)
             return
+        if self._pending is not None:
+            self.resolve()  # one decision in flight at a time (begin_step has normally resolved it)
         start = time.perf_counter()
-        events = None
-        if hidden.is_cuda:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        meta = torch.tensor([plan.rows, [s.slot for s in plan.states], plan.forwards], dtype=torch.long)
-        if hidden.is_cuda:  # pinned, so the copy is queued behind the forward instead of waiting for it
-            meta = meta.pin_memory()
-        meta = meta.to(hidden.device, non_blocking=True)
-        released = torch.zeros(len(plan.rows), dtype=torch.bool, device=hidden.device)
-        rows_hidden = hidden.index_select(0, meta[0]) if self.steptrim.needs_hidden else None
-        fired = self.steptrim.step(meta[1], meta[2], released, rows_hidden)
-        fired = fired.to("cpu", non_blocking=True)
-        if events is not None:
-            events[1].record()
-        self._pending = _Pending(plan.states, plan.forwards, fired, events, (time.perf_counter() - start) * 1e3)
+        self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
+        self._pending = _Pending(plan.states, plan.forwards, (time.perf_counter() - start) * 1e3)
 
     def resolve(self) -> None:
         """Apply the last launched decision (waits for it); idempotent."""
         p, self._pending = self._pending, None
         if p is None:
             return
-        if p.events is not None:
-            p.events[1].synchronize()
-            ms = p.events[0].elapsed_time(p.events[1])
-        else:
-            ms = p.host_ms
-        for st, t, fire in zip(p.states, p.forwards, p.fired.tolist()):
-            if fire:  # planned rows are unreleased, so release stays one-way
-                st.release = t
+        start = time.perf_counter()
+        fired, gpu_ms = self._launcher.result()
+        for i in fired.nonzero()[0].tolist():
+            st = p.states[i]
+            if st.release is None:  # planned rows were unreleased; release stays one-way
+                st.release = p.forwards[i]
                 self.adapters[st.adapter].released += 1
         self.decision_steps += 1
         self.decided_rows += len(p.states)
+        ms = p.host_ms if gpu_ms is None else gpu_ms
         self.decision_ms += ms
+        self._lat_gpu.append(ms)
+        self._lat_decide.append(p.host_ms)
+        self._lat_resolve.append((time.perf_counter() - start) * 1e3)
+
+    def reset_latency(self) -> None:
+        """Forget the latency samples (e.g. after a warm-up); totals and counts are kept."""
+        for window in (self._lat_decide, self._lat_resolve, self._lat_gpu):
+            window.clear()
+
+    def latency(self) -> dict[str, float]:
+        """Decision latency over the last ``latency_window`` decisions (ms): engine-thread time
+        (perf_counter) in decide() and in resolve() and their sum per step (``*_host``), and
+        the GPU time between the decision's two CUDA events (``decision_gpu``; where the
+        decision runs on the host — off CUDA, or without a learned policy — the host time of
+        decide()); p50/p95/p99 and means. ``decision_ms_mean`` in :meth:`counters` is the
+        mean of ``decision_gpu`` over all decisions."""
+        out: dict[str, float] = {"latency_samples": len(self._lat_gpu)}
+        dec, res, gpu = (np.fromiter(x, np.float64, len(x)) for x in (self._lat_decide, self._lat_resolve,
+                                                                          self._lat_gpu))
+        for name, x in (("decide_host", dec), ("resolve_host", res), ("decision_host", dec + res),
+                        ("decision_gpu", gpu)):
+            q = np.percentile(x, (50, 95, 99)) if x.size else (0.0, 0.0, 0.0)
+            out |= {f"{name}_ms_p50": float(q[0]), f"{name}_ms_p95": float(q[1]), f"{name}_ms_p99": float(q[2]),
+                    f"{name}_ms_mean": float(x.mean()) if x.size else 0.0}
+        return out
 
     # -- read-out ----------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:
@@ -313,6 +396,7 @@ class ReleaseRuntime:
             "steps": self.steps, "decision_steps": self.decision_steps, "decided_rows": self.decided_rows,
             "decision_ms_total": self.decision_ms,
             "decision_ms_mean": self.decision_ms / self.decision_steps if self.decision_steps else 0.0,
+            "decision_mode": self._launcher.mode, **self.latency(),
             "mapping_ms_total": self.mapping_ms,
             "adapters": {name: c.as_dict() for name, c in sorted(self.adapters.items())},
         }
@@ -322,7 +406,10 @@ class ReleaseRuntime:
         c = self.counters()
         return (f"LoRazor StepTrim: {c['requests']} adapter requests, {c['released_requests']} released, skip "
                 f"{c['skip_fraction']:.3f} of {c['decode_forwards']} decode forwards, decision "
-                f"{c['decision_ms_mean']:.3f} ms/step over {c['decision_steps']} steps")
+                f"{c['decision_ms_mean']:.3f} ms/step over {c['decision_steps']} steps ({c['decision_mode']}; last "
+                f"{c['latency_samples']}: GPU p50/p95 {c['decision_gpu_ms_p50'] * 1e3:.0f}/"
+                f"{c['decision_gpu_ms_p95'] * 1e3:.0f} µs, host decide+resolve p50/p95 "
+                f"{c['decision_host_ms_p50'] * 1e3:.0f}/{c['decision_host_ms_p95'] * 1e3:.0f} µs)")
 
     def maybe_log(self, now: float | None = None) -> None:
         """Log :meth:`summary` when the log interval has passed since the last one."""
@@ -349,8 +436,13 @@ def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.devi
 
     With ``settings.adapters`` the bundle must not name an unserved adapter, and each
     served adapter in the bundle must have the calibrated weights. A served adapter the
-    bundle lacks runs full LoRA, with a warning.
+    bundle lacks runs full LoRA, with a warning. In calibration mode (``settings.calibration``)
+    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`.
     """
+    if settings.calibration:
+        from serve_bridge.calibration import CalibrationRuntime  # it subclasses ReleaseRuntime
+
+        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
         bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,

@@ -1,15 +1,28 @@
 """How the vLLM bridge is switched on, and the engine settings it refuses (DESIGN §4).
 
-The bridge is active iff the environment variable ``LORAZOR_BUNDLE`` names a policy bundle
-directory when vLLM loads its general plugins. Environment variables reach every vLLM
-process (front end, engine core, workers), so all of them agree on whether it is active.
+The bridge is active iff, when vLLM loads its general plugins, the environment variable
+``LORAZOR_BUNDLE`` names a policy bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on
+(calibration). Environment variables reach every vLLM process (front end, engine core,
+workers), so all of them agree on whether it is active.
 
-- ``LORAZOR_BUNDLE``: the bundle directory (required to activate).
+- ``LORAZOR_BUNDLE``: the bundle directory (activates serving).
+- ``LORAZOR_CALIBRATION``: ``1``/``on`` activates the bridge without a bundle, for
+  ``labeling.engines.vllm`` (which sets it itself): the runner starts with no policies, and
+  the calibration engine sets the release policy, a scorer and a capture set before each
+  ``generate`` over ``LLM.collective_rpc`` (:mod:`serve_bridge.rpc`). Requests tagged with a
+  uid (``SamplingParams.extra_args``, see :mod:`serve_bridge.runtime`) then have their
+  release, s_t and h_t recorded. Unset, ``0`` or ``off``: off. It excludes ``LORAZOR_BUNDLE``.
 - ``LORAZOR_ADAPTERS``: optional ``name=path,name=path`` list of the adapters this server
   serves, with the same names as its LoRA requests. When given, start-up fails on a bundle
   adapter that is not served and on an adapter whose weights differ from the calibrated ones.
 - ``LORAZOR_LOG_INTERVAL_S``: seconds between counter summaries in the log (default 60,
   0 disables them).
+
+GridTrim is switched on separately, and independently of the bundle:
+
+- ``LORAZOR_GRIDTRIM``: ``1``/``on`` serves LoRA linears with LoRazor's work-list kernels
+  (:mod:`serve_bridge.vllm_punica`), on CUDA only; unset, empty, ``0`` or ``off`` keeps
+  vLLM's kernels. Any other value is refused (:func:`gridtrim_from_env`).
 
 Everything here is pure Python and reads engine settings by attribute only, so it is
 tested on CPU without vLLM.
@@ -27,6 +40,8 @@ ADAPTERS_ENV = "LORAZOR_ADAPTERS"
 LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
 SUPPORTED_VLLM = "0.26.0"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
+CALIBRATION_ENV = "LORAZOR_CALIBRATION"
 
 
 class BridgeError(RuntimeError):
@@ -37,25 +52,52 @@ class BridgeError(RuntimeError):
 class BridgeSettings:
     """Activation settings read from the environment.
 
-    bundle: the policy bundle directory.
+    bundle: the policy bundle directory (None in calibration mode).
     adapters: served adapter name → local adapter directory (empty when not declared).
     log_interval_s: seconds between counter summaries in the log (0 = never).
+    calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
+        policies, scorer and capture set are set over ``collective_rpc``.
     """
 
-    bundle: Path
+    bundle: Path | None
     adapters: dict[str, str] = field(default_factory=dict)
     log_interval_s: float = 60.0
+    calibration: bool = False
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
-        """The settings, or None when ``LORAZOR_BUNDLE`` is unset or empty (bridge off)."""
+        """The settings, or None when neither ``LORAZOR_BUNDLE`` nor ``LORAZOR_CALIBRATION``
+        is set (bridge off)."""
         env = os.environ if environ is None else environ
         bundle = env.get(BUNDLE_ENV, "").strip()
-        if not bundle:
+        calibration = calibration_from_env(env)
+        if calibration and bundle:
+            raise BridgeError(f"{CALIBRATION_ENV} and {BUNDLE_ENV} are both set: calibration runs without a bundle "
+                              f"(its policies come over collective_rpc); unset one of them.")
+        if not (bundle or calibration):
             return None
-        return BridgeSettings(bundle=Path(bundle).expanduser(),
+        return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
-                              log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")))
+                              log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
+                              calibration=calibration)
+
+
+def _switch(name: str, purpose: str, environ: Mapping[str, str] | None) -> bool:
+    """An on/off variable: unset, "", "0" or "off" → False, "1" or "on" → True (case and
+    surrounding whitespace ignored); anything else is refused, naming ``purpose``."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in ("", "0", "off"):
+        return False
+    if value in ("1", "on"):
+        return True
+    raise BridgeError(f"{name}={raw!r}: use 1 or on {purpose}, or 0, off or unset.")
+
+
+def calibration_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LORAZOR_CALIBRATION`` is on (see :func:`_switch`)."""
+    return _switch(CALIBRATION_ENV, "for the calibration runtime (labeling.engines.vllm sets it)", environ)
 
 
 def parse_adapters(text: str) -> dict[str, str]:
@@ -84,6 +126,12 @@ def _parse_interval(text: str) -> float:
     if not value >= 0:
         raise BridgeError(f"{LOG_INTERVAL_ENV}={text!r}: give a number of seconds ≥ 0 (0 disables the log).")
     return value
+
+
+def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LORAZOR_GRIDTRIM`` switches GridTrim on (see :func:`_switch`)."""
+    return _switch(GRIDTRIM_ENV, "to serve LoRA linears with LoRazor's GridTrim kernels (0, off or unset keep "
+                   "vLLM's)", environ)
 
 
 def require_vllm_version(found: str) -> None:
@@ -127,5 +175,5 @@ def require_supported_engine(vllm_config: Any) -> None:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         fixes.append("use pipeline_parallel_size=1 (decisions read the final hidden states on this rank)")
     if fixes:
-        raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} is set) cannot run with these engine settings: "
-                          + "; ".join(fixes) + ".")
+        raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine "
+                          f"settings: " + "; ".join(fixes) + ".")

@@ -54,7 +54,9 @@ class LearnedPolicy:
 
 Policy = ProfiledPolicy | LearnedPolicy | None
 
-_NONE, _PROFILED, _LEARNED = 0, 1, 2
+_K, _TAU, _B, _W = 0, 1, 2, 3  # columns of StepTrim's per-slot table; the head weight is _W:
+_K_LIMIT = 1 << 24  # profiled k is held in float32, exact below 2**24
+_EXACT_UPCAST = (torch.float32, torch.bfloat16, torch.float16)  # promote to float32 exactly
 
 
 class StepTrim:
@@ -62,55 +64,86 @@ class StepTrim:
 
     ``policies`` maps slot index → policy (None = never release). Slots are the engine's
     adapter indices; rows with slot :data:`NO_SLOT` have no adapter and are never affected.
-    All per-slot parameters are stacked so one call decides for the whole batch with a few
-    tensor ops (one batched GEMV for the learned heads), on any device.
+
+    All per-slot parameters live in one float32 table, one row per slot plus a last row for
+    NO_SLOT (torch indexing wraps −1 to that row, so slots need no remapping). Columns: k
+    (profiled; +inf otherwise, exact for k < 2**24), τ (learned; −inf otherwise, so s < τ never
+    holds), b, then the head weight w [H] (zeros for non-learned slots; present only when a
+    learned policy is). One decision is one gather of that table plus a few elementwise ops:
+
+        fire = (t ≥ k) | (s < τ),  s = Σ_j h_j·w_j + b  in float32,
+
+    i.e. the profiled rule for profiled slots, the learned rule for learned slots, neither for
+    the rest. s is computed with the same float32 ops as ``(h.float() * w).sum(-1) + b`` (an
+    elementwise product and a row sum, not a GEMM: no TF32, no reduction order that changes
+    with the number of heads), so :meth:`scores` and :meth:`step` agree bit for bit on the same
+    rows and the sweep's recorded scores are the ones serving compares with τ.
     """
 
     def __init__(self, policies: Sequence[Policy], hidden_size: int, device: torch.device | str = "cpu") -> None:
-        n = len(policies)
+        self.policies = tuple(policies)
         self.hidden_size = int(hidden_size)
-        kind = torch.zeros(n + 1, dtype=torch.long)  # last entry serves NO_SLOT rows
-        k = torch.zeros(n + 1, dtype=torch.long)
-        w = torch.zeros(n + 1, hidden_size, dtype=torch.float32)
-        b = torch.zeros(n + 1, dtype=torch.float32)
-        tau = torch.zeros(n + 1, dtype=torch.float32)
-        for i, p in enumerate(policies):
+        self.needs_hidden = any(isinstance(p, LearnedPolicy) for p in self.policies)
+        n = len(self.policies)
+        table = torch.zeros(n + 1, _W + (self.hidden_size if self.needs_hidden else 0), dtype=torch.float32)
+        table[:, _K] = float("inf")
+        table[:, _TAU] = float("-inf")
+        for i, p in enumerate(self.policies):
             if isinstance(p, ProfiledPolicy):
-                kind[i], k[i] = _PROFILED, p.k
+                if p.k >= _K_LIMIT:
+                    raise ValueError(f"slot {i}: profiled k={p.k} is ≥ 2**24, which StepTrim cannot hold exactly; "
+                                     f"no response has that many forwards: use no policy (never release) instead")
+                table[i, _K] = p.k
             elif isinstance(p, LearnedPolicy):
                 if p.weight.shape != (hidden_size,):
                     raise ValueError(f"slot {i}: head weight shape {tuple(p.weight.shape)} != ({hidden_size},)")
-                kind[i], w[i], b[i], tau[i] = _LEARNED, p.weight.float(), p.bias, p.tau
+                table[i, _TAU], table[i, _B] = p.tau, p.bias
+                table[i, _W:] = p.weight.detach().float().cpu()
             elif p is not None:
                 raise TypeError(f"slot {i}: unsupported policy {type(p).__name__}")
-        self.kind, self.k, self.w, self.b, self.tau = (x.to(device) for x in (kind, k, w, b, tau))
-        self.needs_hidden = bool((kind == _LEARNED).any())
+        self.device = torch.device(device)
+        self.table = table.to(self.device)  # [n_slots + 1, 3 (+ H)]; the last row serves NO_SLOT
 
-    def _index(self, slots: torch.Tensor) -> torch.Tensor:
-        return torch.where(slots < 0, torch.full_like(slots, self.kind.numel() - 1), slots)
+    def to(self, device: torch.device | str) -> StepTrim:
+        """The same policies on another device (self if already there)."""
+        device = torch.device(device)
+        return self if device == self.device else StepTrim(self.policies, self.hidden_size, device)
+
+    def _score(self, params: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype not in _EXACT_UPCAST:
+            hidden = hidden.float()
+        # bf16/fp16 × float32 promotes inside the kernel: the same float32 products as hidden.float() * w
+        return (hidden * params[:, _W:]).sum(-1).add_(params[:, _B])
 
     def scores(self, slots: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """s = w_slot · h + b_slot per row, float32 [R] (zeros for non-learned slots)."""
-        idx = self._index(slots)
-        return (hidden.float() * self.w[idx]).sum(-1) + self.b[idx]
+        if not self.needs_hidden:
+            return torch.zeros(slots.shape[0], dtype=torch.float32, device=self.device)
+        return self._score(self.table[slots], hidden)
+
+    def fires(self, slots: torch.Tensor, t: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows whose policy releases them after forward ``t`` (bool [R]), ignoring earlier release.
+
+        The engine-facing form of :meth:`step` for rows known to be unreleased; same arguments.
+        """
+        params = self.table[slots]  # one gather: k, τ, b (and w) per row
+        fire = t >= params[:, _K]
+        if self.needs_hidden:
+            if hidden is None:
+                raise ValueError("a learned policy needs the final hidden states of the step")
+            fire |= self._score(params, hidden) < params[:, _TAU]
+        return fire
 
     def step(self, slots: torch.Tensor, t: torch.Tensor, released: torch.Tensor,
              hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Decide after forward ``t`` (per row) which rows are released from forward t+1 on.
 
-        slots [R] long, t [R] long, released [R] bool (state before this decision),
-        hidden [R, H] final-norm hidden states of this forward (needed iff a learned policy
-        is present). Returns the new released mask; release never reverts.
+        slots [R] long (:data:`NO_SLOT` = −1 for rows without adapter; no other negative
+        value), t [R] long, released [R] bool (state before this decision), hidden [R, H]
+        final-norm hidden states of this forward (needed iff a learned policy is present).
+        Returns the new released mask; release never reverts.
         """
-        idx = self._index(slots)
-        kind = self.kind[idx]
-        fire = (kind == _PROFILED) & (t >= self.k[idx])
-        if self.needs_hidden:
-            if hidden is None:
-                raise ValueError("a learned policy needs the final hidden states of the step")
-            s = (hidden.float() * self.w[idx]).sum(-1) + self.b[idx]
-            fire |= (kind == _LEARNED) & (s < self.tau[idx])
-        return released | fire
+        return released | self.fires(slots, t, hidden)
 
 
 def release_point_profiled(k: int) -> int:

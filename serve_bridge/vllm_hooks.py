@@ -11,7 +11,10 @@ itself lives in :mod:`serve_bridge.runtime`.
 - ``v1/worker/gpu_model_runner.py:1169`` ``_update_states``: requests finish
   (``scheduler_output.finished_req_ids``) and start (``scheduled_new_reqs``, whose
   ``CachedRequestState`` — ``v1/worker/gpu_input_batch.py:34``, ``num_prompt_tokens`` at :68 —
-  is in ``self.requests``).
+  is in ``self.requests``). Each ``NewRequestData`` (``v1/core/sched/output.py:33``) carries
+  the request's ``SamplingParams`` (:37, copied from the request at :59; the runner keeps it at
+  ``gpu_model_runner.py:1251,1278``), whose ``extra_args`` (``sampling_params.py:324``) hold the
+  per-request LoRazor arguments (uid, forced release; :func:`serve_bridge.runtime.request_args`).
 - ``v1/worker/lora_model_runner_mixin.py:73`` ``set_active_loras``, called once per step by
   ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping comes from
   ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979``), is masked by release
@@ -27,7 +30,8 @@ itself lives in :mod:`serve_bridge.runtime`.
 - ``v1/worker/gpu_model_runner.py:4111`` ``execute_model``: when it returns None it has left
   ``ExecuteModelState.sample_hidden_states`` (:436-445, set at :4460) — the final-norm hidden
   states of the sampled positions, one row per request in batch order — for
-  ``sample_tokens``; the hook launches the step's decisions on them there.
+  ``sample_tokens``; the hook launches the step's decisions on them there (and, in calibration
+  mode, records s_t and h_t from the same rows).
 """
 from __future__ import annotations
 
@@ -46,25 +50,30 @@ _BaseRunner = gpu_model_runner.GPUModelRunner
 class LoRazorGPUModelRunner(_BaseRunner):
     """vLLM's V1 GPU model runner with StepTrim release.
 
-    GridTrim (a later phase) plugs in beside it without touching the release path: a
-    ``PunicaWrapperGPU`` subclass whose shrink/expand launch the ``kernels`` package, selected
-    by qualname through ``CudaPlatform.get_punica_wrapper`` (``platforms/cuda.py:551``,
-    resolved in ``lora/punica_wrapper/punica_selector.py:13-15``).
+    GridTrim sits beside it without touching the release path:
+    :class:`serve_bridge.vllm_punica.GridTrimPunicaWrapper`, selected by qualname through
+    ``CudaPlatform.get_punica_wrapper`` (``platforms/cuda.py:551``, resolved in
+    ``lora/punica_wrapper/punica_selector.py:13-15``) when ``LORAZOR_GRIDTRIM`` is on; it reads
+    the masked mapping this runner hands to ``_set_active_loras``.
     """
 
     def __init__(self, vllm_config: Any, device: Any) -> None:
         settings = BridgeSettings.from_env()
         if settings is None:
-            raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE; the plugin installs it "
-                              "only when the variable is set in every vLLM process.")
+            raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
+                              "plugin installs it only when one of them is set in every vLLM process.")
         require_supported_engine(vllm_config)
         hidden_size = vllm_config.model_config.get_hidden_size()
         runtime = build_runtime(settings, hidden_size, device)
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None
-        logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d).",
-                    settings.bundle, len(runtime.slot_of), hidden_size)
+        if settings.calibration:
+            logger.info("LoRazor calibration runtime active (hidden size %d); policies come over collective_rpc.",
+                        hidden_size)
+        else:
+            logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d).",
+                        settings.bundle, len(runtime.slot_of), hidden_size)
 
     def _update_states(self, scheduler_output: Any) -> Any:
         rt = self.lorazor
@@ -73,9 +82,9 @@ class LoRazorGPUModelRunner(_BaseRunner):
             rt.finish(req_id)
         out = super()._update_states(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            lora = new.lora_request
+            lora, params = new.lora_request, new.sampling_params  # output.py:37,41
             rt.add(new.req_id, lora.lora_name if lora else None, lora.lora_path if lora else None,
-                   self.requests[new.req_id].num_prompt_tokens)
+                   self.requests[new.req_id].num_prompt_tokens, params.extra_args if params is not None else None)
         rt.maybe_log()
         return out
 
@@ -104,6 +113,9 @@ class LoRazorGPUModelRunner(_BaseRunner):
         out = super().execute_model(scheduler_output, intermediate_tensors)
         state = self.execute_model_state
         if out is None and state is not None:
+            capture = getattr(self.lorazor, "capture", None)  # calibration mode only
+            if capture is not None:
+                capture(state.sample_hidden_states)
             self.lorazor.decide(state.sample_hidden_states)
         return out
 

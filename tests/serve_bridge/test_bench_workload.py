@@ -116,7 +116,7 @@ def test_engine_options_follow_the_device_readme():
     assert opts["max_loras"] == 128 and opts["max_lora_rank"] == 8 and opts["max_cpu_loras"] == 256
     assert opts["max_num_seqs"] == 256 and opts["max_num_batched_tokens"] == 2048
     assert opts["enable_prefix_caching"] is False and opts["async_scheduling"] is False
-    assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"
+    assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"  # stock's setting
     assert opts["skip_tokenizer_init"] is True
     assert max(opts["compilation_config"]["cudagraph_capture_sizes"]) == opts["max_num_seqs"]
 
@@ -142,12 +142,146 @@ def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
 def test_table_rows():
     stock = {"mode": "stock", "adapters": 128, "skewed": False, "req_per_s": 40.0, "output_tok_per_s": 2400.0,
              "counters": None}
+    grid = {**stock, "mode": "gridtrim", "req_per_s": 50.0}
     trim = {**stock, "mode": "steptrim", "req_per_s": 42.0, "counters": {"realized_skip": 0.5001}}
-    text = bench.render(["pre"], [stock, trim, {"mode": "stock", "adapters": 4, "skewed": True,
-                                               "error": "timed out"}], ["note"])
+    both = {**stock, "mode": "both", "req_per_s": 60.0, "output_tok_per_s": 3600.0,
+            "counters": {"realized_skip": 0.4996}}
+    text = bench.render(["pre"], [stock, grid, trim, both, {"mode": "stock", "adapters": 4, "skewed": True,
+                                                           "error": "timed out"},
+                                  {"mode": "gridtrim", "adapters": 4, "skewed": True, "req_per_s": 9.0,
+                                   "output_tok_per_s": 500.0, "counters": None}], ["note"])
     lines = text.splitlines()
     assert lines[2] == bench.HEADER
     assert lines[4] == "| 128 | uniform | stock | 40.0 | 2400 | — | 1.00 |"
-    assert lines[5] == ("| 128 | uniform | steptrim (stock LoRA kernels; GridTrim not integrated) | 42.0 | 2400 | "
-                        "0.500 | 1.05 |")
-    assert lines[6].startswith("| 4 | skewed 80/20 | stock | timed out |") and lines[-1] == "note"
+    assert lines[5] == "| 128 | uniform | gridtrim (our LoRA kernels, no release) | 50.0 | 2400 | — | 1.25 |"
+    assert lines[6] == "| 128 | uniform | steptrim (release, vLLM's LoRA kernels) | 42.0 | 2400 | 0.500 | 1.05 |"
+    assert lines[7] == ("| 128 | uniform | steptrim + gridtrim (release, our LoRA kernels) | 60.0 | 3600 | 0.500 | "
+                        "1.50 |")
+    assert lines[8].startswith("| 4 | skewed 80/20 | stock | timed out |")
+    assert lines[9].endswith("| — |")  # no stock row to compare with
+    assert lines[-1] == "note"
+    assert "GridTrim not integrated" not in text
+
+
+def test_modes_and_their_engines():
+    assert bench.MODES == ("stock", "gridtrim", "steptrim", "both")
+    assert set(bench.MODE_LABEL) == set(bench.MODES)
+    spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.MODES}
+    assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False}
+    # everything else is the same in every mode
+    strip = [{k: v for k, v in bench.engine_options(4, mode=m).items() if k != "specialize_active_lora"}
+             for m in bench.MODES]
+    assert all(o == strip[0] for o in strip)
+    bench.check_engine_classes("stock", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
+    bench.check_engine_classes("gridtrim", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"})
+    bench.check_engine_classes("steptrim", {"runner": "LoRazorGPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
+    bench.check_engine_classes("both", {"runner": "LoRazorGPUModelRunner",
+                                        "punica_wrapper": "GridTrimPunicaWrapper"})
+    for mode, found in (("stock", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"}),
+                        ("gridtrim", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"}),
+                        ("both", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"})):
+        with pytest.raises(RuntimeError, match=f"mode {mode}: the engine runs"):
+            bench.check_engine_classes(mode, found)
+
+
+def test_engine_classes_follow_vllms_path():
+    from types import SimpleNamespace
+
+    class GridTrimPunicaWrapper:
+        pass
+
+    class LoRazorGPUModelRunner:
+        lora_manager = SimpleNamespace(_adapter_manager=SimpleNamespace(
+            punica_wrapper_mapping={"language_model": GridTrimPunicaWrapper()}))
+
+    worker = SimpleNamespace(model_runner=LoRazorGPUModelRunner())
+    assert bench.engine_classes(worker) == {"runner": "LoRazorGPUModelRunner",
+                                            "punica_wrapper": "GridTrimPunicaWrapper"}
+
+
+def test_mode_env(tmp_path):
+    environ = {"PATH": "/bin", "LORAZOR_BUNDLE": "/stale", "LORAZOR_GRIDTRIM": "1", "LORAZOR_X": "y"}
+    adapters = {"a00": tmp_path / "a00", "a01": tmp_path / "a01"}
+    envs = {m: bench.mode_env(m, environ, tmp_path / "b", adapters) for m in bench.MODES}
+    assert envs["stock"] == {"PATH": "/bin"}
+    assert envs["gridtrim"] == {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1"}
+    bundle = {"LORAZOR_BUNDLE": str(tmp_path / "b"), "LORAZOR_LOG_INTERVAL_S": "0",
+              "LORAZOR_ADAPTERS": f"a00={tmp_path / 'a00'},a01={tmp_path / 'a01'}"}
+    assert envs["steptrim"] == {"PATH": "/bin", **bundle}
+    assert envs["both"] == {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1", **bundle}
+    from serve_bridge.settings import BridgeSettings, gridtrim_from_env
+
+    for m, e in envs.items():  # what the plugin reads back in the engine's processes
+        assert gridtrim_from_env(e) is (m in ("gridtrim", "both"))
+        assert (BridgeSettings.from_env(e) is not None) is (m in ("steptrim", "both"))
+    assert BridgeSettings.from_env(envs["both"]).adapters == {k: str(v) for k, v in adapters.items()}
+
+
+def test_mistral7b_config_and_workload():
+    cfg = bench.MODELS["mistral7b"]
+    assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["model_type"] == "mistral"
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (4096, 14336, 32, 32, 8, 128, 32768)
+    assert cfg["rope_theta"] == 1e6 and cfg["max_position_embeddings"] == 32768 and cfg["rms_norm_eps"] == 1e-5
+    assert cfg["tie_word_embeddings"] is False and (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    t = lora_targets(cfg)
+    assert t["q_proj"][1:] == (4096, 4096) and t["k_proj"][1:] == (4096, 1024) and t["down_proj"][1:] == (14336, 4096)
+    wl = bench.workload_for(8, 256, False, 0, cfg)
+    ref = bench.make_workload(8, 256)
+    assert max(max(p) for p in wl.prompt) < 32768 and min(min(p) for p in wl.prompt) >= 3
+    assert [len(p) for p in wl.prompt] == [len(p) for p in ref.prompt] and wl.max_tokens == ref.max_tokens
+    assert wl.adapter == ref.adapter and wl.k == ref.k
+    assert bench.workload_for(8, 256, False, 0, bench.LLAMA32_3B) == ref
+
+
+def test_mistral7b_config_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(bench.MISTRAL_7B))
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(cfg).__name__ == "MistralConfig" and cfg.head_dim == 128 and cfg.num_key_value_heads == 8
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    assert rope["rope_theta"] == 1e6
+
+
+def test_model_switch_restamps_the_work_dir(tmp_path):
+    tiny = {**bench.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    bench.prepare(tmp_path, [3], False, 32, 0, tiny)
+    assert json.loads((tmp_path / "prepared.json").read_text())["key"] == bench._prep_key([3], tiny)
+    bench.drop_stale_stamp(tmp_path, [3], tiny)
+    assert (tmp_path / "prepared.json").exists()
+    bench.drop_stale_stamp(tmp_path, [3], {**tiny, "model_type": "mistral"})
+    assert not (tmp_path / "prepared.json").exists()
+
+
+def test_poisson_arrivals():
+    t = bench.arrival_times(4000, 20.0, seed=0)
+    assert len(t) == 4000 and t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 1 / 20) < 0.05 / 20 * 4  # within ~4 standard errors of the exponential mean
+    assert sum(g < 1 / 20 for g in gaps) / len(gaps) == pytest.approx(1 - 2.718281828 ** -1, abs=0.03)
+    assert bench.arrival_times(4000, 20.0, seed=0) == t and bench.arrival_times(4000, 20.0, seed=1) != t
+    assert bench.arrival_times(0, 5.0) == [] and bench.arrival_times(1, 5.0) == [0.0]
+    slow = bench.arrival_times(4000, 2.0, seed=0)  # the rate only scales the gaps
+    assert slow[-1] == pytest.approx(t[-1] * 10)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="arrival rate"):
+            bench.arrival_times(10, bad)
+
+
+def test_latency_summary_and_table():
+    s = bench.latency_summary([0.0, 1.0, 2.0], [0.1, 1.3, 2.2], [1.1, 1.3, 2.6], [11, 1, 5])
+    assert s["ttft_p50_ms"] == pytest.approx(200.0) and s["ttft_p90_ms"] == pytest.approx(280.0)
+    assert s["tpot_p50_ms"] == pytest.approx(100.0) and s["tpot_p90_ms"] == pytest.approx(100.0)  # 1-token request out
+    stock = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
+             "counters": None, "ttft_p50_ms": 50.0, "ttft_p90_ms": 90.0, "tpot_p50_ms": 20.0, "tpot_p90_ms": 30.0}
+    both = {**stock, "mode": "both", "tpot_p50_ms": 16.0, "counters": {"realized_skip": 0.5}}
+    lines = bench.render(["pre"], [stock, both, {"mode": "gridtrim", "adapters": 4, "skewed": False,
+                                                "error": "failed (rc 1)"}], [], latency=True).splitlines()
+    assert lines[2] == bench.LATENCY_HEADER and lines[3] == "|" + "---|" * 11
+    assert lines[4] == "| 4 | uniform | stock | 10.0 | 600 | 50.0 | 90.0 | 20.0 | 30.0 | — | 1.00 |"
+    assert lines[5].endswith("| 16.0 | 30.0 | 0.500 | 1.25 |")
+    assert lines[6].count("|") == lines[4].count("|")
+    offline = bench.render(["pre"], [stock], []).splitlines()
+    assert offline[2] == bench.HEADER and offline[3] == "|---|---|---|---|---|---|---|"

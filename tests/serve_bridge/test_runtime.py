@@ -14,7 +14,7 @@ import torch
 from safetensors.numpy import save_file
 
 from serve_bridge.bundle import HEADS_FILE, AdapterEntry, BundleError, adapter_fingerprint, write_bundle
-from serve_bridge.rpc import lorazor_counters, lorazor_requests
+from serve_bridge.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
 from serve_bridge.runtime import build_runtime
 from serve_bridge.settings import BridgeSettings
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
@@ -278,6 +278,23 @@ def test_request_records_include_tracked_requests_and_clear_finished(tmp_path, s
     assert [(r["req_id"], r["finished"], r["forwards"], r["release"]) for r in recs] == [
         ("a", True, 1, 0), ("b", False, 1, 0)]
     assert [r["req_id"] for r in lorazor_requests(worker)] == ["b"]
+
+
+def test_worker_extension_names_the_readouts(tmp_path, served):
+    """By method name, as vLLM's /collective_rpc calls them (string arguments)."""
+    class Worker(LoRazorWorkerExtension):
+        model_runner = SimpleNamespace(lorazor=build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H,
+                                                             "cpu"))
+
+    rt = Worker.model_runner.lorazor
+    rt.add("a", "prof0", str(served["prof0"]), 3)
+    rt.begin_step(["a"], np.array([0]), np.array([3]), np.array([3]), (1,) * 3, (1,))
+    rt.decide(torch.zeros(1, H))
+    rt.finish("a")
+    worker = Worker()
+    assert worker.lorazor_counters()["released_requests"] == 1
+    assert [r["req_id"] for r in worker.lorazor_requests(clear="true")] == ["a"]
+    assert worker.lorazor_requests() == []
 
 
 def test_rpc_without_bridge_explains_how_to_start():

@@ -10,8 +10,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from serve_bridge import plugin
-from serve_bridge.settings import (BridgeError, BridgeSettings, parse_adapters, require_supported_engine,
-                                   require_v1_runner, require_vllm_version)
+from serve_bridge.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
+                                   require_supported_engine, require_v1_runner, require_vllm_version)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,10 +92,85 @@ def test_entry_point_names_register():
     assert getattr(importlib.import_module(module), attr) is plugin.register
 
 
-def test_register_is_a_no_op_without_bundle(monkeypatch):
+@pytest.mark.parametrize("gridtrim", [None, "", "0", "off", " OFF "])
+def test_register_is_a_no_op_without_bundle_or_gridtrim(monkeypatch, gridtrim):
     monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    if gridtrim is None:
+        monkeypatch.delenv("LORAZOR_GRIDTRIM", raising=False)
+    else:
+        monkeypatch.setenv("LORAZOR_GRIDTRIM", gridtrim)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would fail
     plugin.register()
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("on", True), (" On ", True), ("0", False), ("off", False),
+                                      ("", False), ("  ", False)])
+def test_gridtrim_switch(value, on):
+    assert gridtrim_from_env({"LORAZOR_GRIDTRIM": value}) is on
+    assert gridtrim_from_env({}) is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "gridtrim"])
+def test_gridtrim_switch_refuses_other_values(value, monkeypatch):
+    with pytest.raises(BridgeError, match=r"LORAZOR_GRIDTRIM=.*use 1 or on.*0, off or unset"):
+        gridtrim_from_env({"LORAZOR_GRIDTRIM": value})
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    monkeypatch.setenv("LORAZOR_GRIDTRIM", value)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # refused before vLLM is imported
+    with pytest.raises(BridgeError, match="LORAZOR_GRIDTRIM"):
+        plugin.register()
+
+
+class _Platform:
+    """Stands in for vLLM's platform classes: a classmethod names the punica wrapper."""
+
+    cuda = True
+
+    def is_cuda(self):
+        return self.cuda
+
+    @classmethod
+    def get_punica_wrapper(cls):
+        return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
+
+
+def _fake_vllm(monkeypatch, platform_cls):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.26.0"
+    platforms = ModuleType("vllm.platforms")
+    platforms.current_platform = platform_cls()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "serve_bridge.vllm_hooks", None)  # the StepTrim runner must not load
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    monkeypatch.setenv("LORAZOR_GRIDTRIM", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return platforms.current_platform
+
+
+def test_register_gridtrim_selects_the_wrapper(monkeypatch):
+    cuda = type("CudaPlatform", (_Platform,), {})
+    platform = _fake_vllm(monkeypatch, cuda)
+    plugin.register()
+    assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
+    plugin.register()  # idempotent
+    assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
+    assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class
+
+
+def test_register_gridtrim_refuses_non_cuda(monkeypatch):
+    cpu = type("CpuPlatform", (_Platform,), {"cuda": False})
+    platform = _fake_vllm(monkeypatch, cpu)
+    with pytest.raises(BridgeError, match="NVIDIA GPUs only.*CpuPlatform.*unset LORAZOR_GRIDTRIM"):
+        plugin.register()
+    assert platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER
+
+
+def test_register_gridtrim_refuses_v2_runner(monkeypatch):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    with pytest.raises(BridgeError, match="V1 GPU model runner.*on through LORAZOR_GRIDTRIM"):
+        plugin.register()
 
 
 def test_register_refuses_other_vllm(monkeypatch):

@@ -1,0 +1,287 @@
+"""GridTrim behind vLLM's punica contract (serve_bridge/gridtrim.py, serve_bridge/vllm_punica.py).
+
+The kernels run in Triton's interpreter on CPU (fp16 only there, see tests/kernels/
+test_lora_kernels.py). The metadata is built here the way vLLM 0.26's ``LoRAKernelMeta`` builds it
+(static buffers reused across steps, ``lora/ops/triton_ops/lora_kernel_metadata.py:102-205``),
+independently of ``kernels.metadata``; the oracle is ``kernels.reference``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+# Fixed when triton.language is first imported: choose the interpreter before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.reference import expand_reference, shrink_reference  # noqa: E402
+from kernels.worklist import RowTileWorklist  # noqa: E402
+from serve_bridge import gridtrim  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float16
+PROGRAMS = 3  # persistent grid smaller than the work: programs stride over items
+MAX_LORAS, MAX_TOKENS = 4, 48
+HIDDEN, RANK, WIDTHS = 80, 8, (40, 16, 16)  # qkv-like: q wider than k and v
+
+
+class VllmKernelMeta:
+    """vLLM's LoRAKernelMeta contract, rebuilt for the test: static buffers of max_tokens /
+    max_loras + 1 (+2) entries; each step resets the slot arrays, and a batch without adapter
+    rows stops there; otherwise the mapping and its stable sort are written to the front of the
+    buffers, and the unique ids (sorted, -1 first when present) with their counts and the
+    start offsets to the slot arrays. Entries past the batch keep stale values."""
+
+    def __init__(self, max_loras: int, max_tokens: int) -> None:
+        def stale(n: int) -> torch.Tensor:
+            return torch.full((n,), 9999, dtype=torch.int32, device=DEVICE)
+
+        self.token_lora_mapping, self.token_indices_sorted_by_lora_ids = stale(max_tokens), stale(max_tokens)
+        self.active_lora_ids, self.num_tokens_per_lora = stale(max_loras + 1), stale(max_loras + 1)
+        self.lora_token_start_loc = stale(max_loras + 2)
+        self.no_lora = torch.tensor([False])
+        self.num_active = torch.tensor([max_loras + 1], dtype=torch.int32)
+
+    def prepare(self, mapping: torch.Tensor) -> None:
+        self.active_lora_ids.fill_(-1)
+        self.num_tokens_per_lora.fill_(0)
+        self.lora_token_start_loc.fill_(0)
+        self.no_lora[0] = bool((mapping == -1).all())
+        if self.no_lora[0]:
+            return
+        n = mapping.numel()
+        self.token_lora_mapping[:n] = mapping
+        self.token_indices_sorted_by_lora_ids[:n] = torch.sort(mapping, stable=True).indices.to(torch.int32)
+        ids, counts = torch.unique(mapping, sorted=True, return_counts=True)
+        self.active_lora_ids[: ids.numel()] = ids
+        self.num_tokens_per_lora[: ids.numel()] = counts.to(torch.int32)
+        self.lora_token_start_loc[1: 1 + ids.numel()] = torch.cumsum(counts, 0).to(torch.int32)
+
+    def meta_args(self, token_nums: int, specialize: bool = False) -> tuple[torch.Tensor, ...]:
+        return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
+                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora,
+                self.num_active)
+
+
+def _mapping(groups: dict[int, int], gen: torch.Generator) -> torch.Tensor:
+    ids = torch.cat([torch.full((n,), lora, dtype=torch.int32) for lora, n in groups.items()])
+    return ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
+
+
+def _weights(gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """vLLM's stacked layout: A [max_loras, 1, rank, hidden], B [max_loras, 1, out, rank]."""
+    a = [(torch.randn(MAX_LORAS, 1, RANK, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(DEVICE, DTYPE)
+         for _ in WIDTHS]
+    b = [(torch.randn(MAX_LORAS, 1, n, RANK, generator=gen) * RANK ** -0.5).to(DEVICE, DTYPE) for n in WIDTHS]
+    return a, b
+
+
+def _poisoned_output(rows: int, mapping: torch.Tensor, add_inputs: bool, gen: torch.Generator) -> torch.Tensor:
+    """NaN wherever the op must not read: everywhere without add_inputs; with add_inputs, rows that
+    have no adapter or are CUDA-graph padding (those must come back bit-identical)."""
+    y = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
+    mapped = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+    mapped[: mapping.numel()] = mapping >= 0
+    y[~mapped if add_inputs else slice(None)] = float("nan")
+    return y
+
+
+def _check(y: torch.Tensor, y0: torch.Tensor, x: torch.Tensor, a, b, mapping: torch.Tensor, scale: float,
+           add_inputs: bool) -> None:
+    full = torch.full((x.shape[0],), -1, dtype=torch.int32, device=DEVICE)
+    full[: mapping.numel()] = mapping  # padding rows: no adapter
+    ref = expand_reference(shrink_reference(x, a, full, scale), b, y0, full, add_inputs=add_inputs)
+    mapped = full >= 0
+    # rows without an adapter and padding rows: bit for bit what was there (NaN included)
+    assert torch.equal(y[~mapped].view(torch.int16), y0[~mapped].view(torch.int16))
+    assert torch.isfinite(y[mapped]).all(), "every column of every adapter row is written"
+    if mapped.any():
+        torch.testing.assert_close(y[mapped].float(), ref[mapped].float(), rtol=2e-2, atol=2e-3)
+
+
+# -- eligibility (no Triton) ------------------------------------------------------------------------
+
+def _layer(dtype=DTYPE, slices=3, rank=RANK, widths=None, **over):
+    widths = list(widths or WIDTHS[:slices])
+    a = [torch.ones(MAX_LORAS, 1, rank, HIDDEN, dtype=dtype) for _ in widths]
+    b = [torch.ones(MAX_LORAS, 1, n, rank, dtype=dtype) for n in widths]
+    args = dict(y=torch.ones(6, sum(widths), dtype=dtype), x=torch.ones(6, HIDDEN, dtype=dtype), lora_a=a,
+                lora_b=b, output_slices=tuple(widths))
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("slices", [1, 2, 3])
+def test_eligible_layers(dtype, slices):
+    assert gridtrim.ineligible_reason(**_layer(dtype, slices)) is None
+    assert gridtrim.ineligible_reason(**_layer(dtype, slices, rank=64)) is None
+
+
+def test_ineligible_layers_name_the_reason():
+    base = _layer()
+    cases = {
+        "float32": _layer(torch.float32),
+        "4 LoRA slices": _layer(widths=(16, 16, 16, 16)),
+        "rank 128": _layer(rank=128),
+        "one dtype": {**base, "lora_b": [w.bfloat16() for w in base["lora_b"]]},
+        "A slices of different shapes": {**base, "lora_a": base["lora_a"][:2]
+                                         + [torch.ones(MAX_LORAS, 1, RANK, HIDDEN + 8, dtype=DTYPE)]},
+        "differ from output_slices": {**base, "output_slices": (16, 40, 16)},
+        "the slices need": {**base, "y": torch.ones(6, 50, dtype=DTYPE)},
+    }
+    for needle, layer in cases.items():
+        reason = gridtrim.ineligible_reason(**layer)
+        assert reason is not None and needle in reason, (needle, reason)
+
+
+def test_fallback_warns_once_per_reason(monkeypatch, caplog):
+    monkeypatch.setattr(gridtrim, "_warned", set())
+    layer = _layer(torch.float32)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    with caplog.at_level(logging.WARNING, logger="vllm.lorazor.gridtrim"):
+        for _ in range(3):
+            done = gridtrim.add_lora_linear(layer["y"], layer["x"], layer["lora_a"], layer["lora_b"], 1.0,
+                                            layer["output_slices"], meta.meta_args(6), wl)
+            assert done is False
+    warnings = [r for r in caplog.records if r.name == "vllm.lorazor.gridtrim"]
+    assert len(warnings) == 1 and "float32" in warnings[0].getMessage()
+    assert "stock kernels" in warnings[0].getMessage()
+
+
+# -- kernels through the vLLM contract (Triton interpreter on CPU) ---------------------------------
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="the Triton kernels need the triton package")
+
+
+@needs_triton
+@pytest.mark.parametrize("add_inputs", [True, False])
+def test_successive_steps_match_reference(add_inputs):
+    """One worklist and one set of metadata buffers serve successive steps, as in a server: a mixed
+    batch, a batch with another adapter mix, and a step with no adapter row (a no-op). x has more
+    rows than the step's tokens (CUDA-graph padding) and those rows stay untouched."""
+    gen = torch.Generator().manual_seed(7 + add_inputs)
+    a, b = _weights(gen)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    steps = [({-1: 5, 0: 3, 2: 19, 3: 1}, 32), ({1: 2, -1: 1, 3: 4}, 8), ({-1: 6}, 8)]
+    for groups, rows in steps:
+        mapping = _mapping(groups, gen)
+        meta.prepare(mapping)
+        gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
+        x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
+        y0 = _poisoned_output(rows, mapping, add_inputs, gen)
+        y = y0.clone()
+        done = gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, add_inputs=add_inputs,
+                                        num_programs=PROGRAMS)
+        assert done is True
+        _check(y, y0, x, a, b, mapping, 0.5, add_inputs)
+    assert int(wl.num_tiles) == 0  # the last step had no adapter row
+
+
+def _stub_vllm(monkeypatch) -> type:
+    """A stand-in for ``vllm.lora.punica_wrapper.punica_gpu`` whose PunicaWrapperGPU keeps the
+    parts the subclass relies on: lora_config/max_loras (punica_gpu.py:49-50), token_mapping_meta
+    (:57-62), update_metadata preparing it from the token mapping (:75-88), and a stock
+    add_lora_linear (recorded here)."""
+
+    class PunicaWrapperGPU:
+        stock_calls: list = []
+
+        def __init__(self, max_num_batched_tokens, max_batches, device, **kwargs):
+            self.lora_config = kwargs["lora_config"]
+            self.max_loras = self.lora_config.max_loras
+            self.token_mapping_meta = VllmKernelMeta(self.max_loras, max_num_batched_tokens)
+            self.prompt_mapping_meta = VllmKernelMeta(self.max_loras, max_num_batched_tokens)
+
+        def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, sampled=None, **kwargs):
+            # vLLM prepares the sampler's mapping from the sampled rows' indices (punica_gpu.py:88)
+            self.token_mapping_meta.prepare(mapping)
+            self.prompt_mapping_meta.prepare(mapping if sampled is None else sampled)
+
+        def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                            **kwargs):
+            self.stock_calls.append(kwargs)
+
+        def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+            self.stock_calls.append({"logits": True, **kwargs})
+
+    names = ("vllm", "vllm.lora", "vllm.lora.punica_wrapper", "vllm.lora.punica_wrapper.punica_gpu")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    sys.modules[names[-1]].PunicaWrapperGPU = PunicaWrapperGPU
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica", raising=False)
+    return PunicaWrapperGPU
+
+
+@needs_triton
+def test_punica_wrapper_subclass(monkeypatch):
+    base = _stub_vllm(monkeypatch)
+    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
+    from serve_bridge import plugin
+
+    assert vllm_punica.QUALNAME == plugin.GRIDTRIM_WRAPPER == (
+        f"{vllm_punica.__name__}.{vllm_punica.GridTrimPunicaWrapper.__qualname__}")
+    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=False)
+    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
+    assert isinstance(wrapper, base) and wrapper.gridtrim_worklist.capacity >= MAX_TOKENS // 16 + MAX_LORAS + 1
+    wrapper.gridtrim_programs = PROGRAMS
+    gen = torch.Generator().manual_seed(3)
+    a, b = _weights(gen)
+    mapping = _mapping({0: 4, -1: 2, 1: 3}, gen)
+    wrapper.update_metadata(mapping, [None] * MAX_LORAS, MAX_LORAS + 1, 1000)
+    assert int(wrapper.gridtrim_worklist.num_tiles) == 2
+    x = torch.randn(12, HIDDEN, generator=gen).to(DEVICE, DTYPE)  # 3 padding rows
+    y0 = _poisoned_output(12, mapping, True, gen)
+    y = y0.clone()
+    assert wrapper.add_lora_linear(y, x, tuple(a), tuple(b), 1.0, WIDTHS) is None
+    _check(y, y0, x, a, b, mapping, 1.0, True)
+    assert base.stock_calls == []
+    # an ineligible layer (fp32) goes to the stock method, with the caller's kwargs
+    layer = _layer(torch.float32)
+    wrapper.add_lora_linear(layer["y"], layer["x"], tuple(layer["lora_a"]), tuple(layer["lora_b"]), 1.0,
+                            layer["output_slices"], add_inputs=False)
+    assert base.stock_calls == [{"add_inputs": False}]
+
+
+@needs_triton
+def test_punica_wrapper_logits_use_the_sampler_mapping(monkeypatch):
+    """add_lora_logits: one slice over the vocabulary, rows and ids from the sampler's mapping (not
+    the token mapping), logits wider than the LoRA vocabulary, columns past it untouched."""
+    base = _stub_vllm(monkeypatch)
+    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
+    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=True)
+    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
+    wrapper.gridtrim_programs = PROGRAMS
+    gen = torch.Generator().manual_seed(11)
+    vocab, padded = 70, 76
+    a = (torch.randn(MAX_LORAS, 1, RANK, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(DEVICE, DTYPE)
+    b = (torch.randn(MAX_LORAS, 1, vocab, RANK, generator=gen) * RANK ** -0.5).to(DEVICE, DTYPE)
+    tokens = _mapping({0: 9, 1: 5, -1: 4}, gen)
+    sampled = _mapping({1: 2, -1: 1, 3: 2}, gen)
+    for step in range(2):  # the same stacks on a second step reuse the layer's eligibility
+        wrapper.update_metadata(tokens, [None] * MAX_LORAS, MAX_LORAS + 1, vocab, sampled=sampled)
+        x = torch.randn(sampled.numel(), HIDDEN, generator=gen).to(DEVICE, DTYPE)
+        y0 = torch.randn(sampled.numel(), padded, generator=gen).to(DEVICE, DTYPE)
+        y0[sampled < 0] = float("nan")
+        y = y0.clone()
+        wrapper.add_lora_logits(y, x, a, b, 0.5)
+        ref = expand_reference(shrink_reference(x, [a], sampled, 0.5), [b], y0[:, :vocab].clone(), sampled)
+        rows = sampled >= 0
+        assert torch.equal(y[~rows].view(torch.int16), y0[~rows].view(torch.int16))
+        assert torch.equal(y[:, vocab:].view(torch.int16), y0[:, vocab:].view(torch.int16))
+        torch.testing.assert_close(y[rows, :vocab].float(), ref[rows].float(), rtol=2e-2, atol=2e-3)
+    assert base.stock_calls == []
+    wrapper.add_lora_logits(y.float(), x, a, b, 1.0)  # fp32 logits: the stock method
+    assert base.stock_calls == [{"logits": True}]

@@ -6,15 +6,18 @@ whose generation stages are cached starts in a second.
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from calibrate.errors import ConfigError
+from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter
 from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
 from labeling.tasks import Task, build_task
+
+VLLM_DEFAULTS = Path(__file__).resolve().parents[1] / "conf" / "engine" / "vllm.yaml"
 
 
 class Context:
@@ -52,8 +55,8 @@ class Context:
     def backbone_spec(self) -> BackboneSpec:
         b = self.section("backbone")
         return BackboneSpec(name=b["name"], hf_id=b.get("hf_id"), gguf_package=b.get("gguf_package"),
-                            gguf_file=b.get("gguf_file"), dtype=b.get("dtype", "float32"),
-                            extra_stop_tokens=tuple(b.get("extra_stop_tokens") or ()))
+                            gguf_file=b.get("gguf_file"), gguf_dir=b.get("gguf_dir"),  # +backbone.gguf_dir=…
+                            dtype=b.get("dtype", "float32"), extra_stop_tokens=tuple(b.get("extra_stop_tokens") or ()))
 
     def check_adapters(self) -> None:
         """Validate every adapter against the backbone's hidden size, before loading weights."""
@@ -66,12 +69,39 @@ class Context:
     @cached_property
     def engine(self):
         e = self.section("engine")
+        if e["name"] == "vllm":
+            return self.vllm_engine(e)
         if e["name"] != "hf":
-            raise ConfigError(f"engine={e['name']!r} is not available in this version; use engine=hf "
-                             f"(engine.device=cuda on a GPU box).")
+            raise ConfigError(f"engine={e['name']!r} is unknown; use engine=hf (transformers + peft, CPU or GPU) "
+                              f"or engine=vllm (GPU).")
         from labeling.engines.hf import HFEngine
 
         self.check_adapters()
         model, tok = load_backbone(self.backbone_spec, device=e.get("device", "cpu"))
         return HFEngine(model, tok, self.adapters, stop_token_ids(model, tok, self.backbone_spec),
                         batch_size=e.get("batch_size", 16), progress=e.get("progress", True))
+
+    def vllm_engine(self, options: dict[str, Any]):
+        """A :class:`labeling.engines.vllm.VLLMEngine` with ``options`` (conf/engine/vllm.yaml keys)."""
+        try:
+            import vllm  # noqa: F401
+        except ImportError as err:
+            raise ConfigError("engine=vllm needs vllm==0.26.0 and a GPU: pip install 'lorazor[vllm]'") from err
+        from labeling.engines.vllm import VLLMEngine
+
+        self.check_adapters()
+        try:
+            return VLLMEngine.from_config(self.backbone_spec, self.adapters, options)
+        except UserError:
+            raise
+        except ValueError as err:  # an unknown option, an adapter rank beyond vLLM's
+            raise ConfigError(f"engine=vllm: {err}") from err
+
+    @cached_property
+    def agreement_engine(self):
+        """The engine the agreement stage realizes the bundle on: the run's engine if it is
+        vLLM, else a vLLM engine with conf/engine/vllm.yaml's defaults (tests inject another)."""
+        if self.section("engine")["name"] == "vllm":
+            return self.engine
+        defaults = OmegaConf.to_container(OmegaConf.load(VLLM_DEFAULTS), resolve=True)
+        return self.vllm_engine(defaults)  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""The calibration stages, in order: data → labels → heads → sweep → export → test.
+"""The calibration stages, in order: data → labels → heads → sweep → export → test
+(→ agreement, with ``agreement=true``).
 
 Each stage reads its inputs from the run directory, writes its outputs there, and records a
 marker with its fingerprint (see :mod:`calibrate.rundir`). ``run_pipeline`` skips finished
@@ -22,9 +23,10 @@ from predictors.candidates import Candidates, build_candidates
 from predictors.export import CONFIG_SECTIONS, export_bundle, resolve_rule
 from predictors.frontier import DEFAULT_RULES, compare_at_budget, k_table, pareto, select, write_tables
 from predictors.heads import fit_heads, load_heads, save_heads
-from predictors.plots import plot_frontier, plot_k_curves, plot_positive_rate, plot_release_histogram
+from predictors.plots import (plot_agreement, plot_frontier, plot_k_curves, plot_positive_rate,
+                              plot_release_histogram)
 from predictors.sweep import ForkPlanner, load_trees, price, release_points, save_trees, sweep_cost
-from serve_bridge.bundle import load_bundle
+from serve_bridge.bundle import Bundle, load_bundle
 from serve_bridge.steptrim import StepTrim, skip_fraction
 
 
@@ -131,30 +133,106 @@ def stage_export(ctx: Context) -> dict:
     return {"rule": rule, "policy": ex["policy"], "adapters": chosen}
 
 
-def stage_test(ctx: Context) -> dict:
-    """Serve the exported bundle on the test split through StepTrim; realized vs full LoRA."""
-    bundle = load_bundle(ctx.run.path("bundle"), expected_hidden_size=ctx.engine.hidden_size,
+def _bundle_steptrim(ctx: Context, engine) -> tuple[Bundle, StepTrim]:
+    """The exported bundle, loaded through the serving-side reader, as a StepTrim over the run's adapters."""
+    bundle = load_bundle(ctx.run.path("bundle"), expected_hidden_size=engine.hidden_size,
                          expected_backbone=ctx.backbone_spec.name, known_adapters=ctx.adapter_names)
-    steptrim = StepTrim([bundle.policies.get(a) for a in ctx.adapter_names], ctx.engine.hidden_size)
-    examples = ctx.task.load_split("test")
-    pairs = build_requests(ctx.engine, ctx.task, examples, range(len(ctx.adapter_names)))
+    return bundle, StepTrim([bundle.policies.get(a) for a in ctx.adapter_names], engine.hidden_size)
+
+
+def realize(ctx: Context, engine, split: str, steptrim: StepTrim, desc: str) -> dict[str, dict]:
+    """Run ``split`` × adapters with full LoRA and with ``steptrim`` on ``engine``; per adapter:
+    requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1)."""
+    pairs = build_requests(engine, ctx.task, ctx.task.load_split(split), range(len(ctx.adapter_names)))
     reqs = [r for _, r in pairs]
-    full = ctx.engine.generate(reqs, ctx.task.max_new_tokens, desc="test: full LoRA")
-    trim = ctx.engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc="test: bundle policy")
-    rows = []
+    full = engine.generate(reqs, ctx.task.max_new_tokens, desc=f"{desc}: full LoRA")
+    trim = engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc=f"{desc}: bundle policy")
+    out = {}
     for a_idx, a in enumerate(ctx.adapter_names):
         sel = [i for i, (_, r) in enumerate(pairs) if r.slot == a_idx]
-        acc_full = 100.0 * np.mean([ctx.task.score(pairs[i][0], ctx.engine.decode(full[i].tokens)) for i in sel])
-        acc_trim = 100.0 * np.mean([ctx.task.score(pairs[i][0], ctx.engine.decode(trim[i].tokens)) for i in sel])
-        skip = skip_fraction([len(trim[i].tokens) for i in sel], [trim[i].release for i in sel])
-        e = bundle.adapters[a]
+        acc_full = 100.0 * float(np.mean([ctx.task.score(pairs[i][0], engine.decode(full[i].tokens)) for i in sel]))
+        acc_trim = 100.0 * float(np.mean([ctx.task.score(pairs[i][0], engine.decode(trim[i].tokens)) for i in sel]))
+        out[a] = {"n_requests": len(sel), "full_accuracy": acc_full, "policy_accuracy": acc_trim,
+                  "loss_points": acc_full - acc_trim,
+                  "skip": skip_fraction([len(trim[i].tokens) for i in sel], [trim[i].release for i in sel])}
+    return out
+
+
+def stage_test(ctx: Context) -> dict:
+    """Serve the exported bundle on the test split through StepTrim; realized vs full LoRA."""
+    bundle, steptrim = _bundle_steptrim(ctx, ctx.engine)
+    realized = realize(ctx, ctx.engine, "test", steptrim, "test")
+    rows = []
+    for a in ctx.adapter_names:
+        r, e = realized[a], bundle.adapters[a]
         rows.append({"adapter": a, "policy": e.policy, "tau": e.tau, "k": e.k,
                      "val_skip": e.stats.get("val_skip"), "val_loss_points": e.stats.get("val_loss_points"),
-                     "test_skip": skip, "test_loss_points": acc_full - acc_trim,
-                     "test_full_accuracy": acc_full, "test_policy_accuracy": acc_trim})
+                     "test_skip": r["skip"], "test_loss_points": r["loss_points"],
+                     "test_full_accuracy": r["full_accuracy"], "test_policy_accuracy": r["policy_accuracy"]})
     df = pd.DataFrame(rows)
     write_tables(ctx.run.root / "test", {"realized": df})
     return {"rows": df.to_dict(orient="records")}
+
+
+AGREEMENT_BAND = 3.0  # points: predicted and realized agree within this
+
+
+def stage_agreement(ctx: Context) -> dict:
+    """The exported bundle realized on ``ctx.agreement_engine`` (vLLM) on the validation and test
+    requests, against what calibration predicted: the sweep's selection (validation) and the
+    test stage (test). Skip in %, accuracy in %, differences in points (realized − predicted)."""
+    engine = ctx.agreement_engine
+    bundle, steptrim = _bundle_steptrim(ctx, engine)
+    test_rows = {r["adapter"]: r for r in ctx.run.summary("test")["rows"]}
+    realized_by = getattr(engine, "name", type(engine).__name__)
+    rows = []
+    for split in ("validation", "test"):
+        realized = realize(ctx, engine, split, steptrim, f"agreement {split}")
+        for a in ctx.adapter_names:
+            e, r = bundle.adapters[a], realized[a]
+            if split == "validation":
+                full = e.stats.get("full_accuracy", np.nan)
+                pred = {"skip": e.stats.get("val_skip", np.nan), "loss": e.stats.get("val_loss_points", np.nan),
+                        "accuracy": e.stats.get("val_accuracy", full - e.stats.get("val_loss_points", np.nan)),
+                        "full": full, "by": "sweep selection"}
+            else:
+                t = test_rows[a]
+                pred = {"skip": t["test_skip"], "loss": t["test_loss_points"], "accuracy": t["test_policy_accuracy"],
+                        "full": t["test_full_accuracy"], "by": f"test stage ({ctx.section('engine')['name']})"}
+            row = {"adapter": a, "split": split, "policy": e.policy,
+                   "param": e.tau if e.policy == "learned" else (e.k if e.policy == "profiled" else None),
+                   "n_requests": r["n_requests"], "predicted_by": pred["by"], "realized_by": realized_by,
+                   "predicted_skip_pct": 100.0 * pred["skip"], "realized_skip_pct": 100.0 * r["skip"],
+                   "predicted_accuracy": pred["accuracy"], "realized_accuracy": r["policy_accuracy"],
+                   "predicted_full_accuracy": pred["full"], "realized_full_accuracy": r["full_accuracy"],
+                   "predicted_loss_points": pred["loss"], "realized_loss_points": r["loss_points"]}
+            row["skip_diff_points"] = row["realized_skip_pct"] - row["predicted_skip_pct"]
+            row["accuracy_diff_points"] = row["realized_accuracy"] - row["predicted_accuracy"]
+            row["loss_diff_points"] = row["realized_loss_points"] - row["predicted_loss_points"]
+            row["within_band"] = bool(abs(row["skip_diff_points"]) <= AGREEMENT_BAND
+                                      and abs(row["accuracy_diff_points"]) <= AGREEMENT_BAND)
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    write_tables(ctx.run.root / "agreement", {"agreement": df})
+    plot_agreement(df, ctx.run.path("plots", "agreement.png"), band=AGREEMENT_BAND)
+    summary = agreement_summary(df)
+    _say(summary)
+    return {"realized_by": realized_by, "summary": summary, "rows": json.loads(df.to_json(orient="records"))}
+
+
+def agreement_summary(df: pd.DataFrame) -> str:
+    """One paragraph: how far realized skip and accuracy are from the predicted ones."""
+    n, ok = len(df), int(df["within_band"].sum())
+    skip, acc = df["skip_diff_points"].abs(), df["accuracy_diff_points"].abs()
+    worst = df.loc[(skip + acc).idxmax()] if n else None
+    text = (f"agreement: the bundle realized on {df['realized_by'].iloc[0] if n else '-'} vs calibration's "
+            f"predictions (validation: the sweep's selection; test: the test stage), {n} adapter×split points: "
+            f"skip differs by {skip.mean():.1f} points on average (max {skip.max():.1f}), accuracy by "
+            f"{acc.mean():.1f} (max {acc.max():.1f}); {ok}/{n} agree within ±{AGREEMENT_BAND:g} points on both")
+    if worst is not None and not worst["within_band"]:
+        text += (f"; farthest: {worst['adapter']} on {worst['split']} (skip {worst['skip_diff_points']:+.1f}, "
+                 f"accuracy {worst['accuracy_diff_points']:+.1f} points)")
+    return text + ". Table: agreement/agreement.csv, plot: plots/agreement.png."
 
 
 STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, ...]]] = {
@@ -165,12 +243,15 @@ STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, .
     "sweep": (stage_sweep, ("task", "backbone", "adapter", "sweep", "export"), ("heads",)),
     "export": (stage_export, ("export",), ("sweep",)),
     "test": (stage_test, ("task", "backbone", "adapter"), ("export",)),
+    "agreement": (stage_agreement, ("task", "backbone", "adapter", "engine"), ("test",)),
 }
 
 
 def run_pipeline(ctx: Context) -> dict[str, dict]:
     """Run the configured stages in order, skipping those already done; return their summaries."""
     wanted = list(ctx.cfg.stages)
+    if ctx.cfg.get("agreement", False) and "agreement" not in wanted:
+        wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")

@@ -14,6 +14,7 @@ Layout (all paths relative to the run directory)::
     bundle/                 the policy bundle (manifest.json, heads.safetensors)
     plots/*.png             frontier, k curves, positive rate per t, release histogram
     test/*.csv              realized test skip/accuracy of the exported policy
+    agreement/agreement.csv with agreement=true: predicted vs realized on vLLM (plots/agreement.png)
 
 A stage is done when its marker exists with the current fingerprint: a hash of the config
 it depends on, chained with its upstream stages' fingerprints, so changing e.g. the label

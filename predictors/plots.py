@@ -5,6 +5,8 @@
 - :func:`plot_k_curves`: accuracy and skip vs profiled k.
 - :func:`plot_positive_rate`: share of risky labels (y = 1) per release point t, per adapter.
 - :func:`plot_release_histogram`: release points of one policy over requests.
+- :func:`plot_agreement`: predicted vs realized skip and accuracy, one point per adapter and
+  split, with the diagonal and a ±band.
 """
 from __future__ import annotations
 
@@ -101,4 +103,35 @@ def plot_release_histogram(releases: Sequence[int | None], path: str | Path, tit
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="release point r (last forward with adapter)", ylabel="requests",
            title=f"{title} (never released: {len(releases) - fired.size}/{len(releases)})")
+    return _save(fig, path)
+
+
+def plot_agreement(df: pd.DataFrame, path: str | Path, band: float = 3.0) -> Path:
+    """Predicted (x) vs realized (y) skip and accuracy (%), one point per adapter and split
+    (columns of the agreement table: adapter, split, predicted/realized_skip_pct,
+    predicted/realized_accuracy), with the diagonal and a ±``band``-point band."""
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    markers = {"validation": "o", "test": "s"}
+    for ax, (what, label) in zip(fig.subplots(1, 2), (("skip_pct", "skip (%)"), ("accuracy", "accuracy (%)"))):
+        x, y = df[f"predicted_{what}"].astype(float), df[f"realized_{what}"].astype(float)
+        finite = np.concatenate([x[np.isfinite(x)], y[np.isfinite(y)]])
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 100.0)
+        lo, hi = max(0.0, lo - band - 2), min(100.0, hi + band + 2)
+        line = np.array([lo, hi])
+        ax.fill_between(line, line - band, line + band, color="tab:green", alpha=0.15, lw=0,
+                        label=f"±{band:g} points")
+        ax.plot(line, line, color="grey", lw=0.8)
+        for split, g in df.groupby("split", sort=False):
+            ax.scatter(g[f"predicted_{what}"], g[f"realized_{what}"], marker=markers.get(split, "^"), s=30,
+                       label=split)
+            for r in g.itertuples():
+                ax.annotate(r.adapter, (getattr(r, f"predicted_{what}"), getattr(r, f"realized_{what}")),
+                            textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"predicted {label}", ylabel=f"realized {label}",
+               title=label.split(" ")[0])
+        ax.set_aspect("equal", adjustable="box")
+        ax.legend(fontsize=8)
+    by = df["realized_by"].iloc[0] if len(df) and "realized_by" in df else "engine"
+    fig.suptitle(f"bundle realized on {by} vs predicted")
     return _save(fig, path)

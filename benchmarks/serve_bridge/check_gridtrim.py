@@ -1,0 +1,194 @@
+"""GridTrim inside vLLM 0.26.0 gives stock vLLM's outputs (issue 7, item 3). Needs a GPU and vLLM.
+
+    python benchmarks/serve_bridge/check_gridtrim.py --out DIR [--requests 128]
+
+(run it after ``source scripts/device_plugin_env.sh``, which registers the plugin's entry point.)
+The model, the 32 random rank-8 adapters and the request set are check_correctness.py's (its
+``prepare``: a SmolLM2-135M-shaped Llama with dummy weights, prompts of 8–1000 tokens so long
+ones are chunked, 4–64 output tokens). Every 5th request runs without an adapter, so batches mix
+adapter rows and rows mapped to -1. Two engines run, each in its own process, on the same requests
+(greedy, ``ignore_eos``, ``logprobs=5``):
+
+- ``stock``: no ``LORAZOR_*`` variable: vLLM's runner and ``PunicaWrapperGPU``, with
+  check_correctness.py's engine options (decode CUDA graphs, ``specialize_active_lora``). It also
+  runs every request without an adapter, to size the adapters' effect.
+- ``gridtrim``: ``LORAZOR_GRIDTRIM=1``: ``GridTrimPunicaWrapper`` (LoRA linears on the work-list
+  kernels), the same options but ``specialize_active_lora=False`` (one LoRA graph per batch size).
+
+Both pin vLLM's shrink to split_k=1 (check_correctness.py's ``VLLM_TUNED_CONFIG_FOLDER``), so the
+stock side is deterministic. Dummy weights give near-flat logits and near-ties, and the two sides
+use different kernels (different summation order), so identical tokens are reported, not asserted.
+Asserted: each engine uses the expected punica wrapper, and the first generated token's logprob
+(of the token stock chose) differs by less than ``--tol`` (0.05) between the engines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import check_correctness as cc  # noqa: E402  (the model, adapters and requests of the token-exactness check)
+
+from serve_bridge.bench import check_engine_classes, engine_classes  # noqa: E402
+
+BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
+TOP_LOGPROBS = 5
+MODES = ("stock", "gridtrim")
+
+
+def uses_adapter(i: int) -> bool:
+    return i % BASE_EVERY != BASE_EVERY - 1
+
+
+def serve(mode: str, work: Path, out: Path, n_requests: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    requests = json.loads((work / "requests.json").read_text())[:n_requests]
+    t0 = time.time()
+    llm = LLM(model=str(work / "model"), **{**cc.ENGINE, "specialize_active_lora": mode == "stock"})
+    result: dict = {"startup_s": time.time() - t0, "classes": llm.collective_rpc(engine_classes)[0]}
+    check_engine_classes(mode, result["classes"])
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False,
+                             logprobs=TOP_LOGPROBS) for r in requests]
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
+
+    def run(with_adapters: bool) -> list[dict]:
+        loras = [LoRARequest(cc.adapter_name(r["adapter"]), r["adapter"] + 1,
+                             str(work / "adapters" / cc.adapter_name(r["adapter"])))
+                 if with_adapters and uses_adapter(i) else None for i, r in enumerate(requests)]
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]}
+                for o in outs]
+
+    t = time.time()
+    result["mixed"] = run(True)
+    result["mixed_s"] = time.time() - t
+    if mode == "stock":
+        result["base"] = run(False)
+    (out / f"{mode}.json").write_text(json.dumps(result))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(ref: list[dict], other: list[dict], subset: list[int]) -> dict:
+    """Token agreement and logprob differences of ``other`` against ``ref`` over requests ``subset``:
+    identical fraction, mean common-prefix fraction, first token's |Δ logprob| (of ref's token;
+    None where other's top-k lacks it) and the max |Δ logprob| of the chosen tokens over common prefixes."""
+    same, prefix, first, along, missing = 0, 0.0, [], 0.0, 0
+    for i in subset:
+        a, b = ref[i], other[i]
+        same += a["tokens"] == b["tokens"]
+        k = common_prefix(a["tokens"], b["tokens"])
+        prefix += k / max(len(a["tokens"]), 1)
+        t0 = str(a["tokens"][0])
+        if t0 in b["logprobs"][0]:
+            first.append(abs(a["logprobs"][0][t0] - b["logprobs"][0][t0]))
+        else:
+            missing += 1
+        for p in range(k):
+            t = str(a["tokens"][p])
+            along = max(along, abs(a["logprobs"][p][t] - b["logprobs"][p][t]))
+    n = max(len(subset), 1)
+    return {"requests": len(subset), "identical": same / n, "prefix": prefix / n,
+            "first_max": max(first, default=float("nan")), "first_mean": sum(first) / max(len(first), 1),
+            "first_missing": missing, "prefix_max": along}
+
+
+def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
+    stock = json.loads((out / "stock.json").read_text())
+    grid = json.loads((out / "gridtrim.json").read_text())
+    lora = [i for i in range(n_requests) if uses_adapter(i)]
+    base = [i for i in range(n_requests) if not uses_adapter(i)]
+    g_lora = compare(stock["mixed"], grid["mixed"], lora)
+    g_base = compare(stock["mixed"], grid["mixed"], base)
+    effect = compare(stock["mixed"], stock["base"], lora)
+    wrappers_ok = (stock["classes"]["punica_wrapper"] == "PunicaWrapperGPU"
+                   and grid["classes"]["punica_wrapper"] == "GridTrimPunicaWrapper")
+    first_ok = g_lora["first_missing"] == 0 and g_lora["first_max"] < tol and g_base["first_max"] < tol
+
+    def fmt(c: dict) -> str:
+        return (f"{c['identical']:.3f} | {c['prefix']:.3f} | {c['first_max']:.2e} | {c['first_mean']:.2e} | "
+                f"{c['prefix_max']:.2e}")
+
+    lines = [
+        "| check | result | detail |", "|---|---|---|",
+        f"| punica wrappers | {'PASS' if wrappers_ok else 'FAIL'} | stock: {stock['classes']}; "
+        f"gridtrim: {grid['classes']} |",
+        f"| first-token logprob, gridtrim vs stock | {'PASS' if first_ok else 'FAIL'} | max abs diff "
+        f"{g_lora['first_max']:.2e} (adapter requests), {g_base['first_max']:.2e} (no adapter); tolerance {tol}; "
+        f"{g_lora['first_missing']} first tokens missing from gridtrim's top-{TOP_LOGPROBS} |",
+        "",
+        "| comparison | requests | identical tokens | mean common-prefix fraction | first-token max abs diff logprob "
+        "| first-token mean abs diff | max abs diff logprob over common prefix |",
+        "|---|---|---|---|---|---|---|",
+        f"| gridtrim vs stock, adapter requests | {g_lora['requests']} | {fmt(g_lora)} |",
+        f"| gridtrim vs stock, no-adapter requests (same batches) | {g_base['requests']} | {fmt(g_base)} |",
+        f"| for scale: stock without adapters vs stock with (the adapters' effect) | {effect['requests']} | "
+        f"{fmt(effect)} |",
+        "",
+        f"requests: {n_requests} (every {BASE_EVERY}th without adapter), "
+        f"{sum(len(r['tokens']) for r in stock['mixed'])} output tokens; start-up: stock {stock['startup_s']:.0f} s, gridtrim {grid['startup_s']:.0f} s; generate: "
+        f"stock {stock['mixed_s']:.1f} s, gridtrim {grid['mixed_s']:.1f} s",
+    ]
+    (out / "results.json").write_text(json.dumps({"gridtrim_vs_stock_lora": g_lora, "gridtrim_vs_stock_base": g_base,
+                                                  "adapter_effect": effect, "classes": {
+                                                      "stock": stock["classes"], "gridtrim": grid["classes"]}},
+                                                 indent=1))
+    return "\n".join(lines), wrappers_ok and first_ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_gridtrim"))
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--tol", type=float, default=0.05, help="largest allowed first-token |Δ logprob|")
+    ap.add_argument("--phase", choices=["all", *MODES], default="all", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase != "all":
+        return serve(args.phase, args.work, args.out, args.requests)
+
+    start = time.time()
+    cc.prepare(args.work, args.requests)
+    print(f"prepared {args.work} in {time.time() - start:.0f} s", flush=True)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
+    base_env |= {"VLLM_TUNED_CONFIG_FOLDER": str(args.work / "lora_configs"), "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    for mode in MODES:
+        env = base_env | ({"LORAZOR_GRIDTRIM": "1"} if mode == "gridtrim" else {})
+        t = time.time()
+        with open(args.out / f"{mode}.log", "w") as log:
+            rc = subprocess.run([sys.executable, __file__, "--phase", mode, "--out", str(args.out), "--work",
+                                 str(args.work), "--requests", str(args.requests)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+        print(f"{mode}: rc={rc} in {time.time() - t:.0f} s", flush=True)
+        if rc != 0:
+            print((args.out / f"{mode}.log").read_text()[-6000:], flush=True)
+            sys.exit(1)
+    text, ok = report(args.out, args.requests, args.tol)
+    print(text, flush=True)
+    (args.out / "table.md").write_text(text + "\n")
+    print(f"total {time.time() - start:.0f} s", flush=True)
+    sys.exit(0 if ok else 2)
+
+
+if __name__ == "__main__":
+    main()

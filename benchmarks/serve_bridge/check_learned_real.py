@@ -1,0 +1,225 @@
+"""Learned release on the real embedded backbone: hf engine vs the vLLM runtime (issue 7, check 3).
+
+    python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR
+
+(``scripts/device_check_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
+(``make demo``: task arith, backbone smollm2, adapter arith-a) whose ``bundle/`` holds the
+learned P50 head. On the same requests (the run's train, validation and test splits), in the
+same dtype (bf16) on the same GPU:
+
+- ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
+  bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
+  gives s_t along the full-LoRA trajectory (equal to the released one up to its release).
+- ``vllm``: vLLM 0.26 with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
+  served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
+  the bundle, hence full LoRA). Release points come from the runtime's request records.
+- ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1`` (our kernels behind the punica wrapper).
+
+Checks: release points hf = vLLM on ≥ 95% of requests (the rest explained by the margin
+|s_t − τ| at the first disagreeing step: bf16 kernels of two engines differ in reduction order,
+so a score within a few hundredths of τ can fall on either side); full-LoRA tokens hf vs vLLM;
+vLLM with GridTrim vs stock kernels (tokens and release points); accuracy and realized skip of
+each engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from serve_bridge.steptrim import skip_fraction  # noqa: E402
+
+ADAPTER = "arith-a"
+SPLITS = ("train", "validation", "test")
+VLLM_MODES = ("vllm", "gridtrim")
+
+
+def _task():
+    from labeling.tasks import build_task
+
+    return build_task("arith", sizes={"train": 96, "validation": 48, "test": 48}, max_new_tokens=48, seed=0)
+
+
+def _spec(gguf_dir: str):
+    from labeling.backbone import SMOLLM2, BackboneSpec
+
+    return BackboneSpec(name=SMOLLM2.name, gguf_package=None, gguf_file=SMOLLM2.gguf_file, gguf_dir=gguf_dir,
+                        dtype="bfloat16", extra_stop_tokens=SMOLLM2.extra_stop_tokens)
+
+
+def _adapter_path() -> str:
+    return str(ROOT / "labeling" / "data" / "adapters" / ADAPTER)
+
+
+def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
+    """Requests, the hf engine's outputs, release points and scores → work/hf.json."""
+    import torch
+
+    from labeling.adapters import AdapterSpec
+    from labeling.backbone import load_backbone, resolve_backbone_dir, stop_token_ids
+    from labeling.engines.hf import HFEngine
+    from labeling.labels import build_requests
+    from serve_bridge.bundle import load_bundle
+    from serve_bridge.steptrim import StepTrim
+
+    task, spec = _task(), _spec(gguf_dir)
+    model, tok = load_backbone(spec, device="cuda")
+    stops = stop_token_ids(model, tok, spec)
+    engine = HFEngine(model, tok, [AdapterSpec(ADAPTER, _adapter_path())], stops, batch_size=64, progress=False)
+    bundle = load_bundle(run / "bundle", expected_hidden_size=engine.hidden_size, known_adapters=[ADAPTER])
+    policy = bundle.policies[ADAPTER]
+    steptrim = StepTrim([policy], engine.hidden_size, "cuda")
+    examples = [ex for split in SPLITS for ex in task.load_split(split)]
+    pairs = build_requests(engine, task, examples, [0])
+    reqs = [r for _, r in pairs]
+    out: dict = {"backbone_dir": resolve_backbone_dir(spec), "stop_ids": sorted(stops), "tau": policy.tau,
+                 "prompts": [r.prompt_ids for r in reqs], "uids": [ex.uid for ex, _ in pairs]}
+    for name, kwargs in (("full", {}), ("trim", {"steptrim": steptrim}), ("scored", {"scorer": steptrim})):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = engine.generate(reqs, task.max_new_tokens, desc=name, **kwargs)
+        torch.cuda.synchronize()
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[name] = [r.tokens for r in res]
+        if name == "trim":
+            out["release"] = [r.release for r in res]
+        if name == "scored":
+            out["scores"] = [r.scores for r in res]
+    (work / "hf.json").write_text(json.dumps(out))
+
+
+def run_vllm(mode: str, run: Path, work: Path) -> None:
+    """One vLLM engine (this process): learned and full-LoRA families → work/<mode>.json."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from serve_bridge.rpc import lorazor_requests
+
+    hf = json.loads((work / "hf.json").read_text())
+    llm = LLM(model=hf["backbone_dir"], dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_num_seqs=256, max_model_len=1024, enable_prefix_caching=False, async_scheduling=False,
+              gpu_memory_utilization=0.3, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in hf["prompts"]]
+    out: dict = {"runner": llm.collective_rpc(lambda w: type(w.model_runner).__name__)[0]}
+    for i, (family, name) in enumerate((("full", f"{ADAPTER}-full"), ("trim", ADAPTER))):
+        lora = LoRARequest(name, i + 1, _adapter_path())
+        llm.collective_rpc(lorazor_requests, kwargs={"clear": True})
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts), use_tqdm=False)
+        out[f"{family}_s"] = time.perf_counter() - t
+        out[family] = [list(o.outputs[0].token_ids) for o in outs]
+        index = {o.request_id: j for j, o in enumerate(outs)}
+        release: list = [None] * len(outs)
+        for rec in llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]:
+            j = index.get(rec["req_id"].rsplit("-", 1)[0])  # internal id = external id + "-" + 8 chars
+            if j is not None:
+                release[j] = rec["release"]
+        out[f"{family}_release"] = release
+    (work / f"{mode}.json").write_text(json.dumps(out))
+
+
+def _strip(tokens: list[int], stops: set[int]) -> list[int]:
+    """Tokens without a final stop token (engines may differ in whether they keep it)."""
+    return tokens[:-1] if tokens and tokens[-1] in stops else tokens
+
+
+def compare(work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
+    """Check rows and notes (one per release mismatch)."""
+    from transformers import AutoTokenizer
+
+    hf = json.loads((work / "hf.json").read_text())
+    task = _task()
+    examples = [ex for split in SPLITS for ex in task.load_split(split)]
+    tok = AutoTokenizer.from_pretrained(hf["backbone_dir"])
+    stops, tau, n = set(hf["stop_ids"]), hf["tau"], len(hf["prompts"])
+
+    def accuracy(tokens: list[list[int]]) -> float:
+        return 100.0 * sum(task.score(ex, tok.decode(t, skip_special_tokens=True))
+                           for ex, t in zip(examples, tokens)) / n
+
+    def skip(tokens: list[list[int]], release: list) -> float:
+        return skip_fraction([len(t) for t in tokens], release)
+
+    rows: list[tuple[str, bool, str]] = []
+    notes: list[str] = []
+    rows.append(("hf: full LoRA / learned policy accuracy", True,
+                 f"{accuracy(hf['full']):.1f}% / {accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))
+    for mode in VLLM_MODES:
+        path = work / f"{mode}.json"
+        if not path.exists():
+            rows.append((f"{mode}: engine ran", False, "no result (see its log)"))
+            continue
+        v = json.loads(path.read_text())
+        rows.append((f"{mode}: LoRazor runner active", v["runner"] == "LoRazorGPUModelRunner", v["runner"]))
+        same_full = sum(_strip(a, stops) == _strip(b, stops) for a, b in zip(hf["full"], v["full"]))
+        rows.append((f"{mode}: full-LoRA tokens = hf", True, f"{same_full}/{n} identical (reported, not a bar)"))
+        agree = sum(a == b for a, b in zip(hf["release"], v["trim_release"]))
+        rows.append((f"{mode}: learned release points = hf (≥ 95%)", agree >= 0.95 * n,
+                     f"{agree}/{n} = {100.0 * agree / n:.1f}%"))
+        rows.append((f"{mode}: accuracy full / learned, realized skip", True,
+                     f"{accuracy(v['full']):.1f}% / {accuracy(v['trim']):.1f}%, skip "
+                     f"{skip(v['trim'], v['trim_release']):.3f}"))
+        for j, (a, b) in enumerate(zip(hf["release"], v["trim_release"])):
+            if a == b:
+                continue
+            t = min(x for x in (a, b, len(hf["scores"][j]) - 1) if x is not None)
+            prefix = _strip(hf["full"][j], stops)[:t + 1] == _strip(v["full"][j], stops)[:t + 1]
+            s = hf["scores"][j][t] if t < len(hf["scores"][j]) else float("nan")
+            notes.append(f"{mode} request {j}: release hf {a} vs vLLM {b}; at t={t} hf s_t={s:.3f} "
+                         f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
+                         f"{'agree' if prefix else 'differ'}")
+    if all((work / f"{m}.json").exists() for m in VLLM_MODES):
+        a, b = (json.loads((work / f"{m}.json").read_text()) for m in VLLM_MODES)
+        same = sum(x == y for x, y in zip(a["full"], b["full"]))
+        rows.append(("gridtrim vs stock kernels: full-LoRA tokens", True, f"{same}/{n} identical"))
+        same_rel = sum(x == y for x, y in zip(a["trim_release"], b["trim_release"]))
+        rows.append(("gridtrim vs stock kernels: learned release points (≥ 95%)", same_rel >= 0.95 * n,
+                     f"{same_rel}/{n}"))
+    return rows, notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
+    ap.add_argument("--gguf-dir", required=True, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_real"))
+    ap.add_argument("--phase", choices=["all", "hf", *VLLM_MODES], default="all", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "hf":
+        return run_hf(args.run, args.gguf_dir, args.work)
+    if args.phase in VLLM_MODES:
+        return run_vllm(args.phase, args.run, args.work)
+    me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
+          "--work", str(args.work)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
+    bundle = {"LORAZOR_BUNDLE": str(args.run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}
+    timings = []
+    for phase, env in (("hf", base), ("vllm", base | bundle), ("gridtrim", base | bundle | {"LORAZOR_GRIDTRIM": "1"})):
+        t = time.time()
+        with open(args.out / f"real_{phase}.log", "w") as log:
+            code = subprocess.run(me + ["--phase", phase], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        timings.append(f"{phase}: rc {code}, {time.time() - t:.0f} s")
+        print(timings[-1], flush=True)
+        if code != 0 and phase == "hf":
+            break
+    rows, notes = compare(args.work)
+    lines = ["| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in rows]
+    text = "\n".join(lines + ["", *timings, "", *notes]) + "\n"
+    (args.out / "real.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

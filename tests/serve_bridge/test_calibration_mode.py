@@ -4,9 +4,6 @@ chunked prefill and preemption recompute."""
 from __future__ import annotations
 
 import logging
-import zlib
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,8 +16,8 @@ from serve_bridge.rpc import lorazor_calibrate, lorazor_captures, lorazor_counte
 from serve_bridge.runtime import NEVER, ReleaseRuntime, RequestState, build_runtime, request_args
 from serve_bridge.settings import BridgeError, BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
+from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
-H = 8
 W = torch.linspace(-1.0, 1.0, H)
 
 
@@ -94,68 +91,16 @@ def test_policy_data_round_trip_is_exact():
 
 # -- a fake engine walk ----------------------------------------------------------------------------
 
-def _hidden(req_id: str, t: int) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(f"{req_id}:{t}".encode()))
-    return rng.standard_normal(H).astype(np.float32)
-
-
-@dataclass
-class _Req:
-    req_id: str
-    uid: str | None
-    adapter: str | None
-    lora_id: int
-    prompt: int
-    length: int
-    forced: int | None = None
-    computed: int = 0
-    generated: int = 0
-
-
-def _walk(rt: CalibrationRuntime, reqs: list[_Req], budget: int, preempt: set[str]) -> dict[str, list[tuple]]:
-    """Schedule like vLLM (chunked prefill under a token budget, one-token decodes, recompute
-    of each request in ``preempt`` once it has 3 tokens); return the masked mapping seen at
-    every scheduled position of each request, as (position, lora id)."""
+def _walk(rt: CalibrationRuntime, reqs: list[WalkRequest], budget: int, preempt: set[str]) -> dict[str, list[tuple]]:
+    """Add ``reqs`` with their calibration tags and serve them through the scheduler stand-in
+    (preemption after 3 tokens); return the masked mapping seen at every scheduled position."""
     for r in reqs:
         extra = {"lorazor": {k: v for k, v in (("uid", r.uid), ("release_position", r.forced)) if v is not None}}
         rt.add(r.req_id, r.adapter, "/p" if r.adapter else None, r.prompt, extra)
-    seen: dict[str, list[tuple]] = {r.req_id: [] for r in reqs}
-    running, done_preempt = list(reqs), set()
-    while running:
-        rt.resolve()
-        for r in running:
-            if r.req_id in preempt and r.req_id not in done_preempt and r.generated == 3:
-                done_preempt.add(r.req_id)
-                r.computed = 0
-        rows, left = [], budget
-        for r in running:
-            n = min(r.prompt + r.generated - r.computed, left)
-            if n > 0:
-                rows.append((r, n))
-                left -= n
-        tokens = np.concatenate([np.full(n, r.lora_id) for r, n in rows])
-        m = rt.begin_step([r.req_id for r, _ in rows], np.array([r.computed for r, _ in rows]),
-                          np.array([n for _, n in rows]), np.array([r.prompt + r.generated for r, _ in rows]),
-                          tuple(tokens), tuple(r.lora_id for r, _ in rows))
-        off = 0
-        for r, n in rows:
-            seen[r.req_id] += [(r.computed + q, int(m.token_mapping[off + q])) for q in range(n)]
-            off += n
-        hidden = torch.from_numpy(np.stack([_hidden(r.req_id, r.computed + n - r.prompt) for r, n in rows]))
-        rt.capture(hidden)
-        rt.decide(hidden)
-        for r, n in rows:
-            r.computed += n
-            if r.computed == r.prompt + r.generated:
-                r.generated += 1
-        for r in [r for r in running if r.generated == r.length]:
-            running.remove(r)
-            rt.finish(r.req_id)
-    assert done_preempt == preempt
-    return seen
+    return walk(rt, reqs, budget, preempt, preempt_after=3)
 
 
-def test_walk_records_release_scores_and_hidden():
+def test_walk_records_release_scores_andhidden_state():
     rt = CalibrationRuntime(H, "cpu")
     worker = SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt))
     slots = ["prof", "learn", "none"]
@@ -168,9 +113,9 @@ def test_walk_records_release_scores_and_hidden():
     reqs = []
     for i in range(20):
         adapter = list(ids)[i % len(ids)]
-        reqs.append(_Req(f"r{i}", f"u{i}" if i % 7 else None, adapter, ids[adapter], int(rng.integers(2, 12)),
-                         int(rng.integers(1, 10))))
-    forced = [_Req(f"f{i}", f"fu{i}", a, ids[a], p, 6, forced=p - 1 - d)
+        reqs.append(WalkRequest(f"r{i}", adapter, ids[adapter], int(rng.integers(2, 12)), int(rng.integers(1, 10)),
+                                uid=f"u{i}" if i % 7 else None))
+    forced = [WalkRequest(f"f{i}", a, ids[a], p, 6, uid=f"fu{i}", forced=p - 1 - d)
               for i, (a, p, d) in enumerate([("prof", 9, 0), ("learn", 7, 0), ("learn", 11, 3), ("none", 5, 0)])]
     victims = {"r1", "r2", "f1"}
     for r in reqs:
@@ -180,13 +125,13 @@ def test_walk_records_release_scores_and_hidden():
     records = lorazor_captures(worker)
     assert lorazor_captures(worker) == {}  # cleared by the first read
 
-    def expected_release(r: _Req) -> int | None:
+    def expected_release(r: WalkRequest) -> int | None:
         if r.forced is not None or r.adapter not in ("prof", "learn"):
             return None
         if r.adapter == "prof":
             rel = 2
         else:
-            rel = next((t for t in range(r.length) if float(W @ torch.from_numpy(_hidden(r.req_id, t))) + 0.1 < 0),
+            rel = next((t for t in range(r.length) if float(W @ torch.from_numpy(hidden_state(r.req_id, t))) + 0.1 < 0),
                        None)
         return rel if rel is not None and rel <= r.length - 1 else None
 
@@ -203,12 +148,12 @@ def test_walk_records_release_scores_and_hidden():
         assert rec["release"] == rel and rec["forwards"] == r.length
         assert rec["forced_release_position"] == r.forced
         slot = slots.index(r.adapter) if r.adapter in slots else NO_SLOT
-        want = [float(scorer.scores(torch.tensor([slot]), torch.from_numpy(_hidden(r.req_id, t))[None])[0])
+        want = [float(scorer.scores(torch.tensor([slot]), torch.from_numpy(hidden_state(r.req_id, t))[None])[0])
                 for t in range(r.length)]
         assert rec["scores"] == want  # every forward, preemption recompute included, same float32 values
         assert sorted(rec["hidden"]) == [t for t in (0, 3) if t < r.length]
         for t, h in rec["hidden"].items():
-            assert np.array_equal(np.asarray(h, np.float32), _hidden(r.req_id, t))
+            assert np.array_equal(np.asarray(h, np.float32), hidden_state(r.req_id, t))
         checked_learn += r.adapter == "learn" and rel not in (None, 0)
     assert checked_learn > 0
     assert sum(r.uid is not None for r in reqs + forced) == len(records)

@@ -3,8 +3,6 @@ profiled / learned / none / unknown adapters, counters and start-up checks."""
 from __future__ import annotations
 
 import logging
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,8 +16,8 @@ from serve_bridge.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_r
 from serve_bridge.runtime import build_runtime
 from serve_bridge.settings import BridgeSettings
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
+from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
-H = 8
 W_LEARN = np.linspace(-1.0, 1.0, H, dtype=np.float32)
 B_LEARN, TAU_LEARN = 0.1, 0.0
 
@@ -53,11 +51,6 @@ def _bundle(tmp_path: Path, served: dict[str, Path], hidden: int = H) -> Path:
                         config_fingerprint="0" * 64, adapters=entries)
 
 
-def _hidden(req_id: str, t: int) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(f"{req_id}:{t}".encode()))
-    return rng.standard_normal(H).astype(np.float32)
-
-
 def _reference_release(adapter: str | None) -> callable:
     """r for a request, computed independently of the runtime (None: never released)."""
     def ref(req_id: str, length: int) -> int | None:
@@ -66,69 +59,24 @@ def _reference_release(adapter: str | None) -> callable:
         elif adapter == "prof2":
             r = 2
         elif adapter == "learn":
-            r = next((t for t in range(length) if float(W_LEARN @ _hidden(req_id, t)) + B_LEARN < TAU_LEARN), None)
+            r = next((t for t in range(length) if float(W_LEARN @ hidden_state(req_id, t)) + B_LEARN < TAU_LEARN), None)
         else:
             r = None
         return r if r is not None and r <= length - 1 else None  # a forward that never ran decides nothing
     return ref
 
 
-@dataclass
-class _Req:
-    req_id: str
-    adapter: str | None
-    lora_id: int
-    prompt: int
-    length: int
-    computed: int = 0
-    generated: int = 0
-
-
-def _run(rt, reqs: list[_Req], budget: int, preempt: set[str], paths: dict[str, Path]) -> None:
-    """Schedule like vLLM's runner: chunked prefill under a token budget, decodes of one
-    token, and a recompute from position 0 for each request in ``preempt`` once it has
-    generated 4 tokens; check every step's mapping against the reference release."""
+def _run(rt, reqs: list[WalkRequest], budget: int, preempt: set[str], paths: dict[str, Path]) -> None:
+    """Serve ``reqs`` through the scheduler stand-in (preemption after 4 tokens) and check every
+    scheduled position's mapping against the reference release."""
     for r in reqs:
         rt.add(r.req_id, r.adapter, str(paths[r.adapter]) if r.adapter else None, r.prompt)
-    running = list(reqs)
-    preempted = set()
-    while running:
-        rt.resolve()
-        for r in running:
-            if r.req_id in preempt and r.req_id not in preempted and r.generated == 4:
-                preempted.add(r.req_id)
-                r.computed = 0
-        rows, left = [], budget
-        for r in running:
-            n = min(r.prompt + r.generated - r.computed, left)
-            if n > 0:
-                rows.append((r, n))
-                left -= n
-        tokens = np.concatenate([np.full(n, r.lora_id) for r, n in rows])
-        sampled = np.array([r.lora_id for r, _ in rows])
-        m = rt.begin_step([r.req_id for r, _ in rows], np.array([r.computed for r, _ in rows]),
-                          np.array([n for _, n in rows]), np.array([r.prompt + r.generated for r, _ in rows]),
-                          tuple(tokens), tuple(sampled))
-        got = np.asarray(m.token_mapping)
-        off = 0
-        for r, n in rows:
-            ref = _reference_release(r.adapter)(r.req_id, r.length)
-            for q in range(n):
-                pos = r.computed + q
-                expect = r.lora_id if ref is None or pos < r.prompt + ref else 0
-                assert got[off + q] == expect, (r.req_id, pos, ref)
-            off += n
-        hidden = np.stack([_hidden(r.req_id, r.computed + n - r.prompt) for r, n in rows])
-        rt.decide(torch.from_numpy(hidden))
-        for r, n in rows:
-            r.computed += n
-            if r.computed == r.prompt + r.generated:
-                r.generated += 1
-        for r in [r for r in running if r.generated == r.length]:
-            running.remove(r)
-            rt.resolve()
-            rt.finish(r.req_id)
-    assert preempted == preempt
+    seen = walk(rt, reqs, budget, preempt, preempt_after=4)
+    for r in reqs:
+        ref = _reference_release(r.adapter)(r.req_id, r.length)
+        for pos, lora in seen[r.req_id]:
+            expect = r.lora_id if ref is None or pos < r.prompt + ref else 0
+            assert lora == expect, (r.req_id, pos, ref)
 
 
 def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
@@ -139,7 +87,7 @@ def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
     reqs = []
     for i in range(36):
         adapter = list(ids)[i % len(ids)]
-        reqs.append(_Req(f"r{i}", adapter, ids[adapter], prompt=int(rng.integers(2, 14)),
+        reqs.append(WalkRequest(f"r{i}", adapter, ids[adapter], prompt=int(rng.integers(2, 14)),
                          length=int(rng.integers(1, 12))))
     victims = {next(r for r in reqs if r.adapter == a).req_id for a in ("prof0", "prof2", "learn", "off")}
     for r in reqs:

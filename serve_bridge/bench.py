@@ -306,15 +306,25 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 
 # -- one engine (subprocess) ----------------------------------------------------------------------
 
-def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES,
-                   mode: str = "stock") -> dict[str, Any]:
+def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
+                   lora_target_modules: Sequence[str] | None = None,
+                   tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes;
-    ``specialize_active_lora`` per mode (:data:`SPECIALIZE`)."""
-    return dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=n_adapters,
+    ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
+    ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
+    module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
+    in ``lora/utils.py:271-301``; by default vLLM also wraps ``embed_tokens`` and ``lm_head``)
+    and ``tensor_parallel_size``."""
+    opts = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=n_adapters,
                 max_lora_rank=RANK, max_cpu_loras=256, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=SPECIALIZE[mode],
                 dtype="bfloat16", compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                                       "cudagraph_capture_sizes": list(capture_sizes)})
+    if lora_target_modules:
+        opts["lora_target_modules"] = list(lora_target_modules)
+    if tensor_parallel_size > 1:
+        opts["tensor_parallel_size"] = int(tensor_parallel_size)
+    return opts
 
 
 def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path]) -> dict[str, str]:
@@ -395,7 +405,8 @@ def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], 
 
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
-               arrival_rate: float | None = None) -> None:
+               arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
+               tensor_parallel_size: int = 1) -> None:
     """Start one engine, serve one warm-up request per adapter, then time ``generate`` of the
     workload (offline), or serve it open-loop at ``arrival_rate`` requests/s (Poisson)."""
     import torch
@@ -404,7 +415,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode))
+    llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
+                                                         tensor_parallel_size))
     startup = time.time() - t0
     classes = llm.collective_rpc(engine_classes)[0]
     check_engine_classes(mode, classes)
@@ -506,7 +518,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     drop_stale_stamp(work, args.adapters, cfg)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
               "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
-        ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])
+        ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
+        ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
+        ["--tensor-parallel-size", str(args.tensor_parallel_size)])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "serve_bridge.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -527,7 +541,8 @@ def orchestrate(args: argparse.Namespace) -> int:
            if latency else "offline: one LLM.generate of all requests"),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
-        "engine: " + json.dumps(engine_options(0, args.capture_sizes)
+        "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
+                                               tensor_parallel_size=args.tensor_parallel_size)
                                 | {"max_loras": "N", "specialize_active_lora": "per mode"}),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
@@ -612,6 +627,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                     help="modes to run; they always run in the order stock, gridtrim, steptrim, both")
+    ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
+                    help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
+                         "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
@@ -641,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
-                   args.capture_sizes, args.model, args.arrival_rate)
+                   args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
+                   args.tensor_parallel_size)
         return 0
     return orchestrate(args)
 

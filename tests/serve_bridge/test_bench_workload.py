@@ -119,6 +119,14 @@ def test_engine_options_follow_the_device_readme():
     assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"  # stock's setting
     assert opts["skip_tokenizer_init"] is True
     assert max(opts["compilation_config"]["cudagraph_capture_sizes"]) == opts["max_num_seqs"]
+    assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
+
+
+def test_target_modules_and_tensor_parallel_apply_to_every_mode():
+    mods = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    for mode in bench.MODES:
+        opts = bench.engine_options(128, mode=mode, lora_target_modules=mods, tensor_parallel_size=2)
+        assert opts["lora_target_modules"] == mods and opts["tensor_parallel_size"] == 2
 
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):

@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve_bridge.decision import DecisionLauncher
-from serve_bridge.runtime import ReleaseRuntime, RequestState, logger
+from serve_bridge.runtime import ReleaseRuntime, RequestState, logger, rows_match
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, Policy, ProfiledPolicy, StepTrim
 
 
@@ -135,7 +134,6 @@ class CalibrationRuntime(ReleaseRuntime):
                          log_interval_s=log_interval_s, max_rows=max_rows, cuda_graphs=cuda_graphs)
         self.hidden_size = int(hidden_size)
         self.device = torch.device(device)
-        self._launcher_args = {"max_rows": max_rows, "cuda_graphs": cuda_graphs}
         self.scorer: StepTrim | None = None
         self.capture_set: frozenset[int] = frozenset()
         self.records: dict[str, CaptureRecord] = {}
@@ -146,19 +144,15 @@ class CalibrationRuntime(ReleaseRuntime):
     def configure(self, config: Mapping[str, Any]) -> None:
         """Set slots, policy, scorer and capture set (:func:`calibration_config` data) for the
         requests added from now on. Records are kept until read."""
-        self.resolve()
         slots = list(config.get("slots") or [])
         policy = steptrim_from_data(config.get("policy"), self.hidden_size, self.device)
         scorer = steptrim_from_data(config.get("scorer"), self.hidden_size, self.device)
         for name, st in (("policy", policy), ("scorer", scorer)):
             if st is not None and len(st.policies) != len(slots):
                 raise ValueError(f"calibration {name}: {len(st.policies)} slots for {len(slots)} adapters")
-        policy = policy if policy is not None else StepTrim([None] * len(slots), self.hidden_size, self.device)
-        self.steptrim = policy
-        self.slot_of = {name: i for i, name in enumerate(slots)}
-        # The decision launcher holds its StepTrim (buffers, CUDA graphs): a new policy needs a
-        # new launcher, built as ReleaseRuntime.__init__ builds it.
-        self._launcher = DecisionLauncher(policy, **self._launcher_args)
+        if policy is None:  # full LoRA: no slot ever releases
+            policy = StepTrim([None] * len(slots), self.hidden_size, self.device)
+        self.set_steptrim(policy, slots)
         self.scorer = scorer
         self.capture_set = frozenset(int(t) for t in config.get("capture") or ())
 
@@ -184,32 +178,22 @@ class CalibrationRuntime(ReleaseRuntime):
         self._flush()
         mapping = super().begin_step(req_ids, num_computed, num_scheduled, num_tokens, token_mapping,
                                      sampled_mapping)
-        self._capture_plan = None
-        if self.records:
-            end = np.asarray(num_computed, dtype=np.int64) + np.asarray(num_scheduled, dtype=np.int64)
-            plan = _CapturePlan(len(req_ids), [], [], [])
-            for i, req_id in enumerate(req_ids):
-                st = self.states.get(req_id)
-                if st is None or st.uid is None or end[i] < num_tokens[i]:
-                    continue  # untracked, untagged, or a partial prefill chunk
-                rec = self.records.get(st.uid)
-                if rec is None or rec.state is not st:
-                    continue  # its record was read and cleared
-                plan.rows.append(i)
-                plan.records.append(rec)
-                plan.forwards.append(int(end[i]) - st.num_prompt_tokens)
-            self._capture_plan = plan if plan.rows else None
+        plan = _CapturePlan(len(req_ids), [], [], [])
+        for i, st, t in self.completed:
+            rec = self.records.get(st.uid) if st.uid is not None else None
+            if rec is None or rec.state is not st:
+                continue  # untagged, or its record was read and cleared
+            plan.rows.append(i)
+            plan.records.append(rec)
+            plan.forwards.append(t)
+        self._capture_plan = plan if plan.rows else None
         return mapping
 
     def capture(self, hidden: torch.Tensor) -> None:
         """Record s_t (scorer) and h_t (capture set) of this step's tagged rows from ``hidden``
         [R, H], the rows :meth:`decide` receives; call it before or after ``decide``."""
         plan, self._capture_plan = self._capture_plan, None
-        if plan is None:
-            return
-        if hidden.shape[0] != plan.num_rows:
-            logger.warning("LoRazor calibration skipped a step: %d hidden rows for %d requests.", hidden.shape[0],
-                           plan.num_rows)
+        if not rows_match(plan, hidden, "LoRazor calibration"):
             return
         keep = [j for j, t in enumerate(plan.forwards) if t in self.capture_set]
         if self.scorer is None and not keep:

@@ -179,6 +179,17 @@ class StepMapping:
     lora_groups: int
 
 
+def rows_match(plan: Any, hidden: torch.Tensor, what: str) -> bool:
+    """Whether a step's ``plan`` (None: nothing to do) may use ``hidden``: one row per request
+    of the step (``plan.num_rows``); a mismatch skips the step with a warning."""
+    if plan is None:
+        return False
+    if hidden.shape[0] != plan.num_rows:
+        logger.warning("%s skipped a step: %d hidden rows for %d requests.", what, hidden.shape[0], plan.num_rows)
+        return False
+    return True
+
+
 @dataclass
 class _Plan:
     """Rows of the current step that completed a forward and may be released after it."""
@@ -223,12 +234,23 @@ class ReleaseRuntime:
         self._last_log = time.monotonic()
         self._plan: _Plan | None = None
         self._pending: _Pending | None = None
+        # (batch row, state, t) of the rows of the last begun step that completed forward t
+        self.completed: list[tuple[int, RequestState, int]] = []
         # decisions: preallocated buffers for up to max_rows rows (more on demand), optionally
         # replayed as CUDA graphs; latency samples (ms) of the last latency_window decisions.
-        self._launcher = DecisionLauncher(steptrim, max_rows=max_rows, cuda_graphs=cuda_graphs)
+        self._launcher_args = {"max_rows": max_rows, "cuda_graphs": cuda_graphs}
+        self._launcher = DecisionLauncher(steptrim, **self._launcher_args)
         self._lat_decide: deque[float] = deque(maxlen=latency_window)  # host, in decide()
         self._lat_resolve: deque[float] = deque(maxlen=latency_window)  # host, in resolve()
         self._lat_gpu: deque[float] = deque(maxlen=latency_window)  # GPU events (host decide off CUDA)
+
+    def set_steptrim(self, steptrim: StepTrim, slot_names: Sequence[str]) -> None:
+        """Decide with ``steptrim`` (slot i is ``slot_names[i]``) for the requests added from now
+        on; the decision launcher holds its StepTrim (buffers, CUDA graphs), so it is rebuilt."""
+        self.resolve()
+        self.steptrim = steptrim
+        self.slot_of = {name: i for i, name in enumerate(slot_names)}
+        self._launcher = DecisionLauncher(steptrim, **self._launcher_args)
 
     # -- request lifecycle -------------------------------------------------------------
     def add(self, req_id: str, adapter: str | None, adapter_path: str | None, num_prompt_tokens: int,
@@ -305,10 +327,12 @@ class ReleaseRuntime:
             mapping = StepMapping(token_mapping, sampled_mapping, lora_group_count(np.asarray(token_mapping)))
         end = np.asarray(num_computed, dtype=np.int64) + np.asarray(num_scheduled, dtype=np.int64)
         plan = _Plan(num_rows=n_rows)
+        self.completed = []
         for i, st in enumerate(states):
             if st is None or end[i] < num_tokens[i]:
                 continue  # untracked, or a partial prefill chunk: no forward completes
             t = int(end[i]) - st.num_prompt_tokens
+            self.completed.append((i, st, t))
             st.forwards = max(st.forwards, t + 1)
             if st.adapter is not None and t >= 1:
                 c = self.adapters[st.adapter]
@@ -327,11 +351,7 @@ class ReleaseRuntime:
         """Launch this step's decisions on ``hidden`` [R, H], the final-norm hidden states of
         the sampled positions in batch order; they take effect from the next step on."""
         plan, self._plan = self._plan, None
-        if plan is None:
-            return
-        if hidden.shape[0] != plan.num_rows:
-            logger.warning("StepTrim skipped a step: %d hidden rows for %d requests.", hidden.shape[0],
-                           plan.num_rows)
+        if not rows_match(plan, hidden, "StepTrim"):
             return
         if self._pending is not None:
             self.resolve()  # one decision in flight at a time (begin_step has normally resolved it)

@@ -27,7 +27,8 @@ What it changes, and what it leaves stock:
   the adapters target (``lora/utils.py:219-238`` adds the model's ``embedding_modules``), so the
   stock path runs a shrink and a vocabulary-wide expand (128256 columns for Llama-3) over every
   adapter slot each step. It is a one-slice LoRA linear over the sampler's mapping
-  (``prompt_mapping_meta``), so ours runs it on the same kernels with a second work list.
+  (``prompt_mapping_meta``), so ours runs it on the same kernels with a second work list,
+  refreshed in the call itself.
 - Stock: ``add_shrink`` / ``add_expand`` (used directly by the fully-sharded TP paths,
   ``lora/layers/column_parallel_linear.py:57-66`` and ``row_parallel_linear.py:129-146``),
   ``add_lora_embedding`` (``lora/layers/vocal_parallel_embedding.py:119``) and the MoE paths keep
@@ -75,12 +76,12 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
     def update_metadata(self, mapping: Any, lora_index_to_id: list[int | None], max_loras: int,
                         vocab_size: int, **kwargs: Any) -> None:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
-        # token_mapping_meta and prompt_mapping_meta are prepared from the token mapping and the
-        # sampler indices at punica_gpu.py:87-88; meta_args (lora_kernel_metadata.py:170-205)
-        # returns views of their static buffers.
-        for meta, worklist in ((self.token_mapping_meta, self.gridtrim_worklist),
-                               (self.prompt_mapping_meta, self.gridtrim_prompt_worklist)):
-            gridtrim.refresh_worklist(worklist, meta.meta_args(meta.token_lora_mapping.size(0), False))
+        # token_mapping_meta is prepared from the token mapping at punica_gpu.py:87; meta_args
+        # (lora_kernel_metadata.py:170-205) returns views of its static buffers. The sampler's
+        # list is refreshed where it is used, in add_lora_logits (a model without LoRA logits
+        # never pays for it).
+        meta = self.token_mapping_meta
+        gridtrim.refresh_worklist(self.gridtrim_worklist, meta.meta_args(meta.token_lora_mapping.size(0), False))
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
@@ -110,6 +111,9 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         assert buffer is None, "the buffer is created inside add_lora_logits (as in punica_gpu.py:297-304)"
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         meta_args = self.prompt_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
+        # Called once per step, after update_metadata prepared prompt_mapping_meta from the sampler
+        # indices (punica_gpu.py:88); the refresh is device ops only, so it is graph-safe too.
+        gridtrim.refresh_worklist(self.gridtrim_prompt_worklist, meta_args)
         stacks = self._gridtrim_logits_stacks
         if stacks is None or stacks[0][0] is not lora_a_stacked or stacks[1][0] is not lora_b_stacked:
             stacks = self._gridtrim_logits_stacks = ((lora_a_stacked,), (lora_b_stacked,))

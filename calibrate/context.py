@@ -78,7 +78,7 @@ class Context:
 
         self.check_adapters()
         model, tok = load_backbone(self.backbone_spec, device=e.get("device", "cpu"))
-        return HFEngine(model, tok, self.adapters, stop_token_ids(model, tok, self.backbone_spec),
+        return HFEngine(model, tok, self.adapters, stop_token_ids(model.generation_config, tok, self.backbone_spec),
                         batch_size=e.get("batch_size", 16), progress=e.get("progress", True))
 
     def vllm_engine(self, options: dict[str, Any]):

@@ -119,9 +119,10 @@ def load_backbone(spec: BackboneSpec, device: str = "cpu"):
     return model, tok
 
 
-def stop_token_ids(model, tokenizer, spec: BackboneSpec) -> set[int]:
-    """Token ids that end a response: generation-config EOS, tokenizer EOS, extra stop tokens."""
-    ids = model.generation_config.eos_token_id if model.generation_config else None
+def stop_token_ids(generation_config, tokenizer, spec: BackboneSpec) -> set[int]:
+    """Token ids that end a response: the generation config's EOS (``model.generation_config``,
+    or None), the tokenizer's EOS, and the spec's extra stop tokens."""
+    ids = generation_config.eos_token_id if generation_config else None
     ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
     ids += [tokenizer.eos_token_id] + [tokenizer.convert_tokens_to_ids(t) for t in spec.extra_stop_tokens]
     return {int(i) for i in ids if i is not None}

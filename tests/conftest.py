@@ -23,7 +23,7 @@ def backbone():
     from labeling.backbone import SMOLLM2, load_backbone, stop_token_ids
 
     model, tok = load_backbone(SMOLLM2)
-    return model, tok, stop_token_ids(model, tok, SMOLLM2)
+    return model, tok, stop_token_ids(model.generation_config, tok, SMOLLM2)
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +57,16 @@ def engine(backbone, random_adapter):
     model, tok, stops = backbone
     adapters = [AdapterSpec("arith-a", str(DEMO_ADAPTER)), AdapterSpec("rand-attn", str(random_adapter))]
     return HFEngine(copy.deepcopy(model), tok, adapters, stops, batch_size=8, progress=False)
+
+
+def mixed_requests(engine, n: int) -> list:
+    """``n`` arith validation prompts cycling the engine's two adapters (arith-a, rand-attn)
+    and no adapter, so every batch mixes them."""
+    from labeling.engines.hf import GenRequest
+    from labeling.tasks import build_task
+    from serve_bridge.steptrim import NO_SLOT
+
+    task = build_task("arith", sizes={"validation": n})
+    slots = [0, 1, NO_SLOT]
+    return [GenRequest(e.uid, engine.encode(task.messages(e)), slots[i % 3])
+            for i, e in enumerate(task.load_split("validation"))]

@@ -31,8 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from check_correctness import table  # noqa: E402  (the checks' markdown table)
 
 from serve_bridge.steptrim import skip_fraction  # noqa: E402
 
@@ -71,7 +75,7 @@ def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
 
     task, spec = _task(), _spec(gguf_dir)
     model, tok = load_backbone(spec, device="cuda")
-    stops = stop_token_ids(model, tok, spec)
+    stops = stop_token_ids(model.generation_config, tok, spec)
     engine = HFEngine(model, tok, [AdapterSpec(ADAPTER, _adapter_path())], stops, batch_size=64, progress=False)
     bundle = load_bundle(run / "bundle", expected_hidden_size=engine.hidden_size, known_adapters=[ADAPTER])
     policy = bundle.policies[ADAPTER]
@@ -214,9 +218,7 @@ def main() -> None:
         if code != 0 and phase == "hf":
             break
     rows, notes = compare(args.work)
-    lines = ["| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in rows]
-    text = "\n".join(lines + ["", *timings, "", *notes]) + "\n"
+    text = "\n".join([table(rows), "", *timings, "", *notes]) + "\n"
     (args.out / "real.md").write_text(text)
     print(text)
 

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labeling.adapters import AdapterSpec, validate_adapter
+from labeling.engines.chat import ChatIO
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -75,7 +76,7 @@ def _reindex_cache(cache, index: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, index)
 
 
-class HFEngine:
+class HFEngine(ChatIO):
     """Greedy multi-adapter generation on a transformers causal LM.
 
     ``adapters`` are loaded into one peft model as named adapters; a row's slot i uses
@@ -107,14 +108,6 @@ class HFEngine:
         self._norm = base.model.norm
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat-template a request's messages into prompt token ids."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, steptrim: StepTrim | None = None,
                  scorer: StepTrim | None = None, capture: Callable[[int], bool] | None = None,

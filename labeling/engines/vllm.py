@@ -45,13 +45,13 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from labeling.adapters import AdapterSpec, validate_adapter
+from labeling.engines.chat import ChatIO
 from labeling.engines.hf import ForkFn, GenRequest, GenResult
 from serve_bridge.calibration import calibration_config
 from serve_bridge.runtime import REQUEST_ARGS_KEY
@@ -227,7 +227,7 @@ def stop_ids_for(model_dir: str, tokenizer: Any, spec: Any) -> set[int]:
         gen = GenerationConfig.from_pretrained(model_dir)
     except OSError:
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
-    return stop_token_ids(SimpleNamespace(generation_config=gen), tokenizer, spec)
+    return stop_token_ids(gen, tokenizer, spec)
 
 
 def prepare_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
@@ -408,7 +408,7 @@ class DataParallelBackend:
 
 # -- the engine ---------------------------------------------------------------------------------
 
-class VLLMEngine:
+class VLLMEngine(ChatIO):
     """Greedy multi-adapter generation on vLLM with StepTrim release, s_t / h_t capture and
     OFF branches by prefix replay; the interface of :class:`labeling.engines.hf.HFEngine`.
 
@@ -449,14 +449,6 @@ class VLLMEngine:
         else:
             backend = build_local_backend(args, adapters, stops)
         return cls(backend, tokenizer, adapters, stops, hidden, progress=bool(options.get("progress", True)))
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat-template a request's messages into prompt token ids (as the hf engine does)."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def close(self) -> None:
         self.backend.close()

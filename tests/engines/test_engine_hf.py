@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labeling.engines.hf import GenRequest
-from labeling.tasks import build_task
+from tests.conftest import mixed_requests
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim, release_point_learned
 
 MAX_NEW = 16
@@ -14,10 +14,7 @@ MAX_NEW = 16
 @pytest.fixture(scope="module")
 def requests_mixed(engine) -> list[GenRequest]:
     """16 prompts cycling arith-a, rand-attn and no adapter, so every batch mixes them."""
-    task = build_task("arith", sizes={"validation": 16})
-    slots = [0, 1, NO_SLOT]
-    return [GenRequest(e.uid, engine.encode(task.messages(e)), slots[i % 3])
-            for i, e in enumerate(task.load_split("validation"))]
+    return mixed_requests(engine, 16)
 
 
 def test_mixed_batch_matches_peft_generate(engine, requests_mixed) -> None:

@@ -17,6 +17,7 @@ from labeling.engines.vllm import (DataParallelBackend, LocalBackend, VLLMEngine
                                    prepare_environment, shard, stop_ids_for)
 from labeling.labels import run_labeling
 from labeling.tasks import build_task
+from tests.conftest import mixed_requests
 from predictors.candidates import tau_candidates
 from predictors.sweep import ForkPlanner
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
@@ -29,10 +30,7 @@ H = 576
 @pytest.fixture(scope="module")
 def requests_mixed(engine) -> list[GenRequest]:
     """12 prompts cycling arith-a, rand-attn and no adapter."""
-    task = build_task("arith", sizes={"validation": 12})
-    slots = [0, 1, NO_SLOT]
-    return [GenRequest(e.uid, engine.encode(task.messages(e)), slots[i % 3])
-            for i, e in enumerate(task.load_split("validation"))]
+    return mixed_requests(engine, 12)
 
 
 @pytest.fixture(scope="module")

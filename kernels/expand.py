@@ -19,7 +19,8 @@ from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from kernels.gridtrim import SMALL_ROWS, GridTrimPlan
 from kernels.layout import as_3d
 from kernels.metadata import LoRABatchMeta
-from kernels.tiles import block_rank, column_chunk, expand_tile, load_tile_rows, pick_slice
+from kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
+                           pick_slice)
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
@@ -58,9 +59,8 @@ def _expand_worklist_kernel(
     item = tl.program_id(0)
     while item < total:
         tile = item // col_chunks
-        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile),
-                                        tl.load(tile_rows_ptr + tile), BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             item % col_chunks, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
                             chunks0, chunks1, rank, stride_ps, stride_pc, stride_pm, stride_pr,

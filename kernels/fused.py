@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels.expand import b_kwargs, check_b
 from kernels.metadata import LoRABatchMeta
 from kernels.shrink import a_kwargs, check_a
-from kernels.tiles import (block_rank, column_chunk, expand_columns, load_tile_rows, pick_slice,
+from kernels.tiles import (block_rank, column_chunk, expand_columns, load_worklist_tile, pick_slice,
                            shrink_acc)
 from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
 
@@ -102,9 +102,8 @@ def _fused_worklist_kernel(
     while item < total:
         tile = item // col_chunks
         # The tile's record and token indices, loaded once per item for shrink and expand.
-        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile),
-                                        tl.load(tile_rows_ptr + tile), BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         slice_id, col0 = column_chunk(item % col_chunks, chunks0, chunks1, CHUNK_N)
         acc = shrink_acc(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), rows, row_mask,
                          lora, 0, K, rank, stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

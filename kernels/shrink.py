@@ -18,7 +18,7 @@ from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from kernels.gridtrim import GridTrimPlan
 from kernels.layout import K_CHUNK, as_3d, num_splits
 from kernels.metadata import LoRABatchMeta
-from kernels.tiles import block_rank, load_tile_rows, pick_slice, shrink_tile
+from kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
@@ -44,9 +44,8 @@ def _shrink_worklist_kernel(
         sub = item % per_tile
         slice_id = sub // N_SPLITS
         split = sub % N_SPLITS
-        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile),
-                                        tl.load(tile_rows_ptr + tile), BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

@@ -35,6 +35,17 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile,
+                       BLOCK_M: tl.constexpr):
+    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token
+    indices with their mask, as :func:`load_tile_rows` gives them."""
+    lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile), tl.load(tile_rows_ptr + tile),
+                                BLOCK_M)
+    return lora, rows, mask
+
+
+@triton.jit
 def shrink_acc(x_ptr, a_ptr, rows, row_mask, lora, k_first, K, rank,
                stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -17,6 +17,8 @@ from labeling.adapters import AdapterError, AdapterSpec, validate_adapter
 from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
 from labeling.tasks import Task, build_task
 
+# The engine keys that stage fingerprints include (see Context.fingerprint_section).
+ENGINE_IDENTITY = ("name", "dtype", "device")
 VLLM_DEFAULTS = Path(__file__).resolve().parents[1] / "conf" / "engine" / "vllm.yaml"
 
 
@@ -30,6 +32,19 @@ class Context:
     def section(self, name: str) -> dict[str, Any]:
         """A plain-dict copy of one config group (for fingerprints and kwargs)."""
         return OmegaConf.to_container(self.cfg[name], resolve=True)  # type: ignore[return-value]
+
+    def fingerprint_section(self, name: str) -> dict[str, Any]:
+        """What of config group ``name`` a stage's cached output depends on (calibrate/rundir.py).
+
+        Every key, except for ``engine``: only what changes the generated tokens — which engine,
+        and its numerics (``dtype``, ``device``). Switching hf↔vllm therefore recomputes the
+        generation stages, while throughput knobs (batch sizes, memory fraction, parallelism,
+        progress bars) keep a run's cache.
+        """
+        section = self.section(name)
+        if name == "engine":
+            return {k: section[k] for k in ENGINE_IDENTITY if k in section}
+        return section
 
     @cached_property
     def task(self) -> Task:

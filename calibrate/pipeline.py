@@ -238,13 +238,22 @@ def agreement_summary(df: pd.DataFrame) -> str:
 STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, ...]]] = {
     # name: (function, config sections it depends on, upstream stages)
     "data": (stage_data, ("task",), ()),
-    "labels": (stage_labels, ("task", "backbone", "adapter", "labeling"), ("data",)),
+    "labels": (stage_labels, ("task", "backbone", "adapter", "engine", "labeling"), ("data",)),
     "heads": (stage_heads, ("predictor", "sweep"), ("labels",)),
-    "sweep": (stage_sweep, ("task", "backbone", "adapter", "sweep", "export"), ("heads",)),
+    "sweep": (stage_sweep, ("task", "backbone", "adapter", "engine", "sweep", "export"), ("heads",)),
     "export": (stage_export, ("export",), ("sweep",)),
-    "test": (stage_test, ("task", "backbone", "adapter"), ("export",)),
+    "test": (stage_test, ("task", "backbone", "adapter", "engine"), ("export",)),
     "agreement": (stage_agreement, ("task", "backbone", "adapter", "engine"), ("test",)),
 }
+
+
+def stage_fingerprints(ctx: Context) -> dict[str, str]:
+    """Each stage's fingerprint: its config sections (Context.fingerprint_section) chained with
+    its upstream stages' fingerprints."""
+    fps: dict[str, str] = {}
+    for name, (_, sections, upstream) in STAGES.items():
+        fps[name] = fingerprint(name, [ctx.fingerprint_section(s) for s in sections], [fps[u] for u in upstream])
+    return fps
 
 
 def run_pipeline(ctx: Context) -> dict[str, dict]:
@@ -255,10 +264,9 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
-    fps: dict[str, str] = {}
+    fps = stage_fingerprints(ctx)
     summaries = {}
-    for name, (fn, sections, upstream) in STAGES.items():
-        fps[name] = fingerprint(name, [ctx.section(s) for s in sections], [fps[u] for u in upstream])
+    for name, (fn, _, _) in STAGES.items():
         if name not in wanted:
             continue
         if ctx.run.done(name, fps[name]):

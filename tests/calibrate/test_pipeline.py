@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from calibrate.context import Context
 from calibrate.errors import ConfigError
-from calibrate.pipeline import format_final, run_pipeline
+from calibrate.pipeline import format_final, run_pipeline, stage_fingerprints
 from calibrate.resolvers import register
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError
@@ -66,6 +66,19 @@ def test_end_to_end_tiny(tmp_path: Path) -> None:
     again = run(tmp_path, TINY)
     assert again == json.loads(json.dumps(summaries))
     assert (tmp_path / "bundle" / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path) -> None:
+    """Switching hf↔vllm (or the dtype) re-runs the generation stages; batch sizes do not."""
+    def fps(*overrides: str) -> dict[str, str]:
+        return stage_fingerprints(Context(compose_cfg([*TINY, *overrides]), RunDir(tmp_path)))
+
+    hf, hf_batch, vllm = fps(), fps("engine.batch_size=4"), fps("engine=vllm")
+    assert hf == hf_batch
+    assert all(vllm[s] != hf[s] for s in ("labels", "heads", "sweep", "export", "test", "agreement"))
+    assert vllm["data"] == hf["data"]
+    assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
+    assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
 
 
 def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:

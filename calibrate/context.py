@@ -36,14 +36,20 @@ class Context:
     def fingerprint_section(self, name: str) -> dict[str, Any]:
         """What of config group ``name`` a stage's cached output depends on (calibrate/rundir.py).
 
-        Every key, except for ``engine``: only what changes the generated tokens — which engine,
-        and its numerics (``dtype``, ``device``). Switching hf↔vllm therefore recomputes the
-        generation stages, while throughput knobs (batch sizes, memory fraction, parallelism,
-        progress bars) keep a run's cache.
+        Every key, except:
+
+        - ``engine``: only what changes the generated tokens — which engine, and its numerics
+          (``dtype``, ``device``). Switching hf↔vllm therefore recomputes the generation stages,
+          while throughput knobs (batch sizes, memory fraction, parallelism, progress bars) keep
+          a run's cache;
+        - ``backbone.gguf_dir``: where the GGUF file lies, not which model it is (``gguf_file``
+          names it), so a run directory moved to another machine stays cached.
         """
         section = self.section(name)
         if name == "engine":
             return {k: section[k] for k in ENGINE_IDENTITY if k in section}
+        if name == "backbone":
+            section.pop("gguf_dir", None)
         return section
 
     @cached_property

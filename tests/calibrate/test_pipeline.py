@@ -69,7 +69,8 @@ def test_end_to_end_tiny(tmp_path: Path) -> None:
 
 
 def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path) -> None:
-    """Switching hf↔vllm (or the dtype) re-runs the generation stages; batch sizes do not."""
+    """Switching hf↔vllm (or the dtype) re-runs the generation stages; batch sizes and the GGUF's
+    location do not."""
     def fps(*overrides: str) -> dict[str, str]:
         return stage_fingerprints(Context(compose_cfg([*TINY, *overrides]), RunDir(tmp_path)))
 
@@ -79,6 +80,7 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert vllm["data"] == hf["data"]
     assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
     assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
+    assert fps("+backbone.gguf_dir=/elsewhere") == hf
 
 
 def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:

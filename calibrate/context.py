@@ -52,6 +52,21 @@ class Context:
             section.pop("gguf_dir", None)
         return section
 
+    @property
+    def shard_requests(self) -> int:
+        """Requests per labeling shard: ``labeling.shard_requests``, or with ``auto`` what keeps
+        the engine busy — two hf batches (``engine.batch_size``), or every vLLM replica's full
+        batch (``max_num_seqs`` × ``data_parallel_size``)."""
+        n = self.section("labeling")["shard_requests"]
+        if n == "auto":
+            e = self.section("engine")
+            if e["name"] == "vllm":
+                return int(e.get("max_num_seqs", 256)) * int(e.get("data_parallel_size", 1))
+            return 2 * int(e.get("batch_size", 16))
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"labeling.shard_requests={n!r}: use a positive integer or auto.")
+        return n
+
     @cached_property
     def task(self) -> Task:
         t = self.section("task")

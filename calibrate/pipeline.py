@@ -51,7 +51,8 @@ def stage_labels(ctx: Context) -> dict:
     """ON/OFF labels on the train split (resumable shards)."""
     lab = ctx.section("labeling")
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
-                                 lab["points"], ctx.run.root / "labels", int(lab["shard_requests"]))
+                                 lab["points"], ctx.run.root / "labels", ctx.shard_requests,
+                                 shard_key=stage_fingerprints(ctx)["labels"])
     points.to_parquet(ctx.run.path("labels", "points.parquet"), index=False)
     np.save(ctx.run.path("labels", "features.npy"), feats)
     plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))

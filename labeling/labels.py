@@ -13,6 +13,7 @@ an interrupted run resumes at the first unfinished shard and yields identical la
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,12 +59,22 @@ def label_results(engine: HFEngine, task: Task, pairs: Sequence[tuple[Example, G
 
 
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
-                 points: Sequence[int], out_dir: Path, shard_requests: int) -> tuple[pd.DataFrame, np.ndarray]:
-    """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points."""
+                 points: Sequence[int], out_dir: Path, shard_requests: int,
+                 shard_key: str = "") -> tuple[pd.DataFrame, np.ndarray]:
+    """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
+
+    Finished shards are reused only by a run with the same ``shard_key`` (the caller's config
+    fingerprint) and the same ``shard_requests``, which fix each shard's composition; any other
+    run starts the shards afresh."""
     t_set = frozenset(int(t) for t in points)
     pairs = build_requests(engine, task, examples, range(len(adapter_names)))
     shard_dir = out_dir / "shards"
+    layout = f"{shard_key}\nshard_requests={shard_requests}\nrequests={len(pairs)}\n"
+    stamp = shard_dir / "LAYOUT"
+    if shard_dir.is_dir() and (not stamp.is_file() or stamp.read_text() != layout):
+        shutil.rmtree(shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(layout)
     n_shards = (len(pairs) + shard_requests - 1) // shard_requests
     frames, feats = [], []
     for i in range(n_shards):

@@ -105,6 +105,20 @@ def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:
                                   pd.read_parquet(reference / "labels" / "points.parquet"))
     np.testing.assert_array_equal(np.load(killed / "labels" / "features.npy"),
                                   np.load(reference / "labels" / "features.npy"))
+    # Another label config in the same directory never reuses the old config's shards.
+    run(killed, [*labels_only, "labeling.points=[0,2]"])
+    assert set(pd.read_parquet(killed / "labels" / "points.parquet")["t"]) <= {0, 2}
+
+
+def test_shard_requests_auto_follows_the_engine(tmp_path: Path) -> None:
+    def shard(*overrides: str) -> int:
+        return Context(compose_cfg(list(overrides)), RunDir(tmp_path)).shard_requests
+
+    assert shard() == 32 and shard("engine.batch_size=4") == 8
+    assert shard("engine=vllm") == 256 and shard("engine=vllm", "engine.data_parallel_size=2") == 512
+    assert shard("labeling.shard_requests=5") == 5
+    with pytest.raises(ConfigError, match="shard_requests"):
+        shard("labeling.shard_requests=0")
 
 
 def test_cli_prints_one_clear_error(tmp_path: Path) -> None:

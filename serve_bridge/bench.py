@@ -418,8 +418,10 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
                                                          tensor_parallel_size))
     startup = time.time() - t0
-    classes = llm.collective_rpc(engine_classes)[0]
-    check_engine_classes(mode, classes)
+    per_rank = llm.collective_rpc(engine_classes)  # one per tensor-parallel rank
+    for classes in per_rank:
+        check_engine_classes(mode, classes)
+    classes = per_rank[0]
     waited = time.time()
     _wait_prepared(work)
     waited = time.time() - waited

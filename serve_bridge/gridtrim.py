@@ -16,24 +16,52 @@ adapter rows therefore has ``num_tiles = 0`` and the launch is a no-op, with no 
 early return, so one captured CUDA graph per batch size replays every adapter mix.
 It does not use ``num_active_loras`` (the last element of ``meta_args``) at all.
 
-The launch goes through one custom op, ``torch.ops.lorazor.gridtrim_lora_linear`` (registered
-on first use for CPU and CUDA, with a fake kernel). torch.compile (vLLM's default compilation
-mode) then treats it as opaque, as vLLM does its own ``torch.ops.vllm.lora_shrink``
-(``lora/ops/triton_ops/lora_shrink_op.py:285-291``).
+:func:`shrink` and :func:`expand` are vLLM's ``add_shrink`` / ``add_expand`` halves on the same
+kernels and work list, with vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the
+tensor-parallel paths that communicate between the two (below).
+
+The launches go through custom ops, ``torch.ops.lorazor.gridtrim_lora_linear``,
+``gridtrim_shrink`` and ``gridtrim_expand`` (registered together on first use for CPU and CUDA,
+with fake kernels). torch.compile (vLLM's default compilation mode) then treats them as opaque,
+as vLLM does its own ``torch.ops.vllm.lora_shrink`` (``lora/ops/triton_ops/lora_shrink_op.py:285-291``).
+
+Tensor parallelism (vLLM 0.26.0, ``lora/layers/``): every rank has its own punica wrapper with
+the same token mapping, so the same work list; only the weights and activations are shards.
+
+- Column-parallel layers (qkv, gate_up), default: ``add_lora_linear`` on every rank with the
+  full A and B sliced on its output dimension (``column_parallel_linear.py:104-130``,
+  ``:253-264``, ``:399-420``), ``output_slices`` the rank's widths. No communication.
+- Row-parallel layers (o, down), default: ``add_lora_linear`` on the rank's input columns with
+  A sliced on its input dimension (``row_parallel_linear.py:32-37``) and the full B, into the
+  rank's partial output, which the layer then all-reduces (``:72-76``); the sum of the ranks'
+  ``bf(x_r A_rᵀ) Bᵀ`` is the layer's LoRA output.
+- ``fully_sharded_loras`` (S-LoRA), column-parallel: A sliced on the rank dimension (rank / TP
+  rows, ``base_linear.py:111-117``, ``column_parallel_linear.py:219-223``, ``:516-520``):
+  ``add_shrink`` into a zeroed fp32 ``[slices, M, rank/TP]`` buffer, all-gather on its last
+  dimension (``:41-64``), then ``add_expand`` with the rank's output-sliced B (full rank),
+  ``offset_start`` 0 (``:66-73``).
+- ``fully_sharded_loras``, row-parallel: A sliced on the input dimension (full rank),
+  ``add_shrink``, all-reduce of the buffer (``row_parallel_linear.py:123-135``), then
+  ``add_expand`` with B sliced on its output dimension (``:111-116``, out / TP rows) at
+  ``offset_start`` = TP rank · out / TP into the partial output (``:144-153``).
+- Logits: the LoRA is applied after the all-gather of the logits, with the full vocabulary's B,
+  identically on every rank (``lora/layers/logits_processor.py:160-187``, ``:103-112``).
 
 Eligibility (:func:`ineligible_reason`): x, y and every A/B in fp16 or bf16, all of one dtype;
 1–3 slices; rank ≤ 64; all A slices of one shape and strides; B slices of that rank with
-shared ``[out, rank]`` strides whose widths are ``output_slices``. Any other layer falls back to
-vLLM's stock path; the first fallback for each reason logs one warning.
+shared ``[out, rank]`` strides whose widths are ``output_slices``. :func:`shrink_ineligible_reason`
+and :func:`expand_ineligible_reason` check the A or B half of that, with vLLM's fp32
+``[slices, M, rank]`` buffer as the shrink's output and the expand's input. Any other layer falls
+back to vLLM's stock path; the first fallback for each reason logs one warning.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.layout import as_3d, partials_buffer
+from kernels.layout import as_3d, num_splits, partials_buffer
 from kernels.metadata import LoRABatchMeta
 from kernels.worklist import RowTileWorklist
 
@@ -44,13 +72,62 @@ MAX_SLICES = 3
 MAX_RANK = 64
 DTYPES = (torch.float16, torch.bfloat16)
 OP_NAME = "gridtrim_lora_linear"
+SHRINK_OP = "gridtrim_shrink"
+EXPAND_OP = "gridtrim_expand"
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 # Eligibility per layer, keyed by the identity of its stacked-weight tuples (vLLM builds them
 # once per layer: lora/layers/base_linear.py:129-150, column_parallel_linear.py:225-246) and the
 # activation's dtype and widths; each value keeps the tuples alive, so an id is never reused while
 # its entry exists.
-_eligibility: dict[tuple, tuple[object, object, str | None]] = {}
+_eligibility: dict[tuple, tuple[tuple[object, ...], str | None]] = {}
+
+
+def _slices_reason(n: int) -> str | None:
+    return None if 1 <= n <= MAX_SLICES else f"{n} LoRA slices (GridTrim supports 1-{MAX_SLICES})"
+
+
+def _weights_reason(dtype: torch.dtype, weights: Sequence[torch.Tensor], of: str) -> str | None:
+    """All stacked weights in ``dtype`` (fp16/bf16) and of vLLM's stacked shape; ``of`` names
+    what sets the dtype, for the message."""
+    if dtype not in DTYPES:
+        return f"{of} in {dtype} (GridTrim needs float16 or bfloat16)"
+    if any(w.dtype != dtype for w in weights):
+        return (f"LoRA weights in {sorted({str(w.dtype) for w in weights})} with {dtype} {of} "
+                "(GridTrim needs one dtype)")
+    if any(w.dim() not in (3, 4) or (w.dim() == 4 and w.size(1) != 1) for w in weights):
+        return "stacked LoRA weights not of shape [max_loras, (1,) a, b]"
+    return None
+
+
+def _a_reason(x: torch.Tensor, a3: Sequence[torch.Tensor]) -> str | None:
+    """A slices (3-D views) that shrink can read with x: one shape and strides, rank ≤ MAX_RANK,
+    x's width."""
+    if any(a.shape != a3[0].shape or a.stride() != a3[0].stride() for a in a3):
+        return "A slices of different shapes or strides"
+    rank, hidden = a3[0].shape[1:]
+    if rank > MAX_RANK:
+        return f"rank {rank} (GridTrim supports ranks up to {MAX_RANK})"
+    if x.shape[-1] != hidden:
+        return f"input width {x.shape[-1]} but A has {hidden} columns"
+    return None
+
+
+def _b_reason(b3: Sequence[torch.Tensor], rank: int, n_adapters: int, output_slices: Sequence[int],
+              y: torch.Tensor, offset_start: int) -> str | None:
+    """B slices (3-D views) that expand can apply into y's columns from ``offset_start``."""
+    if rank > MAX_RANK:
+        return f"rank {rank} (GridTrim supports ranks up to {MAX_RANK})"
+    if any(b.shape[2] != rank or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
+        return "B slices of another rank or of different [out, rank] strides"
+    if any(b.shape[0] != n_adapters for b in b3):
+        return "A and B stacks of different adapter counts"
+    widths = [b.shape[1] for b in b3]
+    if widths != list(output_slices):
+        return f"B widths {widths} differ from output_slices {list(output_slices)}"
+    if y.shape[-1] < offset_start + sum(widths):
+        return f"output has {y.shape[-1]} columns, the slices need {offset_start + sum(widths)}"
+    return None
 
 
 def ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -61,35 +138,17 @@ def ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.T
     Checks shapes, strides and dtypes only (no data access), so it is cheap and traceable.
     """
     n = len(lora_a)
-    if not 1 <= n <= MAX_SLICES:
-        return f"{n} LoRA slices (GridTrim supports 1-{MAX_SLICES})"
-    if len(lora_b) != n or len(output_slices) != n:
-        return f"{n} A slices, {len(lora_b)} B slices and {len(output_slices)} output slices"
-    if x.dtype not in DTYPES:
-        return f"activations in {x.dtype} (GridTrim needs float16 or bfloat16)"
-    if any(w.dtype != x.dtype for w in (*lora_a, *lora_b)):
-        return (f"LoRA weights in {sorted({str(w.dtype) for w in (*lora_a, *lora_b)})} with {x.dtype} "
-                "activations (GridTrim needs one dtype)")
-    if any(w.dim() not in (3, 4) or (w.dim() == 4 and w.size(1) != 1) for w in (*lora_a, *lora_b)):
-        return "stacked LoRA weights not of shape [max_loras, (1,) a, b]"
+    reason = _slices_reason(n)
+    if reason is None and (len(lora_b) != n or len(output_slices) != n):
+        reason = f"{n} A slices, {len(lora_b)} B slices and {len(output_slices)} output slices"
+    reason = reason or _weights_reason(x.dtype, (*lora_a, *lora_b), "activations")
+    if reason is not None:
+        return reason
     a3 = [as_3d(a) for a in lora_a]
-    b3 = [as_3d(b) for b in lora_b]
-    if any(a.shape != a3[0].shape or a.stride() != a3[0].stride() for a in a3):
-        return "A slices of different shapes or strides"
-    rank, hidden = a3[0].shape[1:]
-    if rank > MAX_RANK:
-        return f"rank {rank} (GridTrim supports ranks up to {MAX_RANK})"
-    if x.shape[-1] != hidden:
-        return f"input width {x.shape[-1]} but A has {hidden} columns"
-    if any(b.shape[2] != rank or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
-        return "B slices of another rank or of different [out, rank] strides"
-    if any(b.shape[0] != a3[0].shape[0] for b in b3):
-        return "A and B stacks of different adapter counts"
-    widths = [b.shape[1] for b in b3]
-    if widths != list(output_slices):
-        return f"B widths {widths} differ from output_slices {list(output_slices)}"
-    if y.shape[-1] < offset_start + sum(widths):
-        return f"output has {y.shape[-1]} columns, the slices need {offset_start + sum(widths)}"
+    reason = _a_reason(x, a3) or _b_reason([as_3d(b) for b in lora_b], a3[0].shape[1], a3[0].shape[0],
+                                           output_slices, y, offset_start)
+    if reason is not None:
+        return reason
     if y.dtype != x.dtype:
         return f"output in {y.dtype} with {x.dtype} activations (GridTrim writes the activations' dtype)"
     if y.device != x.device:
@@ -97,28 +156,110 @@ def ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.T
     return None
 
 
+def shrink_ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> str | None:
+    """Why our kernels cannot run this ``add_shrink`` (None: they can): x ``[M, K]`` fp16/bf16,
+    1–3 A slices as :func:`ineligible_reason` wants them, y vLLM's fp32 buffer
+    ``[slices, M, rank]`` (``punica_gpu.py:246-248``, ``column_parallel_linear.py:49-54``,
+    ``row_parallel_linear.py:123-127``)."""
+    reason = _static_shrink_reason(x, lora_a)
+    if reason is not None:
+        return reason
+    return _shrink_output_reason(y, x, as_3d(lora_a[0]).shape[1], len(lora_a))
+
+
+def _static_shrink_reason(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> str | None:
+    """The per-layer part of :func:`shrink_ineligible_reason` (weights against x's dtype and width)."""
+    reason = _slices_reason(len(lora_a)) or _weights_reason(x.dtype, lora_a, "activations")
+    if reason is not None:
+        return reason
+    return _a_reason(x, [as_3d(a) for a in lora_a])
+
+
+def _shrink_output_reason(y: torch.Tensor, x: torch.Tensor, rank: int, slices: int) -> str | None:
+    """The per-call part: y's dtype, shape and device (x.size(0) changes every step)."""
+    if y.dtype != torch.float32:
+        return f"shrink output in {y.dtype} (GridTrim writes vLLM's float32 buffer)"
+    if tuple(y.shape) != (slices, x.shape[0], rank):
+        return f"shrink output of shape {tuple(y.shape)}, expected [{slices}, {x.shape[0]}, {rank}]"
+    if y.device != x.device:
+        return "output and input on different devices"
+    return None
+
+
+def expand_ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                             output_slices: Sequence[int], offset_start: int = 0) -> str | None:
+    """Why our kernels cannot run this ``add_expand`` (None: they can): x the fp32 shrink buffer
+    ``[slices, M, rank]`` (``punica_gpu.py:154-156`` reads it so), 1–3 B slices of one fp16/bf16
+    dtype, rank ≤ 64, widths ``output_slices``, y ``[M, ≥ offset_start + Σ widths]`` in B's dtype."""
+    reason = _static_expand_reason(y, x, lora_b, output_slices, offset_start)
+    if reason is not None:
+        return reason
+    return _expand_io_reason(y, x, len(lora_b))
+
+
+def _static_expand_reason(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                          output_slices: Sequence[int], offset_start: int) -> str | None:
+    """The per-layer part of :func:`expand_ineligible_reason` (weights against the widths, y's
+    columns and dtype, the buffer's rank and dtype)."""
+    n = len(lora_b)
+    reason = _slices_reason(n)
+    if reason is None and len(output_slices) != n:
+        reason = f"{n} B slices and {len(output_slices)} output slices"
+    reason = reason or _weights_reason(lora_b[0].dtype, lora_b, "LoRA B")
+    if reason is not None:
+        return reason
+    if x.dtype != torch.float32 or x.dim() != 3:
+        return f"expand input in {x.dtype} of {x.dim()} dims (GridTrim reads vLLM's float32 [slices, M, rank] buffer)"
+    b3 = [as_3d(b) for b in lora_b]
+    reason = _b_reason(b3, x.shape[-1], b3[0].shape[0], output_slices, y, offset_start)
+    if reason is not None:
+        return reason
+    if y.dtype != b3[0].dtype:
+        return f"output in {y.dtype} with LoRA B in {b3[0].dtype} (GridTrim writes B's dtype)"
+    return None
+
+
+def _expand_io_reason(y: torch.Tensor, x: torch.Tensor, slices: int) -> str | None:
+    """The per-call part: the buffer's slices and rows against y (the token count changes every step)."""
+    if x.shape[0] != slices or x.shape[1] != y.shape[0]:
+        return f"expand input of shape {tuple(x.shape)} for {slices} slices and an output of {y.shape[0]} rows"
+    if y.device != x.device:
+        return "output and input on different devices"
+    return None
+
+
+def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], str | None]) -> str | None:
+    """``compute()`` (an eligibility check), once per layer in eager mode (about 25 µs a call
+    otherwise, i.e. ~3 ms per eager step of a 28-layer model); torch.compile traces it once anyway.
+
+    ``weights`` are the layer's stacked-weight tuples (keyed by identity, kept alive by the
+    entry), ``key`` the rest of what the check depends on."""
+    if torch.compiler.is_compiling():
+        return compute()
+    full = (*map(id, weights), *key)
+    hit = _eligibility.get(full)
+    if hit is None or any(a is not b for a, b in zip(hit[0], weights)):
+        hit = (weights, compute())
+        _eligibility[full] = hit
+    return hit[1]
+
+
 def _cached_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
                    lora_b: Sequence[torch.Tensor], output_slices: Sequence[int], offset_start: int) -> str | None:
-    """:func:`ineligible_reason`, computed once per layer in eager mode (about 25 µs a call
-    otherwise, i.e. ~3 ms per eager step of a 28-layer model); torch.compile traces it once anyway."""
-    if torch.compiler.is_compiling():
-        return ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start)
-    key = (id(lora_a), id(lora_b), x.dtype, y.dtype, x.shape[-1], y.shape[-1], tuple(output_slices), offset_start,
-           x.device, y.device)
-    hit = _eligibility.get(key)
-    if hit is None or hit[0] is not lora_a or hit[1] is not lora_b:
-        hit = (lora_a, lora_b, ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start))
-        _eligibility[key] = hit
-    return hit[2]
+    """:func:`ineligible_reason` through the per-layer cache."""
+    key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], tuple(output_slices), offset_start, x.device,
+           y.device)
+    return _cached((lora_a, lora_b), key,
+                   lambda: ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start))
 
 
-def warn_fallback_once(reason: str) -> None:
-    """One warning per distinct reason (not while torch.compile traces: logging would break
-    the graph, so a compiled engine may fall back silently)."""
-    if reason in _warned or torch.compiler.is_compiling():
+def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
+    """One warning per distinct (``what``, reason) (not while torch.compile traces: logging would
+    break the graph, so a compiled engine may fall back silently)."""
+    if (what, reason) in _warned or torch.compiler.is_compiling():
         return
-    _warned.add(reason)
-    logger.warning("LoRazor GridTrim: a LoRA linear runs vLLM's stock kernels instead: %s.", reason)
+    _warned.add((what, reason))
+    logger.warning("LoRazor GridTrim: %s runs vLLM's stock kernels instead: %s.", what, reason)
 
 
 def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor]) -> None:
@@ -130,6 +271,14 @@ def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor
     slot ids to -1 and the counts to 0 and returns), the list is empty.
     """
     worklist.update(LoRABatchMeta.from_vllm_meta_args(meta_args))
+
+
+def _meta_and_list(meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist) -> tuple[torch.Tensor, ...]:
+    """The custom ops' metadata and work-list tensor arguments, in schema order."""
+    meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
+    return (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
+            meta.slot_lora_ids, worklist.tile_lora, worklist.tile_first, worklist.tile_rows, worklist.num_tiles,
+            worklist.positions)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -153,35 +302,105 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     if reason is not None:
         warn_fallback_once(reason)
         return False
-    meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
-    _op()(y2, x2, list(lora_a), list(lora_b), meta.token_lora_mapping, meta.token_indices_sorted,
-          meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
-          worklist.tile_first, worklist.tile_rows, worklist.num_tiles, worklist.positions,
-          worklist.block_m, float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0))
+    _op(OP_NAME)(y2, x2, list(lora_a), list(lora_b), *_meta_and_list(meta_args, worklist), worklist.block_m,
+                 float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0))
     return True
 
 
-# -- the custom op ------------------------------------------------------------------------------
+def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], scale: float,
+           meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
+           num_programs: int | None = None) -> bool:
+    """vLLM's ``add_shrink`` contract (``lora/punica_wrapper/punica_gpu.py:90-121``, the op
+    ``lora/ops/triton_ops/lora_shrink_op.py:131-265``) on our kernels::
+
+        y[s, m] = scale · x[m] @ A_s[id_m]ᵀ   (fp32) for rows m whose adapter id ≥ 0, else 0
+
+    x ``[M, K]`` (fp16/bf16), y the fp32 buffer ``[slices, M, rank]``. Like the stock op, which
+    zeroes the buffer first (``lora_shrink_op.py:192``) and then stores (split_k = 1) or
+    atomically adds (split_k > 1) the products, the result *replaces* y. (The stock op skips the
+    zeroing when no row has an adapter, on a host flag, ``:171-174``; its callers zero or
+    never read those rows, ``column_parallel_linear.py:55``, ``row_parallel_linear.py:123``,
+    ``punica_gpu.py:250-264``.) The tensor-parallel paths call it on a rank's A shard:
+    fully-sharded column-parallel layers with A sliced on the rank dimension, then all-gather y
+    on its last dimension (``column_parallel_linear.py:57-64``); fully-sharded row-parallel
+    layers with A sliced on the input dimension, then all-reduce y (``row_parallel_linear.py:
+    129-135``). Returns False, after a one-time warning, when ineligible.
+    """
+    x2 = x.view(-1, x.shape[-1])
+    layer = lora_a  # the cache key: the caller's own object (a new tuple would be a new key every call)
+    if isinstance(lora_a, torch.Tensor):  # a bare tensor: one slice
+        lora_a = (lora_a,)
+    reason = _cached((layer,), ("shrink", x2.dtype, x2.shape[-1], x2.device),
+                     lambda: _static_shrink_reason(x2, lora_a))
+    if reason is None:
+        reason = _shrink_output_reason(y, x2, as_3d(lora_a[0]).shape[1], len(lora_a))
+    if reason is not None:
+        warn_fallback_once(reason, "a LoRA shrink (add_shrink)")
+        return False
+    _op(SHRINK_OP)(y, x2, list(lora_a), *_meta_and_list(meta_args, worklist), worklist.block_m, float(scale),
+                   int(num_programs or 0))
+    return True
+
+
+def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
+           meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *, offset_start: int = 0,
+           add_inputs: bool = True, num_programs: int | None = None) -> bool:
+    """vLLM's ``add_expand`` contract (``lora/punica_wrapper/punica_gpu.py:123-169``, the op
+    ``lora/ops/triton_ops/lora_expand_op.py``) on our kernels: for rows m whose adapter id ≥ 0,
+    slice s with columns ``[c_s, c_s + N_s)`` (``c_0 = offset_start``, slices back to back)::
+
+        y[m, c_s:c_s+N_s] = (y[m, ...] if add_inputs else 0) + bf(x[s, m]) @ B_s[id_m]ᵀ
+
+    x the fp32 shrink buffer ``[slices, M, rank]``; bf casts it to B's dtype, as the stock op
+    does (``CAST_TYPE``). Other rows of y are not touched. Under tensor parallelism x is the
+    all-gathered (fully-sharded column-parallel, full rank, ``offset_start`` 0) or all-reduced
+    (fully-sharded row-parallel, ``offset_start`` = rank · shard width, ``row_parallel_linear.py:
+    144-153``) buffer and B the rank's output shard. Returns False, after a one-time warning,
+    when ineligible.
+    """
+    y2 = y.view(-1, y.shape[-1])
+    layer = lora_b
+    if isinstance(lora_b, torch.Tensor):
+        lora_b = (lora_b,)
+    key = ("expand", x.dtype, x.dim(), x.shape[-1], y2.dtype, y2.shape[-1], tuple(output_slices), offset_start,
+           x.device)
+    reason = _cached((layer,), key, lambda: _static_expand_reason(y2, x, lora_b, output_slices, offset_start))
+    if reason is None:
+        reason = _expand_io_reason(y2, x, len(lora_b))
+    if reason is not None:
+        warn_fallback_once(reason, "a LoRA expand (add_expand)")
+        return False
+    _op(EXPAND_OP)(y2, x, list(lora_b), *_meta_and_list(meta_args, worklist), worklist.block_m, int(offset_start),
+                   bool(add_inputs), int(num_programs or 0))
+    return True
+
+
+# -- the custom ops -----------------------------------------------------------------------------
 
 _LIB: torch.library.Library | None = None
-_OP = None
-_SCHEMA = (f"{OP_NAME}(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor token_lora_mapping, "
-           "Tensor token_indices_sorted, Tensor num_tokens_per_slot, Tensor slot_start_loc, Tensor slot_lora_ids, "
-           "Tensor tile_lora, Tensor tile_first, Tensor tile_rows, Tensor num_tiles, Tensor positions, "
-           "int block_m, float scale, int offset_start, bool add_inputs, int num_programs) -> ()")
+_OPS: dict[str, object] = {}
+_META = ("Tensor token_lora_mapping, Tensor token_indices_sorted, Tensor num_tokens_per_slot, Tensor slot_start_loc, "
+         "Tensor slot_lora_ids, Tensor tile_lora, Tensor tile_first, Tensor tile_rows, Tensor num_tiles, "
+         "Tensor positions, int block_m")
+_SCHEMAS = {
+    OP_NAME: (f"{OP_NAME}(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, {_META}, float scale, "
+              "int offset_start, bool add_inputs, int num_programs) -> ()"),
+    SHRINK_OP: f"{SHRINK_OP}(Tensor(a!) y, Tensor x, Tensor[] lora_a, {_META}, float scale, int num_programs) -> ()",
+    EXPAND_OP: (f"{EXPAND_OP}(Tensor(a!) y, Tensor x, Tensor[] lora_b, {_META}, int offset_start, bool add_inputs, "
+                "int num_programs) -> ()"),
+}
+
+
+def _unpack(meta_and_list: Sequence[torch.Tensor], block_m: int) -> tuple[LoRABatchMeta, RowTileWorklist]:
+    return LoRABatchMeta(*meta_and_list[:5]), RowTileWorklist(block_m, *meta_and_list[5:])
 
 
 def _launch(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-            token_lora_mapping: torch.Tensor, token_indices_sorted: torch.Tensor,
-            num_tokens_per_slot: torch.Tensor, slot_start_loc: torch.Tensor, slot_lora_ids: torch.Tensor,
-            tile_lora: torch.Tensor, tile_first: torch.Tensor, tile_rows: torch.Tensor,
-            num_tiles: torch.Tensor, positions: torch.Tensor, block_m: int, scale: float,
-            offset_start: int, add_inputs: bool, num_programs: int) -> None:
+            *rest: object) -> None:
     from kernels.linear import add_lora_linear as kernels_add_lora_linear
 
-    meta = LoRABatchMeta(token_lora_mapping, token_indices_sorted, num_tokens_per_slot, slot_start_loc,
-                         slot_lora_ids)
-    worklist = RowTileWorklist(block_m, tile_lora, tile_first, tile_rows, num_tiles, positions)
+    *tensors, block_m, scale, offset_start, add_inputs, num_programs = rest
+    meta, worklist = _unpack(tensors, block_m)
     a3 = as_3d(lora_a[0])
     # Uninitialised: shrink writes every (split, slice, row) that expand reads (kernels/layout.py).
     partials = partials_buffer(len(lora_a), x.shape[0], a3.shape[1], a3.shape[2], x.device)
@@ -190,21 +409,58 @@ def _launch(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b
                             num_programs=num_programs or None)
 
 
+def _launch_shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], *rest: object) -> None:
+    """y (fp32 ``[slices, M, rank]``) = the shrink, 0 on rows without adapter.
+
+    With one hidden chunk (``K ≤ K_CHUNK``) the kernel writes straight into y (a view as
+    ``[1, slices, M, rank]`` partials); otherwise into zeroed split-K partials, summed into y."""
+    from kernels.shrink import lora_shrink
+
+    *tensors, block_m, scale, num_programs = rest
+    meta, worklist = _unpack(tensors, block_m)
+    rank, hidden = as_3d(lora_a[0]).shape[1:]
+    splits = num_splits(hidden)
+    if splits == 1:
+        y.zero_()
+        partials = y.unsqueeze(0)
+    else:
+        partials = torch.zeros(splits, len(lora_a), x.shape[0], rank, dtype=torch.float32, device=x.device)
+    lora_shrink(x, lora_a, partials, meta, worklist, scale, num_programs=num_programs or None)
+    if splits > 1:
+        torch.sum(partials, dim=0, out=y)
+
+
+def _launch_expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], *rest: object) -> None:
+    from kernels.expand import lora_expand
+
+    *tensors, block_m, offset_start, add_inputs, num_programs = rest
+    meta, worklist = _unpack(tensors, block_m)
+    lora_expand(x.unsqueeze(0), lora_b, y, meta, worklist, offset_start=offset_start, add_inputs=add_inputs,
+                num_programs=num_programs or None)
+
+
+_IMPLS = {OP_NAME: _launch, SHRINK_OP: _launch_shrink, EXPAND_OP: _launch_expand}
+
+
 def _fake(*args: object) -> None:
-    """Shape function for torch.compile: the op only mutates ``y`` in place."""
+    """Shape function for torch.compile: the ops only mutate ``y`` in place."""
     return None
 
 
-def _op():
-    """``torch.ops.lorazor.gridtrim_lora_linear``, registered once per process."""
-    global _LIB, _OP
-    if _OP is None:
-        if not hasattr(torch.ops.lorazor, OP_NAME):
-            lib = torch.library.Library("lorazor", "FRAGMENT")  # the op lives as long as this object
-            lib.define(_SCHEMA)
-            for key in ("CPU", "CUDA"):
-                lib.impl(OP_NAME, _launch, key)
-            lib._register_fake(OP_NAME, _fake)
+def _op(name: str = OP_NAME):
+    """``torch.ops.lorazor.<name>``; the three ops are registered together, once per process."""
+    global _LIB
+    op = _OPS.get(name)
+    if op is None:
+        if not all(hasattr(torch.ops.lorazor, n) for n in _SCHEMAS):
+            lib = torch.library.Library("lorazor", "FRAGMENT")  # the ops live as long as this object
+            for op_name, schema in _SCHEMAS.items():
+                if hasattr(torch.ops.lorazor, op_name):
+                    continue
+                lib.define(schema)
+                for key in ("CPU", "CUDA"):
+                    lib.impl(op_name, _IMPLS[op_name], key)
+                lib._register_fake(op_name, _fake)
             _LIB = lib
-        _OP = getattr(torch.ops.lorazor, OP_NAME)
-    return _OP
+        op = _OPS[name] = getattr(torch.ops.lorazor, name)
+    return op

@@ -32,6 +32,46 @@ itself lives in :mod:`serve_bridge.runtime`.
   states of the sampled positions, one row per request in batch order — for
   ``sample_tokens``; the hook launches the step's decisions on them there (and, in calibration
   mode, records s_t and h_t from the same rows).
+
+Tensor parallelism (``tensor_parallel_size`` N > 1; pipeline parallelism is refused,
+``serve_bridge.settings.require_supported_engine``). Every rank is a worker process with its own
+runner (``v1/executor/multiproc_executor.py:985-1001``: each worker dequeues the same broadcast
+``execute_model`` / ``sample_tokens`` call with the same ``SchedulerOutput``; only rank 0's
+output goes back, ``:310-320``, ``:498-510``), so every rank has its own
+:class:`~serve_bridge.runtime.ReleaseRuntime` and decides on its own. The release mapping must be
+the same on all ranks: a rank that masked a row the others did not would add a partial LoRA term
+in row-parallel layers (``lora/layers/row_parallel_linear.py:72-76``) and give silently wrong
+outputs. It is, without any communication, because every input of a decision is replicated:
+
+- The plan (rows, slots, forwards t) comes from the scheduler output and the runner's request
+  states, identical on all ranks; each runner appends its own sampled tokens to its input batch
+  (``gpu_model_runner.py:3785-3791``; only ranks that are not the last pipeline stage take them
+  from the scheduler, :1385-1405), so vLLM itself already relies on every TP rank sampling the
+  same tokens: it all-gathers the logits to every rank (``model_executor/layers/
+  logits_processor.py:85-97``, ``use_all_gather`` True on CUDA, ``platforms/interface.py:
+  1096-1100``) and seeds every worker alike (``v1/worker/gpu_worker.py:380-381``).
+- The hidden states (``sample_hidden_states``, ``gpu_model_runner.py:4428``) are the final norm
+  of the residual stream (``model_executor/models/llama.py:435``), which every rank computes
+  redundantly from all-reduced values: the embedding (``vocab_parallel_embedding.py:491``, its
+  LoRA added after, with the full B, ``lora/layers/vocal_parallel_embedding.py:106-121``), and
+  each row-parallel o/down projection (``model_executor/layers/linear.py:1694-1695``; the LoRA
+  terms, sharded or not, enter before that all-reduce or through an all-gather of the LoRA buffer,
+  see :mod:`serve_bridge.gridtrim`). Norms and residual adds are deterministic per-element
+  kernels. At N = 2 each all-reduced element is one sum a + b of the two ranks' values, and IEEE
+  addition is commutative, so both ranks hold the same bits whichever rank adds (NCCL, vLLM's
+  custom all-reduce); nondeterminism before the all-reduce (vLLM's split-K shrink adds with
+  float atomics) changes the value, not its equality across ranks. At N > 2 this rests on the
+  all-reduce giving every rank the same result (reduce-then-broadcast, or a sum in rank order),
+  which the CUDA sources decide (not in the Python package; not checked here).
+- The decision (:meth:`serve_bridge.steptrim.StepTrim.fires`: a gather, a row dot product, a
+  comparison; the profiled rule on the host) is deterministic on identical inputs and GPUs.
+
+So the ranks take identical decisions on identical GPUs, and no broadcast of rank 0's decision
+is added (it would put a collective, and a dependency on the TP group, on every decision step).
+Ranks on different GPU models could pick different kernels for the replicated norm and
+decision and lose bit equality; that is not supported. ``benchmarks/serve_bridge/
+check_correctness.py --tensor-parallel-size 2`` checks it on the device: every rank's release
+records and counters must match (its check (e)).
 """
 from __future__ import annotations
 

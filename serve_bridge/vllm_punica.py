@@ -29,10 +29,17 @@ What it changes, and what it leaves stock:
   adapter slot each step. It is a one-slice LoRA linear over the sampler's mapping
   (``prompt_mapping_meta``), so ours runs it on the same kernels with a second work list,
   refreshed in the call itself.
-- Stock: ``add_shrink`` / ``add_expand`` (used directly by the fully-sharded TP paths,
-  ``lora/layers/column_parallel_linear.py:57-66`` and ``row_parallel_linear.py:129-146``),
-  ``add_lora_embedding`` (``lora/layers/vocal_parallel_embedding.py:119``) and the MoE paths keep
-  vLLM's kernels.
+- ``add_shrink`` / ``add_expand`` (``punica_gpu.py:90-169``): called directly only by the
+  fully-sharded tensor-parallel paths (``fully_sharded_loras``), which communicate between them
+  (``lora/layers/column_parallel_linear.py:57-73``: all-gather of the buffer;
+  ``row_parallel_linear.py:129-153``: all-reduce), and by the stock ``add_lora_linear`` that a
+  fallback runs (``punica_gpu.py:250-264``). Ours run :func:`serve_bridge.gridtrim.shrink` /
+  :func:`~serve_bridge.gridtrim.expand` on the same work list, through vLLM's fp32
+  ``[slices, M, rank]`` buffer; ineligible calls take the stock methods, one warning per reason.
+  The default (not fully-sharded) TP paths only call ``add_lora_linear``, with sharded weights
+  (see :mod:`serve_bridge.gridtrim`).
+- Stock: ``add_lora_embedding`` (``lora/layers/vocal_parallel_embedding.py:119``) and the MoE
+  paths keep vLLM's kernels.
 
 Our kernels ignore ``num_active_loras``, so the adapter-count CUDA-graph specialization
 (``specialize_active_lora``) buys nothing here: with it off, each batch size has one LoRA graph
@@ -121,3 +128,33 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
                                         self.gridtrim_prompt_worklist, num_programs=self.gridtrim_programs)
         if not done:
             super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs)
+
+    def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...], scale: float,
+                   **kwargs: Any) -> None:
+        """Same contract as ``PunicaWrapperGPU.add_shrink`` (punica_gpu.py:90-121): ``y`` (vLLM's fp32
+        ``[slices, M, rank]`` buffer) = ``scale · x @ A_s[id]ᵀ`` on rows with an adapter, 0 on the others
+        (the stock op zeroes it first, lora_shrink_op.py:192). Returns None, as the stock method does
+        (the callers use the return value only where ``can_update_inplace()`` is False, not on CUDA)."""
+        x2 = x.view(-1, x.shape[-1])
+        # The stock method's metadata view (punica_gpu.py:113-120); self.gridtrim_worklist was refreshed
+        # from the same token_mapping_meta in update_metadata.
+        meta_args = self.token_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
+        if not gridtrim.shrink(y, x2, lora_a_stacked, scale, meta_args, self.gridtrim_worklist,
+                               num_programs=self.gridtrim_programs):
+            super().add_shrink(y, x, lora_a_stacked, scale, **kwargs)
+
+    def add_expand(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...],
+                   output_slices: tuple[int, ...], offset_start: int = 0, add_inputs: bool = True,
+                   **kwargs: Any) -> None:
+        """Same contract as ``PunicaWrapperGPU.add_expand`` (punica_gpu.py:123-169): ``x`` the fp32
+        ``[slices, M, rank]`` buffer, ``y[:, offset_start + …]`` (+)= ``bf(x[s]) @ B_s[id]ᵀ`` per slice
+        on rows with an adapter. The fully-sharded layers pass ``add_input=True`` (sic,
+        column_parallel_linear.py:72, row_parallel_linear.py:152), which lands in ``kwargs`` and
+        leaves ``add_inputs`` at its default True, as in the stock method."""
+        y2 = y.view(-1, y.shape[-1])
+        # num_tokens is the buffer's second dimension, as in punica_gpu.py:156-164.
+        meta_args = self.token_mapping_meta.meta_args(x.size(1), self.lora_config.specialize_active_lora)
+        if not gridtrim.expand(y2, x, lora_b_stacked, output_slices, meta_args, self.gridtrim_worklist,
+                               offset_start=offset_start, add_inputs=add_inputs,
+                               num_programs=self.gridtrim_programs):
+            super().add_expand(y, x, lora_b_stacked, output_slices, offset_start, add_inputs, **kwargs)

@@ -1,8 +1,9 @@
 """StepTrim inside vLLM 0.26.0 is token-exact (issue 7, phase 1). Needs a GPU and vLLM.
 
-    python benchmarks/serve_bridge/check_correctness.py --out DIR
+    python benchmarks/serve_bridge/check_correctness.py --out DIR [--tensor-parallel-size 2 [--fully-sharded-loras]]
 
-(``scripts/device_serve_bridge.sh`` registers the plugin's entry point and runs this.)
+(``scripts/device_serve_bridge.sh`` registers the plugin's entry point and runs this;
+``scripts/device_tp2.sh`` runs it at TP = 2.)
 It builds a SmolLM2-135M-shaped Llama (dummy weights), 32 random rank-8 peft adapters on
 q,k,v,o,gate,up,down and a request set (prompts of 8–1000 tokens, so long ones are chunked;
 4–64 output tokens), then runs each engine in its own process:
@@ -17,6 +18,16 @@ Checks: (a) policy off ≡ stock token for token; (b) profiled k: release points
 the release step equal full LoRA, realized skip (runtime counters) = steptrim.skip_fraction
 of the output lengths; (c) learned: decisions happen, tokens up to the release step equal
 full LoRA, every forward after release skips (one-way); (d) the wrong bundle's error.
+
+Tensor parallelism (``--tensor-parallel-size N``, both engines; ``--fully-sharded-loras`` adds
+vLLM's ``fully_sharded_loras``, whose LoRA layers call ``add_shrink``, a collective, then
+``add_expand``): the model becomes :data:`TP_MODEL` where N does not divide MODEL's 9 attention
+and 3 KV heads (hidden 512, 8 and 4 heads of 64; work directory ``/tmp/lorazor_check_h512``).
+Every rank runs its own runner and StepTrim decisions, on its own copy of the final hidden
+states; (e) checks that the ranks agree: the same runner class, the same per-request release
+records and the same counters (timings aside), read from every rank over ``collective_rpc``.
+The start-up error check (d) runs at N = 1 only (at N > 1 the error is raised in the worker
+processes, and the engine reports their failure).
 
 Both engines use CUDA graphs for decode batches (FULL_DECODE_ONLY, no torch.compile, to fit
 the device budget) with ``specialize_active_lora``, so released rows exercise the adapter
@@ -47,6 +58,8 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
          "rope_theta": 100000.0, "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
          "bos_token_id": 1, "eos_token_id": 2}
+# TP_MODEL: MODEL with heads that 2, 4 and 8 ranks divide (9 and 3 heads do not; see module docstring).
+TP_MODEL = {**MODEL, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4}
 N_ADAPTERS, RANK, ALPHA = 32, 8, 16
 PROFILED_K = [0, 1, 2, 4, 8, 16, 32, 64, 128]
 FAMILIES = ("off", "prof", "learn")
@@ -58,6 +71,38 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, m
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 SHRINK = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": 1, "num_warps": 4, "num_ctas": 1,
           "group_size_m": 8, "num_stages": 2, "max_nreg": None}
+
+
+def model_for(tp: int) -> dict:
+    """MODEL when ``tp`` ranks divide its attention and KV heads, else TP_MODEL."""
+    fits = MODEL["num_attention_heads"] % tp == 0 and MODEL["num_key_value_heads"] % tp == 0
+    return MODEL if fits else TP_MODEL
+
+
+def default_work(tp: int) -> Path:
+    model = model_for(tp)
+    return Path("/tmp/lorazor_check" if model is MODEL else f"/tmp/lorazor_check_h{model['hidden_size']}")
+
+
+def engine_options(tp: int = 1, fully_sharded: bool = False) -> dict:
+    """ENGINE, with ``tensor_parallel_size`` and vLLM's ``fully_sharded_loras`` when asked."""
+    opts = dict(ENGINE)
+    if tp > 1:
+        opts["tensor_parallel_size"] = tp
+    if fully_sharded:
+        opts["fully_sharded_loras"] = True
+    return opts
+
+
+def timing_free(counters: dict) -> dict:
+    """Counters without the per-rank timings (keys with ``_ms``), which differ between ranks."""
+    return {k: timing_free(v) if isinstance(v, dict) else v for k, v in counters.items() if "_ms" not in k}
+
+
+def ranks_agree(per_rank: list) -> bool:
+    """Whether every rank's ``collective_rpc`` result equals rank 0's (counters: timings aside)."""
+    norm = [timing_free(r) if isinstance(r, dict) else r for r in per_rank]
+    return all(r == norm[0] for r in norm[1:])
 
 
 def adapter_name(a: int, family: str | None = None) -> str:
@@ -75,25 +120,25 @@ def learned_group(a: int) -> str:
 
 # -- preparation (CPU) ------------------------------------------------------------------------
 
-def prepare(work: Path, n_requests: int) -> None:
+def prepare(work: Path, n_requests: int, model: dict = MODEL) -> None:
     """Model config, adapters, bundles, request set and the split_k=1 shrink config."""
     import numpy as np
     import torch
 
     work.mkdir(parents=True, exist_ok=True)
-    write_model_config(work, MODEL)
-    fps = write_random_adapters(work, MODEL, N_ADAPTERS, RANK, ALPHA, adapter_name)
+    write_model_config(work, model)
+    fps = write_random_adapters(work, model, N_ADAPTERS, RANK, ALPHA, adapter_name)
     rng = np.random.default_rng(0)
     entries = []
     for a in range(N_ADAPTERS):
         if a < N_ADAPTERS // 2:  # the other '-off' adapters are absent: full LoRA with a warning
             entries.append(AdapterEntry(adapter_name(a, "off"), fps[a], "none"))
         entries.append(AdapterEntry(adapter_name(a, "prof"), fps[a], "profiled", k=profiled_k(a)))
-        w = (rng.standard_normal(MODEL["hidden_size"]) / MODEL["hidden_size"] ** 0.5).astype(np.float32)
+        w = (rng.standard_normal(model["hidden_size"]) / model["hidden_size"] ** 0.5).astype(np.float32)
         bias = {"sign": 0.0, "always": -1e4, "never": 1e4}[learned_group(a)]
         entries.append(AdapterEntry(adapter_name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=bias))
     bad = [AdapterEntry(adapter_name(0, "prof"), fps[0], "profiled", k=1)]
-    for name, hidden, chosen in (("bundle", MODEL["hidden_size"], entries), ("bundle_bad", 64, bad)):
+    for name, hidden, chosen in (("bundle", model["hidden_size"], entries), ("bundle_bad", 64, bad)):
         if not (work / name).exists():
             write_bundle(work / name, backbone="smollm2-135m-shape-dummy", hidden_size=hidden,
                          config_fingerprint="0" * 64, adapters=chosen)
@@ -104,7 +149,7 @@ def prepare(work: Path, n_requests: int) -> None:
         long = i % 20 == 7
         plen = rnd.randint(600, 1000) if long else rnd.randint(8, 200)
         requests.append({"adapter": i % N_ADAPTERS, "max_tokens": rnd.randint(4, 64),
-                         "prompt": [rnd.randrange(3, MODEL["vocab_size"]) for _ in range(plen)]})
+                         "prompt": [rnd.randrange(3, model["vocab_size"]) for _ in range(plen)]})
     (work / "requests.json").write_text(json.dumps(requests))
 
     gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
@@ -115,10 +160,10 @@ def prepare(work: Path, n_requests: int) -> None:
 
 # -- engines (one process each) -------------------------------------------------------------
 
-def _llm(work: Path):
+def _llm(work: Path, tp: int = 1, fully_sharded: bool = False):
     from vllm import LLM
 
-    return LLM(model=str(work / "model"), **ENGINE)
+    return LLM(model=str(work / "model"), **engine_options(tp, fully_sharded))
 
 
 def _runner_name(worker) -> str:
@@ -143,12 +188,13 @@ def _generate(llm, requests: list[dict], work: Path, family: str,
     return [list(o.outputs[0].token_ids) for o in outs], [o.request_id for o in outs]
 
 
-def serve(mode: str, work: Path, out: Path) -> None:
+def serve(mode: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = False) -> None:
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    llm = _llm(work)
-    result = {"startup_s": time.time() - t0,
-              "runner": llm.collective_rpc(_runner_name)[0]}
+    llm = _llm(work, tp, fully_sharded)
+    runners = llm.collective_rpc(_runner_name)  # one per rank
+    result = {"startup_s": time.time() - t0, "ranks": len(runners),
+              "runner": runners[0] if ranks_agree(runners) else f"ranks differ: {runners}"}
     if mode == "stock":
         for fam in ("full", "base"):
             t = time.time()
@@ -163,17 +209,20 @@ def serve(mode: str, work: Path, out: Path) -> None:
             result[f"{fam}_s"] = time.time() - t
             index = {rid: j for j, rid in enumerate(ext_ids)}
             records = [None] * len(requests)
-            for rec in llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]:
+            per_rank = llm.collective_rpc(lorazor_requests, kwargs={"clear": True})
+            for rec in per_rank[0]:
                 j = index.get(rec["req_id"].rsplit("-", 1)[0])  # internal id = external id + "-" + 8 chars
                 if j is not None:  # (records of the previous family may still be tracked)
                     records[j] = rec
-            result[fam] = {"tokens": tokens, "records": records, "counters": llm.collective_rpc(lorazor_counters)[0]}
+            counters = llm.collective_rpc(lorazor_counters)
+            result[fam] = {"tokens": tokens, "records": records, "counters": counters[0],
+                           "ranks_agree": ranks_agree(per_rank) and ranks_agree(counters)}
     (out / f"{mode}.json").write_text(json.dumps(result))
 
 
 def bad_bundle(work: Path, out: Path) -> None:
     try:
-        _llm(work)
+        _llm(work)  # TP = 1 only (module docstring)
         result = {"raised": False, "message": ""}
     except Exception as err:  # the engine may wrap the bridge's error; keep the whole chain
         text = "".join(traceback.format_exception(err))
@@ -185,6 +234,7 @@ def bad_bundle(work: Path, out: Path) -> None:
 
 def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
     requests = json.loads((work / "requests.json").read_text())
+    hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
     stock = json.loads((out / "stock.json").read_text())
     plug = json.loads((out / "plugin.json").read_text())
     full, base = stock["full"], stock["base"]
@@ -241,9 +291,14 @@ def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
         lat = part["counters"]
         rows.append((f"{tag}: decision latency", lat["decision_steps"] > 0,
                      f"{lat['decision_ms_mean'] * 1e3:.0f} µs/step GPU, {lat['decided_rows']} rows"))
+    if plug.get("ranks", 1) > 1:
+        agree = {fam: plug[fam].get("ranks_agree", False) for fam in FAMILIES}
+        rows.append((f"(e) the {plug['ranks']} TP ranks agree (runner, release records, counters)",
+                     all(agree.values()) and not str(plug["runner"]).startswith("ranks differ"),
+                     ", ".join(f"{f}: {'same' if ok else 'DIFFER'}" for f, ok in agree.items())))
     if (out / "badbundle.json").exists():
         bad = json.loads((out / "badbundle.json").read_text())
-        needle = "'hidden_size' is 64 but the served model has 576"
+        needle = f"'hidden_size' is 64 but the served model has {hidden}"
         rows.append(("(d) wrong bundle fails at start-up", bad["raised"] and needle in bad["message"],
                      bad.get("type", "no error")))
     return rows
@@ -258,21 +313,23 @@ def table(rows: list[tuple[str, bool, str]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check"))
+    ap.add_argument("--work", type=Path, default=None, help="default: /tmp/lorazor_check (TP_MODEL: _h512)")
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--budget-s", type=float, default=540, help="skip the start-up error check past this")
     ap.add_argument("--phase", choices=["all", "stock", "plugin", "badbundle"], default="all")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
+    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
     args = ap.parse_args()
+    tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
+    args.work = args.work or default_work(tp)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase == "stock":
-        return serve("stock", args.work, args.out)
-    if args.phase == "plugin":
-        return serve("plugin", args.work, args.out)
+    if args.phase in ("stock", "plugin"):
+        return serve(args.phase, args.work, args.out, tp, fs)
     if args.phase == "badbundle":
         return bad_bundle(args.work, args.out)
 
     start = time.time()
-    prepare(args.work, args.requests)
+    prepare(args.work, args.requests, model_for(tp))
     print(f"prepared {args.work} in {time.time() - start:.0f} s", flush=True)
     base_env = {**os.environ, "VLLM_TUNED_CONFIG_FOLDER": str(args.work / "lora_configs")}
     base_env.pop("LORAZOR_BUNDLE", None)
@@ -282,6 +339,10 @@ def main() -> None:
               ("plugin", {**base_env, "LORAZOR_BUNDLE": str(args.work / "bundle"), "LORAZOR_ADAPTERS": served,
                           "LORAZOR_LOG_INTERVAL_S": "5"}),
               ("badbundle", {**base_env, "LORAZOR_BUNDLE": str(args.work / "bundle_bad")})]
+    if tp > 1:
+        phases = phases[:2]
+        print(f"skipping badbundle at tensor_parallel_size={tp} (start-up errors are checked at 1)", flush=True)
+    (args.out / "badbundle.json").unlink(missing_ok=True)
     for phase, env in phases:
         left = args.budget_s - (time.time() - start)
         if phase == "badbundle" and left < 60:
@@ -290,8 +351,9 @@ def main() -> None:
         t = time.time()
         with open(args.out / f"{phase}.log", "w") as log:
             rc = subprocess.run([sys.executable, __file__, "--phase", phase, "--out", str(args.out), "--work",
-                                 str(args.work)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=max(left, 1)).returncode
+                                 str(args.work), "--tensor-parallel-size", str(tp)]
+                                + (["--fully-sharded-loras"] if fs else []),
+                                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode
         print(f"{phase}: rc={rc} in {time.time() - t:.0f} s", flush=True)
         if rc != 0 and phase != "badbundle":
             print((args.out / f"{phase}.log").read_text()[-6000:], flush=True)
@@ -300,7 +362,8 @@ def main() -> None:
     text = table(rows)
     stock = json.loads((args.out / "stock.json").read_text())
     plug = json.loads((args.out / "plugin.json").read_text())
-    timing = (f"start-up: stock {stock['startup_s']:.0f} s, plugin {plug['startup_s']:.0f} s; generate "
+    timing = (f"tensor_parallel_size={tp}{', fully_sharded_loras' if fs else ''}; "
+              f"start-up: stock {stock['startup_s']:.0f} s, plugin {plug['startup_s']:.0f} s; generate "
               f"(s): stock full {stock['full_s']:.1f}, " + ", ".join(f"{f} {plug[f + '_s']:.1f}" for f in FAMILIES))
     print(text + "\n\n" + timing, flush=True)
     (args.out / "table.md").write_text(text + "\n\n" + timing + "\n")

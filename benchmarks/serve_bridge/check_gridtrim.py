@@ -1,6 +1,7 @@
 """GridTrim inside vLLM 0.26.0 gives stock vLLM's outputs (issue 7, item 3). Needs a GPU and vLLM.
 
     python benchmarks/serve_bridge/check_gridtrim.py --out DIR [--requests 128]
+                                                    [--tensor-parallel-size 2 [--fully-sharded-loras]]
 
 (run it after ``source scripts/device_plugin_env.sh``, which registers the plugin's entry point.)
 The model, the 32 random rank-8 adapters and the request set are check_correctness.py's (its
@@ -14,6 +15,11 @@ adapter rows and rows mapped to -1. Two engines run, each in its own process, on
   runs every request without an adapter, to size the adapters' effect.
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1``: ``GridTrimPunicaWrapper`` (LoRA linears on the work-list
   kernels), the same options but ``specialize_active_lora=False`` (one LoRA graph per batch size).
+
+With ``--tensor-parallel-size N`` both engines run on N GPUs (check_correctness.py's
+``model_for(N)`` and work directory); with ``--fully-sharded-loras`` also with vLLM's
+``fully_sharded_loras``, whose layers call the wrapper's ``add_shrink`` and ``add_expand`` around a
+collective (serve_bridge/gridtrim.py). Every rank's runner and punica wrapper are checked.
 
 Both pin vLLM's shrink to split_k=1 (check_correctness.py's ``VLLM_TUNED_CONFIG_FOLDER``), so the
 stock side is deterministic. Dummy weights give near-flat logits and near-ties, and the two sides
@@ -49,15 +55,18 @@ def uses_adapter(i: int) -> bool:
     return i % BASE_EVERY != BASE_EVERY - 1
 
 
-def serve(mode: str, work: Path, out: Path, n_requests: int) -> None:
+def serve(mode: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_sharded: bool = False) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     requests = json.loads((work / "requests.json").read_text())[:n_requests]
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **{**cc.ENGINE, "specialize_active_lora": mode == "stock"})
-    result: dict = {"startup_s": time.time() - t0, "classes": llm.collective_rpc(engine_classes)[0]}
-    check_engine_classes(mode, result["classes"])
+    llm = LLM(model=str(work / "model"), **{**cc.engine_options(tp, fully_sharded),
+                                            "specialize_active_lora": mode == "stock"})
+    per_rank = llm.collective_rpc(engine_classes)
+    for classes in per_rank:  # every rank, not only rank 0
+        check_engine_classes(mode, classes)
+    result: dict = {"startup_s": time.time() - t0, "classes": per_rank[0], "ranks": len(per_rank)}
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False,
                              logprobs=TOP_LOGPROBS) for r in requests]
     prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
@@ -144,7 +153,7 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
         f"| for scale: stock without adapters vs stock with (the adapters' effect) | {effect['requests']} | "
         f"{fmt(effect)} |",
         "",
-        f"requests: {n_requests} (every {BASE_EVERY}th without adapter), "
+        f"tensor_parallel_size={grid.get('ranks', 1)}; requests: {n_requests} (every {BASE_EVERY}th without adapter), "
         f"{sum(len(r['tokens']) for r in stock['mixed'])} output tokens; start-up: stock {stock['startup_s']:.0f} s, gridtrim {grid['startup_s']:.0f} s; generate: "
         f"stock {stock['mixed_s']:.1f} s, gridtrim {grid['mixed_s']:.1f} s",
     ]
@@ -158,17 +167,23 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_gridtrim"))
+    ap.add_argument("--work", type=Path, default=None, help="default: /tmp/lorazor_check_gridtrim[_h512]")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--tol", type=float, default=0.05, help="largest allowed first-token |Δ logprob|")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
+    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
     ap.add_argument("--phase", choices=["all", *MODES], default="all", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
+    model = cc.model_for(tp)
+    args.work = args.work or Path("/tmp/lorazor_check_gridtrim" + ("" if model is cc.MODEL else
+                                                                   f"_h{model['hidden_size']}"))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
-        return serve(args.phase, args.work, args.out, args.requests)
+        return serve(args.phase, args.work, args.out, args.requests, tp, fs)
 
     start = time.time()
-    cc.prepare(args.work, args.requests)
+    cc.prepare(args.work, args.requests, model)
     print(f"prepared {args.work} in {time.time() - start:.0f} s", flush=True)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     base_env |= {"VLLM_TUNED_CONFIG_FOLDER": str(args.work / "lora_configs"), "VLLM_USE_V2_MODEL_RUNNER": "0"}
@@ -177,7 +192,8 @@ def main() -> None:
         t = time.time()
         with open(args.out / f"{mode}.log", "w") as log:
             rc = subprocess.run([sys.executable, __file__, "--phase", mode, "--out", str(args.out), "--work",
-                                 str(args.work), "--requests", str(args.requests)], env=env, stdout=log,
+                                 str(args.work), "--requests", str(args.requests), "--tensor-parallel-size", str(tp)]
+                                + (["--fully-sharded-loras"] if fs else []), env=env, stdout=log,
                                 stderr=subprocess.STDOUT).returncode
         print(f"{mode}: rc={rc} in {time.time() - t:.0f} s", flush=True)
         if rc != 0:

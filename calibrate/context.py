@@ -13,9 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
-from labeling.adapters import AdapterError, AdapterSpec, validate_adapter
+from labeling.adapters import AdapterError, AdapterSpec, validate_adapter, weights_file
 from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
 from labeling.tasks import Task, build_task
+from serve_bridge.bundle import file_sha256
 
 # The engine keys that stage fingerprints include (see Context.fingerprint_section).
 ENGINE_IDENTITY = ("name", "dtype", "device")
@@ -43,14 +44,29 @@ class Context:
           while throughput knobs (batch sizes, memory fraction, parallelism, progress bars) keep
           a run's cache;
         - ``backbone.gguf_dir``: where the GGUF file lies, not which model it is (``gguf_file``
-          names it), so a run directory moved to another machine stays cached.
+          names it);
+        - ``adapter``: each adapter by name and content (sha256 of its weights and its
+          ``adapter_config.json``), not by path. New weights at the same path recompute; the same
+          adapter elsewhere (another machine, the installed package) keeps the cache.
         """
         section = self.section(name)
         if name == "engine":
             return {k: section[k] for k in ENGINE_IDENTITY if k in section}
         if name == "backbone":
             section.pop("gguf_dir", None)
+        if name == "adapter":
+            section["adapters"] = self._adapter_identities
         return section
+
+    @cached_property
+    def _adapter_identities(self) -> list[dict[str, str]]:
+        """Name and content hashes of every adapter (AdapterError if one is missing)."""
+        out = []
+        for spec in self.adapters:
+            weights = weights_file(spec)
+            out.append({"name": spec.name, "weights_sha256": file_sha256(weights),
+                        "config_sha256": file_sha256(weights.with_name("adapter_config.json"))})
+        return out
 
     @property
     def shard_requests(self) -> int:

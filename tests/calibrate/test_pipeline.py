@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from calibrate.context import Context
 from calibrate.errors import ConfigError
@@ -81,6 +82,18 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
     assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
     assert fps("+backbone.gguf_dir=/elsewhere") == hf
+    # Adapters count by content: the same files elsewhere keep the cache, new weights do not.
+    demo = ROOT / "labeling" / "data" / "adapters" / "arith-a"
+    copy = tmp_path / "arith-a"
+    shutil.copytree(demo, copy)
+    moved = fps(f"adapter.adapters=[{{name: arith-a, path: {copy}}}]")
+    assert moved == hf
+    weights = load_file(copy / "adapter_model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1
+    save_file(weights, copy / "adapter_model.safetensors")
+    changed = fps(f"adapter.adapters=[{{name: arith-a, path: {copy}}}]")
+    assert changed["labels"] != hf["labels"] and changed["data"] == hf["data"]
 
 
 def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@
 #               agreement=true, capped at GSM8K_SIZES (/tmp/cal/run_gsm8k). Resumable: a call cut
 #               short keeps its finished stages and labeling shards for the next call.
 #   compare     engine=hf vs engine=vllm on the GSM8K run's first COMPARE_LIMIT train requests
-#               (benchmarks/engines/compare_engines.py).
+#               (benchmarks/engines/compare_engines.py; COMPARE_ARGS adds options, e.g.
+#               "--engines vllm --vllm-option max_num_seqs=1024" next to an earlier hf result).
 # Everything the phases write is packed into $OUT/cal.tar after every phase, so a call cut by
 # its time limit still returns the finished phases' outputs.
 #
@@ -44,6 +45,9 @@ if [ -f build/cal_adapters.tar ] && [ ! -d "$W/adapters/gsm8k-a" ]; then
   tar -xf build/cal_adapters.tar -C "$W/adapters"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader || true
+# Convert the GGUF into the cache once, before phases that run side by side would race on it.
+python3 -c "from labeling.backbone import SMOLLM2, BackboneSpec, resolve_backbone_dir as r
+print('backbone:', r(BackboneSpec(**{**SMOLLM2.__dict__, 'gguf_dir': '/tmp/smollm2'})))" 2>&1 | tail -1
 
 left() { echo $((until_s - SECONDS)); }
 pack() {  # outputs worth keeping; runs' bulky labeling shards and features stay behind
@@ -95,7 +99,7 @@ for phase in "${phases[@]}"; do
     compare)
       echo "[$SECONDS s] engine=hf vs engine=vllm, GSM8K, $COMPARE_LIMIT requests"
       timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare" \
-          --limit "$COMPARE_LIMIT" --hf-batch-size 64 2>&1 | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
+          --limit "$COMPARE_LIMIT" --hf-batch-size 64 ${COMPARE_ARGS:-} 2>&1 | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   pack

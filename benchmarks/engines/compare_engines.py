@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def _config(run: Path, engine: str, dtype: str, hf_batch_size: int):
+def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options: list[str]):
     from omegaconf import OmegaConf
 
     from calibrate.resolvers import register
@@ -62,8 +62,9 @@ def _config(run: Path, engine: str, dtype: str, hf_batch_size: int):
     if engine == "hf":
         cfg.engine = {"name": "hf", "device": "cuda", "batch_size": hf_batch_size, "progress": True}
     else:
+        options = OmegaConf.from_dotlist(vllm_options)  # KEY=VALUE, values parsed as YAML
         cfg.engine = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "engine" / "vllm.yaml")),
-                      "dtype": dtype}
+                      "dtype": dtype, **OmegaConf.to_container(options)}
     return cfg
 
 
@@ -75,7 +76,7 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
     from calibrate.rundir import RunDir
     from labeling.labels import build_requests, label_results
 
-    cfg = _config(args.run, engine_name, args.dtype, args.hf_batch_size)
+    cfg = _config(args.run, engine_name, args.dtype, args.hf_batch_size, args.vllm_option)
     ctx = Context(cfg, RunDir(args.out / f"scratch_{engine_name}"))
     t0 = time.perf_counter()
     engine = ctx.engine
@@ -95,7 +96,7 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
     points, _ = label_results(engine, task, pairs, results, names)
     points.to_parquet(args.out / f"{engine_name}_points.parquet", index=False)
     (args.out / f"{engine_name}.json").write_text(json.dumps({
-        "engine": engine_name, "dtype": args.dtype, "load_s": load_s, "wall_s": wall, "requests": len(reqs),
+        "engine": engine_name, "dtype": args.dtype, "options": args.vllm_option if engine_name == "vllm" else [], "load_s": load_s, "wall_s": wall, "requests": len(reqs),
         "on_tokens": on_tokens, "off_tokens": off_tokens, "tokens_per_s": (on_tokens + off_tokens) / wall,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "results": [{"uid": r.uid, "slot": r.slot, "tokens": r.tokens,
@@ -132,6 +133,7 @@ def compare(out: Path) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]
              "common_off": off_all, "common_off_same_prefix": off_pref}
     rows = [
         ("device / dtype", f"{hf['device']} / {hf['dtype']}", f"{vl['device']} / {vl['dtype']}"),
+        ("vllm options over conf/engine/vllm.yaml", "—", ", ".join(vl.get("options") or []) or "none"),
         ("requests (train × adapters)", str(hf["requests"]), str(vl["requests"])),
         ("ON + OFF tokens generated", f"{hf['on_tokens']} + {hf['off_tokens']}",
          f"{vl['on_tokens']} + {vl['off_tokens']}"),
@@ -164,14 +166,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="both engines' dtype")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--limit", type=int, default=0, help="first N train examples (0 = all)")
-    ap.add_argument("--phase", choices=["all", "hf", "vllm"], default="all")
+    ap.add_argument("--vllm-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a conf/engine/vllm.yaml key for the vllm engine (repeatable), "
+                         "e.g. max_num_seqs=1024")
+    ap.add_argument("--engines", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"],
+                    help="engines to run now; the other's results are read from --out (an earlier run)")
+    ap.add_argument("--phase", choices=["all", "hf", "vllm"], default="all", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
         return phase(args.phase, args)
-    for name in ("hf", "vllm"):  # one process each: GPU memory and vLLM's process state stay separate
+    for name in args.engines:  # one process each: GPU memory and vLLM's process state stay separate
         cmd = [sys.executable, __file__, "--phase", name, "--run", str(args.run), "--out", str(args.out),
-               "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit)]
+               "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit),
+               *[f"--vllm-option={o}" for o in args.vllm_option]]
         t = time.time()
         rc = subprocess.run(cmd).returncode
         print(f"phase {name}: rc={rc} in {time.time() - t:.0f} s", flush=True)

@@ -18,6 +18,8 @@ from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir,
 from labeling.tasks import Task, build_task
 from serve_bridge.bundle import file_sha256
 
+# vLLM 0.26's max_num_seqs for LLM(...) on GPUs with >= 70 GiB (engine/arg_utils.py:2466-2469).
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024
 # The engine keys that stage fingerprints include (see Context.fingerprint_section).
 ENGINE_IDENTITY = ("name", "dtype", "device")
 VLLM_DEFAULTS = Path(__file__).resolve().parents[1] / "conf" / "engine" / "vllm.yaml"
@@ -72,12 +74,13 @@ class Context:
     def shard_requests(self) -> int:
         """Requests per labeling shard: ``labeling.shard_requests``, or with ``auto`` what keeps
         the engine busy — two hf batches (``engine.batch_size``), or every vLLM replica's full
-        batch (``max_num_seqs`` × ``data_parallel_size``)."""
+        batch (``max_num_seqs`` × ``data_parallel_size``; ``max_num_seqs: null`` counts as
+        1024, vLLM's default on ≥ 70 GiB GPUs, see conf/engine/vllm.yaml)."""
         n = self.section("labeling")["shard_requests"]
         if n == "auto":
             e = self.section("engine")
             if e["name"] == "vllm":
-                return int(e.get("max_num_seqs", 256)) * int(e.get("data_parallel_size", 1))
+                return int(e.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS) * int(e.get("data_parallel_size", 1))
             return 2 * int(e.get("batch_size", 16))
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"labeling.shard_requests={n!r}: use a positive integer or auto.")

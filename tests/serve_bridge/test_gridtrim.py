@@ -223,19 +223,27 @@ def _stub_vllm(monkeypatch) -> type:
     return PunicaWrapperGPU
 
 
+def _wrapper(monkeypatch, specialize_active_lora: bool = False):
+    """(vllm_punica module, a GridTrimPunicaWrapper on the stubbed base, after _stub_vllm) with
+    MAX_LORAS slots and PROGRAMS persistent programs; the module is dropped from sys.modules at
+    teardown, so the next test imports it over its own stub."""
+    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
+    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=specialize_active_lora)
+    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
+    wrapper.gridtrim_programs = PROGRAMS
+    return vllm_punica, wrapper
+
+
 @needs_triton
 def test_punica_wrapper_subclass(monkeypatch):
     base = _stub_vllm(monkeypatch)
-    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
+    vllm_punica, wrapper = _wrapper(monkeypatch)
     from serve_bridge import plugin
 
     assert vllm_punica.QUALNAME == plugin.GRIDTRIM_WRAPPER == (
         f"{vllm_punica.__name__}.{vllm_punica.GridTrimPunicaWrapper.__qualname__}")
-    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=False)
-    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
     assert isinstance(wrapper, base) and wrapper.gridtrim_worklist.capacity >= MAX_TOKENS // 16 + MAX_LORAS + 1
-    wrapper.gridtrim_programs = PROGRAMS
     gen = torch.Generator().manual_seed(3)
     a, b = _weights(gen)
     mapping = _mapping({0: 4, -1: 2, 1: 3}, gen)
@@ -259,11 +267,7 @@ def test_punica_wrapper_logits_use_the_sampler_mapping(monkeypatch):
     """add_lora_logits: one slice over the vocabulary, rows and ids from the sampler's mapping (not
     the token mapping), logits wider than the LoRA vocabulary, columns past it untouched."""
     base = _stub_vllm(monkeypatch)
-    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
-    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=True)
-    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
-    wrapper.gridtrim_programs = PROGRAMS
+    _, wrapper = _wrapper(monkeypatch, specialize_active_lora=True)
     gen = torch.Generator().manual_seed(11)
     vocab, padded = 70, 76
     a = (torch.randn(MAX_LORAS, 1, RANK, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(DEVICE, DTYPE)

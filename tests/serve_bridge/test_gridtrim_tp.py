@@ -16,8 +16,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,13 +27,12 @@ if not torch.cuda.is_available():
 from kernels.reference import expand_reference, shrink_reference  # noqa: E402
 from kernels.worklist import RowTileWorklist  # noqa: E402
 from serve_bridge import gridtrim  # noqa: E402
-from tests.serve_bridge.test_gridtrim import VllmKernelMeta, _stub_vllm  # noqa: E402
+from tests.serve_bridge.test_gridtrim import (MAX_LORAS, MAX_TOKENS, PROGRAMS, VllmKernelMeta,  # noqa: E402
+                                              _stub_vllm, _wrapper)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16  # the interpreter's dtype (tests/kernels/test_lora_kernels.py)
 TP = 2
-PROGRAMS = 3
-MAX_LORAS, MAX_TOKENS = 4, 48
 HIDDEN, RANK = 96, 8
 QKV = (40, 16, 16)  # a column-parallel layer's full slice widths, each split across the ranks
 OUT = 48  # a row-parallel layer's output width
@@ -316,11 +313,7 @@ def test_punica_wrapper_add_shrink_add_expand(monkeypatch):
         stock.append(("expand", offset_start, add_inputs, kwargs))
 
     base.add_shrink, base.add_expand = stock_shrink, stock_expand
-    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
-    cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=False)
-    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
-    wrapper.gridtrim_programs = PROGRAMS
+    _, wrapper = _wrapper(monkeypatch)
     gen = torch.Generator().manual_seed(26)
     ids = torch.cat([torch.full((n,), lora, dtype=torch.int32) for lora, n in {0: 4, -1: 2, 3: 5}.items()])
     mapping = ids[torch.randperm(ids.numel(), generator=gen)]

@@ -1,7 +1,7 @@
 """Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
 
     python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both]
-                                 [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
+                                 [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
 (``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
 GPU machine.) It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
@@ -14,7 +14,9 @@ release skips about half of its decode forwards, given its requests' output leng
 (:func:`serve_bridge.steptrim.skip_fraction`).
 
 Every (adapters, mode) pair runs in its own subprocess, back to back on the same machine, in
-the order stock, gridtrim, steptrim, both:
+the order of ``--modes`` (default stock, gridtrim, steptrim, both); ``--passes P`` repeats them
+P times, each pass in the reverse order of the one before (:func:`schedule`), and every row's
+ratio is to the stock row of its own pass:
 
 - ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
   punica wrapper, with ``specialize_active_lora`` (the device README's setting).
@@ -484,8 +486,22 @@ LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50
                   "TPOT P90 ms | realized skip | vs stock (TPOT P50) |")
 
 
+def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
+    """(pass, mode) in run order: pass 0 runs ``modes`` as given, and each later pass reverses
+    the previous one's order, so a drift of the machine over the call (the host's load, the
+    GPU's clocks) falls on every mode alike once ratios are taken within each pass."""
+    order = list(modes)
+    out = []
+    for k in range(passes):
+        out += [(k, m) for m in order]
+        order = order[::-1]
+    return out
+
+
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
     traffic = "skewed 80/20" if r["skewed"] else "uniform"
+    if r.get("pass", 0):
+        traffic += f", pass {r['pass'] + 1}"
     width = 7 if latency else 3  # empty cells after the error
     if "error" in r:
         return f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['error']} |" + " |" * width
@@ -502,10 +518,13 @@ def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = 
 
 
 def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
-    stock = {(r["adapters"], r["skewed"]): r for r in rows if r["mode"] == "stock"}
+    def key(r: dict[str, Any]) -> tuple:
+        return r["adapters"], r["skewed"], r.get("pass", 0)
+
+    stock = {key(r): r for r in rows if r["mode"] == "stock"}
     header = LATENCY_HEADER if latency else HEADER
     lines = preamble + ["", header, "|" + "---|" * header.count(" | ") + "---|"]
-    lines += [format_row(r, stock.get((r["adapters"], r["skewed"])), latency) for r in rows]
+    lines += [format_row(r, stock.get(key(r)), latency) for r in rows]
     return "\n".join(lines + [""] + notes) + "\n"
 
 
@@ -516,7 +535,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "prepare.failed").unlink(missing_ok=True)
     cfg = MODELS[args.model]
-    modes = [m for m in MODES if m in args.modes]  # always in the order stock, gridtrim, steptrim, both
+    runs = schedule(args.modes, args.passes)
     drop_stale_stamp(work, args.adapters, cfg)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
               "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
@@ -563,17 +582,19 @@ def orchestrate(args: argparse.Namespace) -> int:
     flush()
     rc = 0
     for n in args.adapters:
-        for mode in modes:
+        for pass_, mode in runs:
+            tag = _tag(n, args.skewed) + (f"_p{pass_ + 1}" if pass_ else "")
+            label = f"N={n} {mode}" + (f" (pass {pass_ + 1})" if pass_ else "")
             left = args.budget_s - (time.time() - start)
             if left < args.min_run_s:
-                notes.append(f"N={n} {mode}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
+                notes.append(f"{label}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
                 flush()
                 continue
             if mode in STEPTRIM_MODES and prep.poll() is None:
                 try:
                     prep.wait(timeout=left)
                 except subprocess.TimeoutExpired:
-                    notes.append(f"N={n} {mode}: adapters not written within the budget")
+                    notes.append(f"{label}: adapters not written within the budget")
                     flush()
                     continue
             if prep.poll() not in (None, 0):
@@ -583,11 +604,11 @@ def orchestrate(args: argparse.Namespace) -> int:
             env = mode_env(mode, dict(os.environ),
                            work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}",
                            {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)})
-            result = out / f"{_tag(n, args.skewed)}_{mode}.json"
+            result = out / f"{tag}_{mode}.json"
             result.unlink(missing_ok=True)
             t = time.time()
-            print(f"[{time.time() - start:5.0f} s] N={n} {mode}: starting ({left:.0f} s left)", flush=True)
-            with open(out / f"{_tag(n, args.skewed)}_{mode}.log", "w") as log:
+            print(f"[{time.time() - start:5.0f} s] {label}: starting ({left:.0f} s left)", flush=True)
+            with open(out / f"{tag}_{mode}.log", "w") as log:
                 try:
                     code = subprocess.run(me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
                                                 "--result", str(result)] + common,
@@ -595,11 +616,11 @@ def orchestrate(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     code = "timeout"
             if code == 0 and result.exists():
-                row = json.loads(result.read_text())
-                print(f"[{time.time() - start:5.0f} s] N={n} {mode}: {row['req_per_s']:.1f} req/s "
+                row = json.loads(result.read_text()) | {"pass": pass_}
+                print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
                       f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
                       f"{row['warmup_s']:.1f} s)", flush=True)
-                notes.append(f"N={n} {mode}: generate {row['elapsed_s']:.1f} s, engine start-up "
+                notes.append(f"{label}: generate {row['elapsed_s']:.1f} s, engine start-up "
                              f"{row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
                              f"subprocess {time.time() - t:.0f} s"
                              + ("" if row["counters"] is None else
@@ -609,10 +630,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                                 f"{row['counters']['decision_ms_mean']:.2f} ms/step"))
             else:
                 rc = 1
-                row = {"mode": mode, "adapters": n, "skewed": args.skewed,
+                row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_,
                        "error": "timed out" if code == "timeout" else f"failed (rc {code})"}
-                tail = (out / f"{_tag(n, args.skewed)}_{mode}.log").read_text()[-3000:]
-                print(f"N={n} {mode}: {row['error']}\n{tail}", flush=True)
+                tail = (out / f"{tag}_{mode}.log").read_text()[-3000:]
+                print(f"{label}: {row['error']}\n{tail}", flush=True)
             rows.append(row)
             flush()
     if prep.poll() is None:
@@ -628,7 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_bench"))
     ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                    help="modes to run; they always run in the order stock, gridtrim, steptrim, both")
+                    help="modes to run, in this order (default: stock gridtrim steptrim both)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the modes this many times per adapter count, each pass in the reverse order of "
+                         "the one before; each row's ratio is to the stock row of its own pass")
     ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")

@@ -171,6 +171,20 @@ def test_table_rows():
     assert "GridTrim not integrated" not in text
 
 
+def test_passes_alternate_the_order_and_compare_within_a_pass():
+    assert bench.schedule(["stock", "gridtrim", "both"], 3) == [
+        (0, "stock"), (0, "gridtrim"), (0, "both"), (1, "both"), (1, "gridtrim"), (1, "stock"),
+        (2, "stock"), (2, "gridtrim"), (2, "both")]
+    assert bench.schedule(["both", "stock"], 1) == [(0, "both"), (0, "stock")]
+    row = {"adapters": 128, "skewed": False, "output_tok_per_s": 1.0, "counters": None}
+    rows = [{**row, "mode": m, "req_per_s": r, "pass": k}
+            for k, m, r in ((0, "stock", 40.0), (0, "gridtrim", 60.0), (1, "gridtrim", 45.0), (1, "stock", 30.0))]
+    lines = bench.render(["pre"], rows, []).splitlines()
+    assert lines[5].endswith("| 60.0 | 1 | — | 1.50 |")
+    assert lines[6] == "| 128 | uniform, pass 2 | gridtrim (our LoRA kernels, no release) | 45.0 | 1 | — | 1.50 |"
+    assert lines[7].startswith("| 128 | uniform, pass 2 | stock | 30.0 |")
+
+
 def test_modes_and_their_engines():
     assert bench.MODES == ("stock", "gridtrim", "steptrim", "both")
     assert set(bench.MODE_LABEL) == set(bench.MODES)

@@ -310,18 +310,23 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 
 def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
                    lora_target_modules: Sequence[str] | None = None,
-                   tensor_parallel_size: int = 1) -> dict[str, Any]:
+                   tensor_parallel_size: int = 1, compiled: bool = False) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes;
     ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
     ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
     module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
-    in ``lora/utils.py:271-301``; by default vLLM also wraps ``embed_tokens`` and ``lm_head``)
-    and ``tensor_parallel_size``."""
+    in ``lora/utils.py:271-301``; by default vLLM also wraps ``embed_tokens`` and ``lm_head``),
+    ``tensor_parallel_size``, and ``compiled``: vLLM's default compilation (torch.compile, and
+    ``FULL_AND_PIECEWISE`` CUDA graphs, ``config/vllm.py:267``, so mixed prefill/decode steps
+    replay piecewise graphs too) instead of eager execution with full graphs for decode batches
+    only, which starts faster."""
+    compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
+    if not compiled:
+        compilation |= {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     opts = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=n_adapters,
                 max_lora_rank=RANK, max_cpu_loras=256, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=SPECIALIZE[mode],
-                dtype="bfloat16", compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                                      "cudagraph_capture_sizes": list(capture_sizes)})
+                dtype="bfloat16", compilation_config=compilation)
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
     if tensor_parallel_size > 1:
@@ -408,7 +413,7 @@ def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], 
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
-               tensor_parallel_size: int = 1) -> None:
+               tensor_parallel_size: int = 1, compiled: bool = False) -> None:
     """Start one engine, serve one warm-up request per adapter, then time ``generate`` of the
     workload (offline), or serve it open-loop at ``arrival_rate`` requests/s (Poisson)."""
     import torch
@@ -418,7 +423,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     t0 = time.time()
     llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
-                                                         tensor_parallel_size))
+                                                         tensor_parallel_size, compiled))
     startup = time.time() - t0
     per_rank = llm.collective_rpc(engine_classes)  # one per tensor-parallel rank
     for classes in per_rank:
@@ -541,7 +546,7 @@ def orchestrate(args: argparse.Namespace) -> int:
               "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
         ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
-        ["--tensor-parallel-size", str(args.tensor_parallel_size)])
+        ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "serve_bridge.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -563,7 +568,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
-                                               tensor_parallel_size=args.tensor_parallel_size)
+                                               tensor_parallel_size=args.tensor_parallel_size,
+                                               compiled=args.compiled)
                                 | {"max_loras": "N", "specialize_active_lora": "per mode"}),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
@@ -657,6 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM's default compilation (torch.compile, piecewise CUDA graphs for mixed steps) in "
+                         "every mode, instead of eager mixed steps and decode-only graphs (slower start-up)")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
@@ -687,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
-                   args.tensor_parallel_size)
+                   args.tensor_parallel_size, args.compiled)
         return 0
     return orchestrate(args)
 

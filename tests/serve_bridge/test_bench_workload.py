@@ -122,11 +122,14 @@ def test_engine_options_follow_the_device_readme():
     assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
 
 
-def test_target_modules_and_tensor_parallel_apply_to_every_mode():
+def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
     mods = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     for mode in bench.MODES:
         opts = bench.engine_options(128, mode=mode, lora_target_modules=mods, tensor_parallel_size=2)
         assert opts["lora_target_modules"] == mods and opts["tensor_parallel_size"] == 2
+        assert opts["compilation_config"]["mode"] == 0  # eager mixed steps, decode graphs only
+        compiled = bench.engine_options(128, [1, 8], mode=mode, compiled=True)["compilation_config"]
+        assert compiled == {"cudagraph_capture_sizes": [1, 8]}  # vLLM's default mode and graph mode
 
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):

@@ -310,6 +310,13 @@ def table(rows: list[tuple[str, bool, str]]) -> str:
     return "\n".join(lines)
 
 
+def add_parallel_arguments(ap: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size and --fully-sharded-loras, the same for both engines of a check
+    (read by :func:`engine_options` and :func:`model_for`; check_gridtrim.py shares them)."""
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
+    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -317,8 +324,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--budget-s", type=float, default=540, help="skip the start-up error check past this")
     ap.add_argument("--phase", choices=["all", "stock", "plugin", "badbundle"], default="all")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
-    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
+    add_parallel_arguments(ap)
     args = ap.parse_args()
     tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
     args.work = args.work or default_work(tp)

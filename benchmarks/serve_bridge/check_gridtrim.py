@@ -170,8 +170,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="default: /tmp/lorazor_check_gridtrim[_h512]")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--tol", type=float, default=0.05, help="largest allowed first-token |Δ logprob|")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
-    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
+    cc.add_parallel_arguments(ap)
     ap.add_argument("--phase", choices=["all", *MODES], default="all", help=argparse.SUPPRESS)
     args = ap.parse_args()
     tp, fs = args.tensor_parallel_size, args.fully_sharded_loras

@@ -11,7 +11,8 @@
 #   gridtrim  check_gridtrim.py at TP=2 with --fully-sharded-loras: GridTrim's add_shrink/add_expand
 #             against stock, first-token logprob within tolerance
 # e.g. TP2_STEPS="check gridtrim bench". Each step gets at most TP2_CHECK_S (default 230) seconds,
-# the bench what is left of TP2_LIMIT_S (default 575).
+# the bench what is left of TP2_LIMIT_S (default 575). TP2_BENCH_MODES orders the bench's modes
+# (default "stock both gridtrim steptrim": the headline ratio first, should time run short).
 #
 # Carry sequence (../shared/device/README.md), every call with kind=nvidia-h200-x2: .devcarry/c0,
 # c1, c2 copied to /tmp/devcarry in three calls, then
@@ -58,7 +59,7 @@ for step in ${TP2_STEPS:-check bench}; do
             b=$(( $(left) - 10 ))
             if [ "$b" -lt 60 ]; then echo "[$SECONDS s] skip bench: ${b} s left"; continue; fi
             OUT="$out/bench" timeout -k 10 "$b" bash "$here/device_serve_bench.sh" --model mistral7b --adapters 128 \
-                --tensor-parallel-size 2 --modes stock gridtrim steptrim both --budget-s $((b - 20)) 2>&1 | quiet
+                --tensor-parallel-size 2 --modes ${TP2_BENCH_MODES:-stock both gridtrim steptrim} --budget-s $((b - 20)) 2>&1 | quiet
             rc=${PIPESTATUS[0]} ;;
         *) echo "unknown step $step (check, sharded, gridtrim, bench)" ;;
     esac

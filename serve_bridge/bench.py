@@ -1,6 +1,6 @@
 """Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
 
-    python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both]
+    python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
                                  [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
 (``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
@@ -29,6 +29,9 @@ ratio is to the stock row of its own pass:
   their tiles), ``specialize_active_lora`` on as in stock.
 - ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
   ``specialize_active_lora`` off.
+- ``nolora`` (only when asked for): the backbone with ``enable_lora`` off, serving the same
+  requests without adapters. It is the ceiling: no LoRA speed-up can beat it, so its ratio to
+  stock bounds what the other modes can reach on the workload.
 
 Each engine checks that its runner class and its punica wrapper class are the mode's, and
 fails otherwise. The realized skip of the StepTrim modes comes from the plugin's counters over
@@ -98,19 +101,23 @@ HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the 
 # Decode batches replay CUDA graphs (no torch.compile), as in check_correctness.py; mixed
 # prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
-MODES = ("stock", "gridtrim", "steptrim", "both")
+MODES = ("stock", "gridtrim", "steptrim", "both", "nolora")
+# nolora: the backbone alone (enable_lora=False, the same requests without adapters), the ceiling
+# any LoRA speed-up is bounded by; opt-in through --modes.
+DEFAULT_MODES = ("stock", "gridtrim", "steptrim", "both")
 MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
               "steptrim": "steptrim (release, vLLM's LoRA kernels)",
-              "both": "steptrim + gridtrim (release, our LoRA kernels)"}
+              "both": "steptrim + gridtrim (release, our LoRA kernels)",
+              "nolora": "no LoRA (backbone alone: the ceiling)"}
 STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
 GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
 # vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
 # off with ours (their grid ignores the adapter count: one LoRA graph per batch size).
-SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES}
+SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES if mode != "nolora"}
 RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "LoRazorGPUModelRunner",
-          "both": "LoRazorGPUModelRunner"}
+          "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner"}
 WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
-           "both": "GridTrimPunicaWrapper"}
+           "both": "GridTrimPunicaWrapper", "nolora": None}
 
 
 # -- workload (pure) ------------------------------------------------------------------------
@@ -319,14 +326,17 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     ``tensor_parallel_size``, and ``compiled``: vLLM's default compilation (torch.compile, and
     ``FULL_AND_PIECEWISE`` CUDA graphs, ``config/vllm.py:267``, so mixed prefill/decode steps
     replay piecewise graphs too) instead of eager execution with full graphs for decode batches
-    only, which starts faster."""
+    only, which starts faster. ``nolora`` has the same options without any LoRA one."""
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
     if not compiled:
         compilation |= {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
-    opts = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=n_adapters,
-                max_lora_rank=RANK, max_cpu_loras=256, max_num_seqs=256, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=SPECIALIZE[mode],
-                dtype="bfloat16", compilation_config=compilation)
+    opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048,
+                enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
+                compilation_config=compilation)
+    if mode == "nolora":
+        return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
+    opts |= dict(enable_lora=True, max_loras=n_adapters, max_lora_rank=RANK, max_cpu_loras=256,
+                 specialize_active_lora=SPECIALIZE[mode])
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
     if tensor_parallel_size > 1:
@@ -346,20 +356,21 @@ def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[st
     return env
 
 
-def engine_classes(worker: Any) -> dict[str, str]:
+def engine_classes(worker: Any) -> dict[str, str | None]:
     """The worker's model runner class and its language model's punica wrapper class (vLLM 0.26.0):
     ``model_runner.lora_manager`` is the ``LRUCacheWorkerLoRAManager``
     (``v1/worker/lora_model_runner_mixin.py:41``), whose ``_adapter_manager`` is the
     ``LoRAModelManager`` (``lora/worker_manager.py:102``); it keeps the wrappers by prefix in
     ``punica_wrapper_mapping``, the language model's under ``"language_model"``
-    (``lora/model_manager.py:51``, filled at :164-177)."""
+    (``lora/model_manager.py:51``, filled at :164-177). Without LoRA the runner has no
+    ``lora_manager`` (the mixin tests for it, :70), and the wrapper is None."""
     runner = worker.model_runner
-    manager = runner.lora_manager._adapter_manager
-    return {"runner": type(runner).__name__,
-            "punica_wrapper": type(manager.punica_wrapper_mapping["language_model"]).__name__}
+    manager = getattr(runner, "lora_manager", None)
+    wrapper = None if manager is None else manager._adapter_manager.punica_wrapper_mapping["language_model"]
+    return {"runner": type(runner).__name__, "punica_wrapper": None if wrapper is None else type(wrapper).__name__}
 
 
-def check_engine_classes(mode: str, found: dict[str, str]) -> None:
+def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
     """Refuse an engine whose runner or punica wrapper is not the mode's."""
     want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode]}
     if found != want:
@@ -433,7 +444,9 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     _wait_prepared(work)
     waited = time.time() - waited
 
-    def lora(a: int) -> LoRARequest:
+    def lora(a: int) -> LoRARequest | None:
+        if mode == "nolora":
+            return None
         return LoRARequest(adapter_name(a), a + 1, str(work / "adapters" / adapter_name(a)))
 
     t = time.time()
@@ -477,7 +490,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "elapsed_s": elapsed, "req_per_s": n_requests / elapsed, "output_tokens": sum(lengths),
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
-           "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE[mode],
+           "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
            "arrival_rate": arrival_rate, **latency,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
@@ -573,7 +586,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                                 | {"max_loras": "N", "specialize_active_lora": "per mode"}),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
-        "LoRA kernels); both = the two together. Each engine's runner and punica wrapper classes are checked.",
+        "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter). "
+        "Each engine's runner and punica wrapper classes are checked.",
         "specialize_active_lora: on for stock and steptrim (the device README's setting: one decode graph per batch "
         "size and adapter-count bucket); off for gridtrim and both, whose kernels ignore the adapter count, so each "
         "batch size has one LoRA graph (plus the no-LoRA one).",
@@ -654,8 +668,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_bench_out")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_bench"))
     ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                    help="modes to run, in this order (default: stock gridtrim steptrim both)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                    help="modes to run, in this order (default: stock gridtrim steptrim both; nolora, the "
+                         "backbone without LoRA, is the ceiling)")
     ap.add_argument("--passes", type=int, default=1,
                     help="run the modes this many times per adapter count, each pass in the reverse order of "
                          "the one before; each row's ratio is to the stock row of its own pass")

@@ -126,7 +126,8 @@ def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
     mods = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     for mode in bench.MODES:
         opts = bench.engine_options(128, mode=mode, lora_target_modules=mods, tensor_parallel_size=2)
-        assert opts["lora_target_modules"] == mods and opts["tensor_parallel_size"] == 2
+        assert opts.get("lora_target_modules") == (None if mode == "nolora" else mods)
+        assert opts["tensor_parallel_size"] == 2
         assert opts["compilation_config"]["mode"] == 0  # eager mixed steps, decode graphs only
         compiled = bench.engine_options(128, [1, 8], mode=mode, compiled=True)["compilation_config"]
         assert compiled == {"cudagraph_capture_sizes": [1, 8]}  # vLLM's default mode and graph mode
@@ -189,14 +190,21 @@ def test_passes_alternate_the_order_and_compare_within_a_pass():
 
 
 def test_modes_and_their_engines():
-    assert bench.MODES == ("stock", "gridtrim", "steptrim", "both")
+    assert bench.DEFAULT_MODES == ("stock", "gridtrim", "steptrim", "both")
+    assert bench.MODES == bench.DEFAULT_MODES + ("nolora",)
     assert set(bench.MODE_LABEL) == set(bench.MODES)
-    spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.MODES}
+    spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.DEFAULT_MODES}
     assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False}
-    # everything else is the same in every mode
+    # everything else is the same in every LoRA mode
     strip = [{k: v for k, v in bench.engine_options(4, mode=m).items() if k != "specialize_active_lora"}
-             for m in bench.MODES]
+             for m in bench.DEFAULT_MODES]
     assert all(o == strip[0] for o in strip)
+    # nolora: the same engine without any LoRA option (vLLM's enable_lora defaults to False)
+    lora_keys = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "specialize_active_lora"}
+    assert bench.engine_options(4, mode="nolora") == {k: v for k, v in strip[0].items() if k not in lora_keys}
+    bench.check_engine_classes("nolora", {"runner": "GPUModelRunner", "punica_wrapper": None})
+    with pytest.raises(RuntimeError, match="mode nolora: the engine runs"):
+        bench.check_engine_classes("nolora", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
     bench.check_engine_classes("stock", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
     bench.check_engine_classes("gridtrim", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"})
     bench.check_engine_classes("steptrim", {"runner": "LoRazorGPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
@@ -223,12 +231,18 @@ def test_engine_classes_follow_vllms_path():
     assert bench.engine_classes(worker) == {"runner": "LoRazorGPUModelRunner",
                                             "punica_wrapper": "GridTrimPunicaWrapper"}
 
+    class GPUModelRunner:  # LoRA off: vLLM never sets lora_manager (lora_model_runner_mixin.py:70)
+        pass
+
+    assert bench.engine_classes(SimpleNamespace(model_runner=GPUModelRunner())) == {
+        "runner": "GPUModelRunner", "punica_wrapper": None}
+
 
 def test_mode_env(tmp_path):
     environ = {"PATH": "/bin", "LORAZOR_BUNDLE": "/stale", "LORAZOR_GRIDTRIM": "1", "LORAZOR_X": "y"}
     adapters = {"a00": tmp_path / "a00", "a01": tmp_path / "a01"}
     envs = {m: bench.mode_env(m, environ, tmp_path / "b", adapters) for m in bench.MODES}
-    assert envs["stock"] == {"PATH": "/bin"}
+    assert envs["stock"] == envs["nolora"] == {"PATH": "/bin"}
     assert envs["gridtrim"] == {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1"}
     bundle = {"LORAZOR_BUNDLE": str(tmp_path / "b"), "LORAZOR_LOG_INTERVAL_S": "0",
               "LORAZOR_ADAPTERS": f"a00={tmp_path / 'a00'},a01={tmp_path / 'a01'}"}

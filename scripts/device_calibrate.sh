@@ -16,8 +16,11 @@
 #               agreement=true, capped at GSM8K_SIZES (/tmp/cal/run_gsm8k). Resumable: a call cut
 #               short keeps its finished stages and labeling shards for the next call.
 #   compare     engine=hf vs engine=vllm on the GSM8K run's first COMPARE_LIMIT train requests
+#               (default 512: the run's whole train split, and what one labeling shard holds on vLLM)
 #               (benchmarks/engines/compare_engines.py; COMPARE_ARGS adds options, e.g.
 #               "--engines vllm --vllm-option max_num_seqs=1024" next to an earlier hf result).
+# build/cal, when carried (an earlier call's cal.tar unpacked there: GSM8K adapter, run directory),
+# seeds /tmp/cal, so `compare` alone needs no earlier phase in the same call.
 # Everything the phases write is packed into $OUT/cal.tar after every phase, so a call cut by
 # its time limit still returns the finished phases' outputs.
 #
@@ -39,11 +42,12 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/pydeps .whl/*.whl
 export PYTHONPATH="$PYTHONPATH:/tmp/pydeps" LORAZOR_CACHE=/tmp/lorazor PYTHONUNBUFFERED=1
 W=/tmp/cal
 GSM8K_SIZES=${GSM8K_SIZES:-"task.sizes.train=512 task.sizes.validation=200 task.sizes.test=200"}
-COMPARE_LIMIT=${COMPARE_LIMIT:-128}
+COMPARE_LIMIT=${COMPARE_LIMIT:-512}
 mkdir -p "$W/logs" "$W/adapters"
 if [ -f build/cal_adapters.tar ] && [ ! -d "$W/adapters/gsm8k-a" ]; then
   tar -xf build/cal_adapters.tar -C "$W/adapters"
 fi
+if [ -d build/cal ]; then cp -rn build/cal/. "$W"/; fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader || true
 # Convert the GGUF into the cache once, before phases that run side by side would race on it.
 python3 -c "from labeling.backbone import SMOLLM2, BackboneSpec, resolve_backbone_dir as r

@@ -43,8 +43,9 @@ seeded) while the harness drives ``step()``; the table then gives P50/P90 TTFT a
 "vs stock" is stock's TPOT P50 over the mode's.
 
 The first stock engine starts while the adapters are being written. Each engine serves one
-short request per adapter (loading every adapter) before the timed ``generate`` of all
-requests. The table is rewritten to ``OUT/bench.txt`` after every run, so a run cut short
+short request per adapter (loading every adapter) before the timed run of all requests:
+offline, ``LLM.generate``'s own loop with each engine step timed (:func:`serve_offline`; the
+notes give the step count and P50/P90/max step time). The table is rewritten to ``OUT/bench.txt`` after every run, so a run cut short
 still leaves the finished rows.
 
 Workload generation (:func:`make_workload`) is pure and seeded, and is tested on CPU.
@@ -241,6 +242,18 @@ def latency_summary(arrival: Sequence[float], first_token: Sequence[float], fini
     return out
 
 
+def step_summary(step_s: Sequence[float]) -> dict[str, Any]:
+    """The engine steps of a timed run: their number, and the mean, P50/P90/P99 and max wall time
+    of one ``LLMEngine.step()`` in milliseconds. Decode-only steps replay a CUDA graph and mixed
+    prefill/decode steps run eagerly, so a long P90 against a short P50 points at the mixed steps."""
+    ms = np.asarray(step_s, np.float64) * 1e3
+    if not ms.size:
+        return {"steps": 0}
+    q = np.percentile(ms, (50, 90, 99))
+    return {"steps": int(ms.size), "step_ms_mean": float(ms.mean()), "step_ms_p50": float(q[0]),
+            "step_ms_p90": float(q[1]), "step_ms_p99": float(q[2]), "step_ms_max": float(ms.max())}
+
+
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
@@ -421,15 +434,43 @@ def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], 
     return time.perf_counter() - start, latency_summary(arrival, first, finish, tokens), tokens
 
 
+def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
+                  loras: Sequence[Any]) -> tuple[float, list[int], list[float]]:
+    """``LLM.generate``'s loop with each step timed: every request added at once through vLLM V1's
+    ``LLMEngine.add_request``, then ``step()`` until none is unfinished, as ``LLM._run_engine`` does
+    (``entrypoints/offline_utils.py:573-630``). ``params`` must ask for final outputs only
+    (``RequestOutputKind.FINAL_ONLY``, what ``LLM`` sets, :561). Returns the wall time, each
+    request's token count and each step's wall time (s)."""
+    n = len(prompts)
+    for i in range(n):
+        engine.add_request(f"r{i}", prompts[i], params[i], lora_request=loras[i])
+    tokens = [-1] * n
+    steps: list[float] = []
+    clock = time.perf_counter
+    start = clock()
+    while engine.has_unfinished_requests():
+        t = clock()
+        outs = engine.step()
+        steps.append(clock() - t)
+        for out in outs:
+            if out.finished:
+                tokens[int(out.request_id[1:])] = len(out.outputs[0].token_ids)
+    elapsed = clock() - start
+    if -1 in tokens:
+        raise RuntimeError(f"{tokens.count(-1)} of {n} requests never finished")
+    return elapsed, tokens, steps
+
+
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False) -> None:
-    """Start one engine, serve one warm-up request per adapter, then time ``generate`` of the
-    workload (offline), or serve it open-loop at ``arrival_rate`` requests/s (Poisson)."""
+    """Start one engine, serve one warm-up request per adapter, then time the workload offline
+    (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     t0 = time.time()
@@ -459,21 +500,22 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         from serve_bridge.rpc import lorazor_counters
 
         before = llm.collective_rpc(lorazor_counters)[0]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False) for m in wl.max_tokens]
+    # Offline, only final outputs, as LLM.generate asks for; open-loop needs every step's (TTFT).
+    kind = RequestOutputKind.CUMULATIVE if arrival_rate else RequestOutputKind.FINAL_ONLY
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, output_kind=kind)
+              for m in wl.max_tokens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompt]
     loras = [lora(a) for a in wl.adapter]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    latency: dict[str, float] = {}
+    timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
+    # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
     if arrival_rate:
-        # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
-        elapsed, latency, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
+        elapsed, timing, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
                                                     arrival_times(n_requests, arrival_rate, seed))
     else:
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        elapsed, lengths, step_s = serve_offline(llm.llm_engine, prompts, params, loras)
+        timing = step_summary(step_s)
     if lengths != wl.max_tokens:
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
@@ -485,13 +527,15 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                     "released_requests": after["released_requests"] - before["released_requests"],
                     "realized_skip": skipped / decode if decode else 0.0,
                     "decision_ms_mean": after["decision_ms_mean"], "decision_steps": after["decision_steps"],
-                    "mapping_ms_total": after["mapping_ms_total"]}
+                    "mapping_ms_total": after["mapping_ms_total"] - before["mapping_ms_total"],
+                    "runner_steps": after["steps"] - before["steps"],
+                    "resolve_host_ms_mean": after["resolve_host_ms_mean"]}
     out = {"mode": mode, "model": model, "adapters": n, "skewed": skewed, "requests": n_requests, "seed": seed,
            "elapsed_s": elapsed, "req_per_s": n_requests / elapsed, "output_tokens": sum(lengths),
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
-           "arrival_rate": arrival_rate, **latency,
+           "arrival_rate": arrival_rate, **timing,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
 
@@ -577,7 +621,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         f"{'skewed: 80% of requests on 20% of adapters' if args.skewed else 'uniform traffic'}, "
         + (f"open-loop Poisson arrivals at {args.arrival_rate:g} req/s through LLMEngine.add_request/step "
            "(TTFT from the scheduled arrival; TPOT = (finish - first token) / (tokens - 1))"
-           if latency else "offline: one LLM.generate of all requests"),
+           if latency else "offline: all requests added at once, then LLMEngine.step() until done (LLM.generate's "
+           "loop, with each step timed)"),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
@@ -643,6 +688,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                 notes.append(f"{label}: generate {row['elapsed_s']:.1f} s, engine start-up "
                              f"{row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
                              f"subprocess {time.time() - t:.0f} s"
+                             + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/"
+                                f"{row['step_ms_p90']:.1f}/{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
                              + ("" if row["counters"] is None else
                                 f"; {row['counters']['skipped_forwards']}/{row['counters']['decode_forwards']} "
                                 f"decode forwards skipped (planned {row['planned_skip']:.3f}), "
@@ -691,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "so fewer sizes start the engine faster (all modes use the same)")
     ap.add_argument("--arrival-rate", type=float, default=None, metavar="R",
                     help="serve open-loop with Poisson arrivals at R requests/s (LLMEngine add_request/step) "
-                         "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate)")
+                         "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate's loop)")
     ap.add_argument("--budget-s", type=float, default=3600, help="stop starting engines past this")
     ap.add_argument("--min-run-s", type=float, default=40, help="do not start an engine with less time left")
     ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)

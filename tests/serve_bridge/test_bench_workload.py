@@ -324,3 +324,56 @@ def test_latency_summary_and_table():
     assert lines[6].count("|") == lines[4].count("|")
     offline = bench.render(["pre"], [stock], []).splitlines()
     assert offline[2] == bench.HEADER and offline[3] == "|---|---|---|---|---|---|---|"
+
+
+class _StepEngine:
+    """vLLM V1 ``LLMEngine``'s add_request / has_unfinished_requests / step contract: request i
+    finishes after its own number of steps, and only final outputs are returned."""
+
+    def __init__(self, steps_of):
+        self.steps_of, self.left, self.added = steps_of, {}, []
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.added.append((request_id, prompt, params, lora_request))
+        self.left[request_id] = self.steps_of(len(self.added) - 1)
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        out = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            if self.left[rid] == 0:
+                del self.left[rid]
+                n = int(rid[1:]) + 3
+                out.append(SimpleNamespace(request_id=rid, finished=True,
+                                           outputs=[SimpleNamespace(token_ids=list(range(n)))]))
+        return out
+
+
+def test_serve_offline_times_every_step_and_maps_outputs_back():
+    engine = _StepEngine(lambda i: 5 - (i % 3))  # requests finish out of order, over 5 steps
+    prompts, params, loras = [[1, 2]] * 7, [f"p{i}" for i in range(7)], [None, "a"] * 3 + [None]
+    elapsed, tokens, steps = bench.serve_offline(engine, prompts, params, loras)
+    assert tokens == [i + 3 for i in range(7)]
+    assert len(steps) == 5 and all(s >= 0 for s in steps) and elapsed >= sum(steps)
+    assert [a[2] for a in engine.added] == params and [a[3] for a in engine.added] == loras
+
+    class Stuck(_StepEngine):
+        def step(self):
+            self.left.clear()  # finishes without reporting
+            return []
+
+    with pytest.raises(RuntimeError, match="7 of 7 requests never finished"):
+        bench.serve_offline(Stuck(lambda i: 1), prompts, params, loras)
+
+
+def test_step_summary():
+    s = bench.step_summary([0.010, 0.020, 0.030, 0.100])
+    assert s["steps"] == 4 and s["step_ms_max"] == pytest.approx(100.0)
+    assert s["step_ms_mean"] == pytest.approx(40.0) and s["step_ms_p50"] == pytest.approx(25.0)
+    assert s["step_ms_p90"] == pytest.approx(79.0)  # numpy's linear interpolation
+    assert bench.step_summary([]) == {"steps": 0}

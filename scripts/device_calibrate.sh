@@ -19,6 +19,8 @@
 #               (default 512: the run's whole train split, and what one labeling shard holds on vLLM)
 #               (benchmarks/engines/compare_engines.py; COMPARE_ARGS adds options, e.g.
 #               "--engines vllm --vllm-option max_num_seqs=1024" next to an earlier hf result).
+#   compare-serial  the vLLM side of `compare` again with engine.pipeline=false (OFF branches as a
+#               second generate), against compare's hf result, into /tmp/cal/compare_serial
 # build/cal, when carried (an earlier call's cal.tar unpacked there: GSM8K adapter, run directory),
 # seeds /tmp/cal, so `compare` alone needs no earlier phase in the same call.
 # Everything the phases write is packed into $OUT/cal.tar after every phase, so a call cut by
@@ -56,7 +58,7 @@ print('backbone:', r(BackboneSpec(**{**SMOLLM2.__dict__, 'gguf_dir': '/tmp/smoll
 left() { echo $((until_s - SECONDS)); }
 pack() {  # outputs worth keeping; runs' bulky labeling shards and features stay behind
   tar -cf "${OUT:-/tmp}/cal.tar" -C "$W" --exclude='*/labels/shards' --exclude='*.npy' \
-      logs adapters $(cd "$W" && ls -d run_* 2>/dev/null) compare 2>/dev/null
+      logs adapters $(cd "$W" && ls -d run_* compare* 2>/dev/null) 2>/dev/null
   cp -r runs/arith-smollm2-arith-demo/agreement "$W/demo_hf_agreement" 2>/dev/null
   tar -rf "${OUT:-/tmp}/cal.tar" -C "$W" demo_hf_agreement 2>/dev/null
   cp runs/arith-smollm2-arith-demo/plots/agreement.png "$W/logs/demo_hf_agreement.png" 2>/dev/null
@@ -104,6 +106,13 @@ for phase in "${phases[@]}"; do
       echo "[$SECONDS s] engine=hf vs engine=vllm, GSM8K, $COMPARE_LIMIT requests"
       timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare" \
           --limit "$COMPARE_LIMIT" --hf-batch-size 64 ${COMPARE_ARGS:-} 2>&1 | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
+    compare-serial)
+      [ -f "$W/compare/hf.json" ] || { echo "compare-serial needs compare's hf result"; continue; }
+      mkdir -p "$W/compare_serial" && cp "$W"/compare/hf.json "$W"/compare/hf_points.parquet "$W/compare_serial/"
+      echo "[$SECONDS s] engine=vllm with pipeline=false, GSM8K, $COMPARE_LIMIT requests"
+      timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare_serial" \
+          --limit "$COMPARE_LIMIT" --engines vllm --vllm-option pipeline=false 2>&1 \
+          | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   pack

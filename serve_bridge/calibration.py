@@ -230,13 +230,20 @@ class CalibrationRuntime(ReleaseRuntime):
         self._captured.clear()
 
     # -- read-out ----------------------------------------------------------------------------
-    def take_records(self, clear: bool = True) -> dict[str, dict[str, Any]]:
-        """uid → :meth:`CaptureRecord.as_data` of every tagged request since the last read."""
+    def take_records(self, clear: bool = True, uids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """uid → :meth:`CaptureRecord.as_data` of every tagged request since the last read, or
+        of those among ``uids`` (unknown ones are left out); ``clear`` drops what is returned.
+
+        A request's record is complete once vLLM has returned its last token: the forward that
+        produced it was counted at its step's start, and its pending copies and decision are
+        read here first."""
         self._flush()
         self.resolve()
-        out = {uid: rec.as_data() for uid, rec in self.records.items()}
+        keys = list(self.records) if uids is None else [u for u in uids if u in self.records]
+        out = {uid: self.records[uid].as_data() for uid in keys}
         if clear:
-            self.records.clear()
+            for uid in keys:
+                del self.records[uid]
         return out
 
     def counters(self) -> dict[str, Any]:

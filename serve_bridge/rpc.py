@@ -78,10 +78,11 @@ def lorazor_calibrate(worker: Any, config: dict[str, Any]) -> None:
     _calibration(worker).configure(config)
 
 
-def lorazor_captures(worker: Any, clear: bool = True) -> dict[str, dict[str, Any]]:
+def lorazor_captures(worker: Any, clear: bool = True, uids: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """uid → {release, forced_release_position, forwards, scores, hidden} of every uid-tagged
-    request since the last read (:meth:`CalibrationRuntime.take_records`); ``clear`` drops them."""
-    return _calibration(worker).take_records(clear=clear)
+    request since the last read, or of those in ``uids`` (:meth:`CalibrationRuntime.take_records`);
+    ``clear`` drops what is returned."""
+    return _calibration(worker).take_records(clear=clear, uids=uids)
 
 
 class LoRazorWorkerExtension:

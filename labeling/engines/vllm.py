@@ -22,12 +22,16 @@ How it maps the hf engine's semantics onto vLLM:
   is not its last and it is not released after forward t's decision), with a partial result
   holding what the hf engine's has at that point (scores and h_t up to t, release if ≤ t,
   no tokens yet).
-- **OFF branches** by prefix replay (prefix caching is off under StepTrim, DESIGN §4): one
-  more ``generate`` of prompt + ON tokens[:t+1] with the forced release position
+- **OFF branches** by prefix replay (prefix caching is off under StepTrim, DESIGN §4):
+  requests of prompt + ON tokens[:t+1] with the forced release position
   len(prompt) + t (``SamplingParams.extra_args``, :mod:`serve_bridge.runtime`): the adapter is
   applied to the positions ON consumed at forwards ≤ t and not from token t+1 on — OFF_t =
   profiled k = t — with ``max_tokens = max_new_tokens − (t+1)``. ``branches[t]`` = ON
-  tokens[:t+1] + that output, the hf engine's layout.
+  tokens[:t+1] + that output, the hf engine's layout. By default (``engine.pipeline``) a
+  request's OFF branches join the ON pass's engine run as soon as its ON response finishes
+  (:meth:`LocalBackend.run_pipelined`), so the ON pass's tail, when few long responses are
+  left, runs next to OFF work instead of alone. Otherwise (``pipeline: false``, data-parallel
+  replicas, or a pass with a release policy) they run as a second ``generate`` after it.
 
 The pure parts (capture set, fork planning, OFF requests, branch assembly, engine arguments,
 sharding) are functions below, tested on CPU against the hf engine; the process-level part is
@@ -61,7 +65,7 @@ from serve_bridge.steptrim import NO_SLOT, StepTrim
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 ENGINE_OPTIONS = ("name", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "tensor_parallel_size", "data_parallel_size", "enforce_eager", "max_lora_rank",
-                  "progress")
+                  "progress", "pipeline")
 RUNNER = "LoRazorGPUModelRunner"
 
 
@@ -83,6 +87,10 @@ class VLLMRequest:
         """``SamplingParams.extra_args`` (:func:`serve_bridge.runtime.request_args` layout)."""
         spec = {k: v for k, v in (("uid", self.uid), ("release_position", self.release_position)) if v is not None}
         return {REQUEST_ARGS_KEY: spec} if spec else None
+
+
+# follow(k, tokens, record): the requests to start when request k of a pipelined run finishes.
+FollowFn = Callable[[int, list[int], "dict[str, Any] | None"], Sequence[VLLMRequest]]
 
 
 @dataclass
@@ -123,29 +131,33 @@ def on_result(req: GenRequest, tokens: Sequence[int], record: Mapping[str, Any] 
     return res
 
 
+def fork_points(res: GenResult, fork: ForkFn) -> list[int]:
+    """The t of every OFF branch the hf engine would fork from this finished ON result, calling
+    ``fork`` exactly as it does: for a request with an adapter, in increasing t, after forward
+    t's decision, only while token t+1 is not the last and the request is not released; with a
+    partial result (scores and h_t up to t, release if ≤ t, tokens empty until it finishes)."""
+    if res.slot == NO_SLOT:
+        return []
+    points = []
+    partial = GenResult(uid=res.uid, slot=res.slot)
+    for t in range(len(res.tokens)):
+        s = res.scores[t] if res.scores else None
+        if s is not None:
+            partial.scores.append(s)
+        if t in res.hidden:
+            partial.hidden[t] = res.hidden[t]
+        if res.release == t:
+            partial.release = t
+        if t == len(res.tokens) - 1 or partial.release is not None:
+            break  # done (token t+1 is the last), or released: no fork now or later
+        if fork(partial, t, s):
+            points.append(t)
+    return points
+
+
 def plan_forks(results: Sequence[GenResult], fork: ForkFn) -> list[tuple[int, int]]:
-    """(result index, t) of every OFF branch the hf engine would fork, calling ``fork`` exactly
-    as it does: per request with an adapter, in increasing t, after forward t's decision, only
-    while token t+1 is not the last and the request is not released; with a partial result
-    (scores and h_t up to t, release if ≤ t, tokens empty until the request finishes)."""
-    plan = []
-    for i, res in enumerate(results):
-        if res.slot == NO_SLOT:
-            continue
-        partial = GenResult(uid=res.uid, slot=res.slot)
-        for t in range(len(res.tokens)):
-            s = res.scores[t] if res.scores else None
-            if s is not None:
-                partial.scores.append(s)
-            if t in res.hidden:
-                partial.hidden[t] = res.hidden[t]
-            if res.release == t:
-                partial.release = t
-            if t == len(res.tokens) - 1 or partial.release is not None:
-                break  # done (token t+1 is the last), or released: no fork now or later
-            if fork(partial, t, s):
-                plan.append((i, t))
-    return plan
+    """(result index, t) of every OFF branch (:func:`fork_points`), request by request."""
+    return [(i, t) for i, res in enumerate(results) for t in fork_points(res, fork)]
 
 
 def off_request(req: GenRequest, res: GenResult, t: int, max_new_tokens: int) -> VLLMRequest:
@@ -259,13 +271,16 @@ class LocalBackend:
     """One ``vllm.LLM`` in this process (tensor parallel inside it)."""
 
     def __init__(self, llm: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
-                 sampling_params_cls: Any = None, lora_request_cls: Any = None) -> None:
+                 sampling_params_cls: Any = None, lora_request_cls: Any = None, final_only: Any = None) -> None:
         if sampling_params_cls is None or lora_request_cls is None:
             from vllm import SamplingParams
             from vllm.lora.request import LoRARequest
+            from vllm.sampling_params import RequestOutputKind
 
             sampling_params_cls, lora_request_cls = SamplingParams, LoRARequest
+            final_only = RequestOutputKind.FINAL_ONLY
         self.llm = llm
+        self._final_only = final_only  # SamplingParams.output_kind of run_pipelined's requests
         self.slot_names = [a.name for a in adapters]
         self.stop_ids = sorted(int(i) for i in stop_ids)
         self._params = sampling_params_cls
@@ -285,17 +300,113 @@ class LocalBackend:
 
         if not reqs:
             return Batch([])
-        params = [self._params(temperature=0.0, max_tokens=r.max_tokens, stop_token_ids=self.stop_ids,
-                               ignore_eos=True, detokenize=False, extra_args=r.extra_args()) for r in reqs]
-        loras = [None if r.slot == NO_SLOT else self.loras[r.slot] for r in reqs]
+        params = [self.sampling_params(r) for r in reqs]
+        loras = [self.lora_request(r) for r in reqs]
         self.llm.collective_rpc(lorazor_calibrate, args=(dict(config),))
         outs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in reqs], params,
                                  lora_request=loras, use_tqdm=_progress(desc) if progress else False)
         records = self.llm.collective_rpc(lorazor_captures)[0]  # tensor-parallel ranks hold the same rows
         return Batch([list(o.outputs[0].token_ids) for o in outs], records)
 
+    def run_pipelined(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], follow: FollowFn,
+                      desc: str, progress: bool) -> tuple[Batch, list[list[int]]]:
+        """:meth:`run` of ``reqs``, with follow-up requests joining the same engine run as soon as
+        the request they follow finishes: when request k returns its last token, its record is
+        read by uid and ``follow(k, tokens, record)`` returns the requests to add now (OFF
+        branches). They run under the same calibration config, so they must not need another
+        one: untagged, they are not recorded, and a forced release position overrides no policy
+        only when the config has none. Returns ``reqs``' Batch and the follow-ups' tokens, in
+        the order ``follow`` returned them.
+
+        It drives vLLM V1's ``LLMEngine`` as ``LLM.generate`` does (``add_request``, then ``step()``
+        while requests are unfinished: ``entrypoints/offline_utils.py:573-630``), asking for final
+        outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
+        (``on<k>``, ``off<j>``); outputs carry them (``v1/engine/output_processor.py:371``). On an
+        error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
+        from serve_bridge.rpc import lorazor_calibrate
+
+        engine = self.llm.llm_engine  # entrypoints/llm.py:338
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the vLLM engine has unfinished requests from another caller")
+        self.llm.collective_rpc(lorazor_calibrate, args=(dict(config),))
+        run = _PipelinedRun(self, engine, reqs, follow, tqdm(total=len(reqs), desc=desc) if progress else None)
+        try:
+            for k, r in enumerate(reqs):
+                run.add(f"on{k}", r)
+            run.drive()
+        except BaseException:
+            if run.pending:  # leave the engine clean for the next caller, as offline_utils.py:545-548 does
+                engine.abort_request(sorted(run.pending))
+            raise
+        finally:
+            if run.bar is not None:
+                run.bar.close()
+        return Batch(run.on_tokens, run.records), run.off_tokens
+
+    def sampling_params(self, r: VLLMRequest, output_kind: Any = None) -> Any:
+        """Greedy decoding with the hf engine's stop set (module docstring), ``r``'s token budget
+        and LoRazor arguments; ``output_kind`` when given."""
+        kind = {} if output_kind is None else {"output_kind": output_kind}
+        return self._params(temperature=0.0, max_tokens=r.max_tokens, stop_token_ids=self.stop_ids, ignore_eos=True,
+                            detokenize=False, extra_args=r.extra_args(), **kind)
+
+    def lora_request(self, r: VLLMRequest) -> Any:
+        return None if r.slot == NO_SLOT else self.loras[r.slot]
+
     def close(self) -> None:
         self.llm = None
+
+
+class _PipelinedRun:
+    """The state of one :meth:`LocalBackend.run_pipelined`: requests ``on<k>`` (``reqs``) and
+    ``off<j>`` (follow-ups) in one vLLM engine run, their tokens, the ON records, and the ids
+    not finished yet (aborted on an error)."""
+
+    def __init__(self, backend: LocalBackend, engine: Any, reqs: Sequence[VLLMRequest], follow: FollowFn,
+                 bar: tqdm | None) -> None:
+        self.backend, self.engine, self.reqs, self.follow, self.bar = backend, engine, reqs, follow, bar
+        self.on_tokens: list[list[int]] = [[] for _ in reqs]
+        self.off_tokens: list[list[int]] = []
+        self.records: dict[str, dict[str, Any]] = {}
+        self.pending: set[str] = set()
+
+    def add(self, request_id: str, r: VLLMRequest) -> None:
+        self.engine.add_request(request_id, {"prompt_token_ids": list(r.prompt_ids)},
+                                self.backend.sampling_params(r, self.backend._final_only),
+                                lora_request=self.backend.lora_request(r))
+        self.pending.add(request_id)
+
+    def drive(self) -> None:
+        """Step until no request is unfinished; after each step, read the records of the ON
+        requests that finished in it and add their follow-ups."""
+        from serve_bridge.rpc import lorazor_captures
+
+        while self.engine.has_unfinished_requests():
+            finished = []
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                rid, tokens = out.request_id, [int(x) for x in out.outputs[0].token_ids]
+                self.pending.discard(rid)
+                if rid.startswith("on"):
+                    self.on_tokens[int(rid[2:])] = tokens
+                    finished.append(int(rid[2:]))
+                else:
+                    self.off_tokens[int(rid[3:])] = tokens
+                if self.bar is not None:
+                    self.bar.update(1)
+            uids = [self.reqs[k].uid for k in finished if self.reqs[k].uid is not None]
+            # tensor-parallel ranks hold the same records; rank 0's are read
+            got = self.backend.llm.collective_rpc(lorazor_captures, kwargs={"uids": uids})[0] if uids else {}
+            self.records |= got
+            for k in finished:
+                uid = self.reqs[k].uid
+                for r in self.follow(k, self.on_tokens[k], None if uid is None else got.get(uid)):
+                    self.add(f"off{len(self.off_tokens)}", r)
+                    self.off_tokens.append([])
+                    if self.bar is not None:
+                        self.bar.total += 1
+                        self.bar.refresh()
 
 
 def build_local_backend(llm_args: Mapping[str, Any], adapters: Sequence[AdapterSpec],
@@ -417,8 +528,9 @@ class VLLMEngine(ChatIO):
     """
 
     def __init__(self, backend: Any, tokenizer: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
-                 hidden_size: int, progress: bool = True) -> None:
+                 hidden_size: int, progress: bool = True, pipeline: bool = True) -> None:
         self.backend = backend
+        self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.adapters = list(adapters)
         self.eos_ids = set(int(i) for i in stop_ids)
@@ -448,7 +560,8 @@ class VLLMEngine(ChatIO):
                                           (args, list(adapters), sorted(stops)))
         else:
             backend = build_local_backend(args, adapters, stops)
-        return cls(backend, tokenizer, adapters, stops, hidden, progress=bool(options.get("progress", True)))
+        return cls(backend, tokenizer, adapters, stops, hidden, progress=bool(options.get("progress", True)),
+                   pipeline=bool(options.get("pipeline", True)))
 
     def close(self) -> None:
         self.backend.close()
@@ -467,7 +580,14 @@ class VLLMEngine(ChatIO):
 
         steptrim: release policy of the ON pass (None = full LoRA). scorer: StepTrim whose
         learned heads give s_t at every forward. capture(t): record h_t at forward t.
-        fork(result, t, s_t): fork OFF_t (module docstring: post hoc, in the hf engine's order).
+        fork(result, t, s_t): fork OFF_t (module docstring: post hoc, in the hf engine's order
+        for each request). With ``pipeline`` (and a backend that can, :class:`LocalBackend`), a
+        request's OFF branches start as soon as its ON response finishes, in the same engine run
+        as the other ON requests (:meth:`LocalBackend.run_pipelined`), instead of in a second
+        ``generate`` after all of them. That needs a full-LoRA ON pass (``steptrim`` None, as the
+        labeling and sweep passes are): the OFF branches then share its calibration config.
+        ``fork`` is called per request in increasing t either way; only the order across requests
+        changes, so it must keep per-request state only (as the labels' and ForkPlanner's do).
         """
         for r in requests:
             if r.slot != NO_SLOT and not 0 <= r.slot < len(self.adapters):
@@ -479,8 +599,10 @@ class VLLMEngine(ChatIO):
         if not requests:
             return []
         cap = capture_set(capture, max_new_tokens)
-        on = self.backend.run(on_requests(requests, max_new_tokens), self._config(steptrim, scorer, cap), desc,
-                              self.progress)
+        config = self._config(steptrim, scorer, cap)
+        if fork is not None and steptrim is None and self.pipeline and hasattr(self.backend, "run_pipelined"):
+            return self._generate_pipelined(requests, max_new_tokens, config, scorer is not None, fork, desc)
+        on = self.backend.run(on_requests(requests, max_new_tokens), config, desc, self.progress)
         results = [on_result(r, toks, on.records.get(str(i)), scored=scorer is not None)
                    for i, (r, toks) in enumerate(zip(requests, on.tokens, strict=True))]
         if fork is not None:
@@ -489,5 +611,22 @@ class VLLMEngine(ChatIO):
                 off = [off_request(requests[i], results[i], t, max_new_tokens) for i, t in plan]
                 out = self.backend.run(off, self._config(), f"{desc}: {len(off)} OFF branches", self.progress)
                 assemble_branches(results, plan, out.tokens)
+        return results
+
+    def _generate_pipelined(self, requests: Sequence[GenRequest], max_new_tokens: int, config: dict[str, Any],
+                            scored: bool, fork: ForkFn, desc: str) -> list[GenResult]:
+        """:meth:`generate` with each request's OFF branches added as its ON response finishes."""
+        results: list[GenResult] = [GenResult(uid=r.uid, slot=r.slot) for r in requests]  # filled by follow
+        plan: list[tuple[int, int]] = []
+
+        def follow(k: int, tokens: list[int], record: dict[str, Any] | None) -> list[VLLMRequest]:
+            res = results[k] = on_result(requests[k], tokens, record, scored)
+            points = fork_points(res, fork)
+            plan.extend((k, t) for t in points)
+            return [off_request(requests[k], res, t, max_new_tokens) for t in points]
+
+        _, off_tokens = self.backend.run_pipelined(on_requests(requests, max_new_tokens), config, follow,
+                                                   f"{desc} (ON + OFF branches)", self.progress)
+        assemble_branches(results, plan, off_tokens)
         return results
 

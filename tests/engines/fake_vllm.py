@@ -34,6 +34,7 @@ class FakeSamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     extra_args: dict | None = None
+    output_kind: Any = None  # the stand-in returns final outputs only from step(), whatever this says
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class FakeLLM:
         self._ids = itertools.count()
         self.steps = 0
         self.preemptions = 0
+        self._waiting: list[tuple[int, _Req]] = []
+        self._running: list[tuple[int, _Req]] = []
+        self._finished: list[_Req] = []
+        self._admitted = 0
+        self.events: list[tuple[int, str, str]] = []  # (step, "added" | "finished", request id)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [method(self.worker, *args, **(kwargs or {}))]
@@ -100,64 +106,105 @@ class FakeLLM:
             logits = out.logits[0, -1]
         return logits
 
-    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
-        reqs = [_Req(str(next(self._ids)), list(p["prompt_token_ids"]), sp, lr)
-                for p, sp, lr in zip(prompts, params, lora_request, strict=True)]
+    # -- LLMEngine's add_request / has_unfinished_requests / step (what ``llm.llm_engine`` offers) --
+    @property
+    def llm_engine(self) -> FakeLLM:
+        return self
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        """Queue a request; the runner sees it at the next step (as vLLM's ``_update_states``)."""
+        if not self._running and not self._waiting:
+            self._admitted = 0  # preempt_every counts requests from the engine's last idle point
+        self._waiting.append((self._admitted, _Req(request_id, list(prompt["prompt_token_ids"]), params,
+                                                   lora_request)))
+        self._admitted += 1
+        self.events.append((self.steps, "added", request_id))
+
+    def abort_request(self, request_ids, internal=False):
+        """Drop queued or running requests (their KV and runtime state with them)."""
+        ids = set(request_ids)
+        for r in [r for _, r in self._running + self._waiting if r.req_id in ids]:
+            if any(r is q for _, q in self._running):
+                self.runtime.finish(r.req_id)
+        self._running = [(i, r) for i, r in self._running if r.req_id not in ids]
+        self._waiting = [(i, r) for i, r in self._waiting if r.req_id not in ids]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def _deliver_finished(self) -> None:
+        """What the runner learns at a step's start: the last decision, then last step's finishes."""
+        self.runtime.resolve()
+        for r in self._finished:  # the runner learns of finished requests one step later
+            self.runtime.finish(r.req_id)
+        self._finished = []
+
+    @torch.no_grad()
+    def step(self):
+        """One scheduler step; returns the requests that finished in it (final outputs only)."""
         rt = self.runtime
+        self._deliver_finished()
+        for i, r in self._waiting:
+            rt.add(r.req_id, r.lora.lora_name if r.lora else None, r.lora.lora_path if r.lora else None,
+                   len(r.prompt), r.params.extra_args)
+        self._running += self._waiting
+        self._waiting = []
+        if not self._running:
+            return []
+        for i, r in self._running:
+            if self.preempt_every and i % self.preempt_every == 0 and not r.preempted and len(r.output) == 3:
+                r.preempted, r.computed, r.cache = True, 0, None
+                self.preemptions += 1
+        rows, left = [], self.budget
+        for i, r in self._running:
+            n = min(r.num_tokens - r.computed, left)
+            if n > 0:
+                rows.append((r, n))
+                left -= n
+        lid = [r.lora.lora_int_id if r.lora else 0 for r, _ in rows]
+        tokens = np.concatenate([np.full(n, x) for (_, n), x in zip(rows, lid)])
+        m = rt.begin_step([r.req_id for r, _ in rows], np.array([r.computed for r, _ in rows]),
+                          np.array([n for _, n in rows]), np.array([r.num_tokens for r, _ in rows]),
+                          tuple(tokens), tuple(lid))
+        mapping = np.asarray(m.token_mapping)
         captured: dict[str, torch.Tensor] = {}
-        hook = self.hf._norm.register_forward_hook(lambda m, a, out: captured.__setitem__("h", out[:, -1]))
-        running, finished = [], []
+        hook = self.hf._norm.register_forward_hook(lambda mod, a, out: captured.__setitem__("h", out[:, -1]))
+        hidden, logits, off = [], [], 0
         try:
-            for i, r in enumerate(reqs):  # all admitted at once (the scheduler's first steps)
-                rt.add(r.req_id, r.lora.lora_name if r.lora else None, r.lora.lora_path if r.lora else None,
-                       len(r.prompt), r.params.extra_args)
-                running.append((i, r))
-            while running or finished:
-                rt.resolve()
-                for r in finished:  # the runner learns of finished requests one step later
-                    rt.finish(r.req_id)
-                finished = []
-                if not running:
-                    break
-                for i, r in running:
-                    if (self.preempt_every and i % self.preempt_every == 0 and not r.preempted
-                            and len(r.output) == 3):
-                        r.preempted, r.computed, r.cache = True, 0, None
-                        self.preemptions += 1
-                rows, left = [], self.budget
-                for i, r in running:
-                    n = min(r.num_tokens - r.computed, left)
-                    if n > 0:
-                        rows.append((r, n))
-                        left -= n
-                lid = [r.lora.lora_int_id if r.lora else 0 for r, _ in rows]
-                tokens = np.concatenate([np.full(n, x) for (_, n), x in zip(rows, lid)])
-                m = rt.begin_step([r.req_id for r, _ in rows], np.array([r.computed for r, _ in rows]),
-                                  np.array([n for _, n in rows]), np.array([r.num_tokens for r, _ in rows]),
-                                  tuple(tokens), tuple(lid))
-                mapping = np.asarray(m.token_mapping)
-                hidden, logits, off = [], [], 0
-                for r, n in rows:
-                    logits.append(self._forward(r, r.computed, r.computed + n, mapping[off:off + n]))
-                    hidden.append(captured["h"][0])
-                    off += n
-                h = torch.stack(hidden)
-                rt.capture(h)
-                rt.decide(h)
-                self.steps += 1
-                for (r, n), lg in zip(rows, logits):
-                    r.computed += n
-                    if r.computed < r.num_tokens:
-                        continue  # a partial prefill chunk samples nothing
-                    tok = int(lg.argmax())
-                    r.output.append(tok)
-                    if tok in r.params.stop_token_ids or len(r.output) >= r.params.max_tokens:
-                        finished.append(r)
-                running = [(i, r) for i, r in running if r not in finished]
+            for r, n in rows:
+                logits.append(self._forward(r, r.computed, r.computed + n, mapping[off:off + n]))
+                hidden.append(captured["h"][0])
+                off += n
         finally:
             hook.remove()
-        return [SimpleNamespace(request_id=r.req_id, outputs=[SimpleNamespace(token_ids=list(r.output))])
-                for r in reqs]
+        h = torch.stack(hidden)
+        rt.capture(h)
+        rt.decide(h)
+        self.steps += 1
+        for (r, n), lg in zip(rows, logits):
+            r.computed += n
+            if r.computed < r.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            tok = int(lg.argmax())
+            r.output.append(tok)
+            if tok in r.params.stop_token_ids or len(r.output) >= r.params.max_tokens:
+                self._finished.append(r)
+        self._running = [(i, r) for i, r in self._running if r not in self._finished]
+        self.events += [(self.steps, "finished", r.req_id) for r in self._finished]
+        return [SimpleNamespace(request_id=r.req_id, finished=True,
+                                outputs=[SimpleNamespace(token_ids=list(r.output))]) for r in self._finished]
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        """All requests added at once, stepped until done, outputs in input order (``LLM.generate``);
+        the runner then also learns of the last finishes (vLLM tells it at the next step)."""
+        ids = [str(next(self._ids)) for _ in prompts]
+        for rid, p, sp, lr in zip(ids, prompts, params, lora_request, strict=True):
+            self.add_request(rid, p, sp, lr)
+        done = {}
+        while self.has_unfinished_requests():
+            done |= {o.request_id: o for o in self.step()}
+        self._deliver_finished()
+        return [done[rid] for rid in ids]
 
 
 class EchoBackend:

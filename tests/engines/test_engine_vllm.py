@@ -156,18 +156,30 @@ def _same(hf, vl) -> None:
         assert b.branches == a.branches, a.uid
 
 
-def test_vllm_engine_matches_hf_engine(engine, vengine, fake_llm, requests_small, heads) -> None:
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "two-pass"])
+def test_vllm_engine_matches_hf_engine(engine, vengine, fake_llm, requests_small, heads, pipeline) -> None:
     """ON tokens, s_t, h_t and OFF branches (prefix replay with a forced release) equal the hf
-    engine's (KV forks), with chunked prefill and preemption recompute in the stand-in."""
+    engine's (KV forks), with chunked prefill and preemption recompute in the stand-in; OFF
+    branches started as their ON response finishes (pipelined) or after all of them."""
     scorer = StepTrim(heads, H)
     kw = dict(scorer=scorer, capture={0, 2, 5}.__contains__, fork=lambda res, t, s: t in (0, 2, 5))
     hf = engine.generate(requests_small, MAX_NEW, **kw)
-    vl = vengine.generate(requests_small, MAX_NEW, **kw)
+    vengine.pipeline, start = pipeline, len(fake_llm.events)
+    try:
+        vl = vengine.generate(requests_small, MAX_NEW, **kw)
+    finally:
+        vengine.pipeline = True
     _same(hf, vl)
+    events = fake_llm.events[start:]
+    first_off = min(step for step, what, rid in events if what == "added" and rid not in {e[2] for e in events[:6]})
+    last_on = max(step for step, what, rid in events if what == "finished" and rid in {e[2] for e in events[:6]})
+    assert (first_off < last_on) is pipeline  # OFF branches ran next to unfinished ON responses
     assert sum(len(r.branches) for r in hf) >= 8
     assert sum(b[:t + 1] != r.tokens[:t + 1] or b != r.tokens for r in hf for t, b in r.branches.items()) > 0
     assert fake_llm.preemptions > 0
-    assert fake_llm.runtime.take_records() == {} and not fake_llm.runtime.states  # all read, all finished
+    assert fake_llm.runtime.take_records() == {}  # all read
+    assert fake_llm.step() == []  # as in vLLM, the runner learns of the last finishes at the next step
+    assert not fake_llm.runtime.states
 
 
 def test_vllm_engine_release_policy_matches_hf(engine, vengine, requests_small, heads) -> None:
@@ -194,6 +206,32 @@ def test_labeling_runs_unchanged_on_vllm_engine(engine, vengine, tmp_path) -> No
     pd.testing.assert_frame_equal(got, ref)
     np.testing.assert_allclose(got_h, ref_h, atol=2e-4, rtol=1e-4)
     assert len(ref) >= 8
+
+
+def test_pipelined_run_aborts_on_error_and_refuses_a_busy_engine(engine, fake_llm) -> None:
+    """A follow-up callback that fails leaves no request behind in the engine; a run does not
+    start on an engine that has someone else's requests."""
+    backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest,
+                           final_only="FINAL_ONLY")
+    reqs = [VLLMRequest((1, 2, 3, 4), 0, 6, uid=f"e{i}") for i in range(3)] + [VLLMRequest((5, 6), 0, 3, uid="short")]
+    seen = []
+
+    def follow(k, tokens, record):
+        seen.append((k, len(tokens), record["forwards"]))
+        if len(seen) == 2:
+            raise KeyError("boom")
+        return [VLLMRequest((1, 2, 3, 4, *tokens[:1]), 0, 5, release_position=4)]
+
+    with pytest.raises(KeyError, match="boom"):
+        backend.run_pipelined(reqs, {"slots": [a.name for a in engine.adapters]}, follow, "t", False)
+    assert not fake_llm.has_unfinished_requests()
+    assert all(n == f for _, n, f in seen)  # records read by uid are complete: forwards = tokens
+    fake_llm.runtime.take_records()  # the aborted run's other records
+    fake_llm.add_request("busy", {"prompt_token_ids": [1, 2]}, FakeSamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        backend.run_pipelined(reqs, {"slots": []}, follow, "t", False)
+    fake_llm.abort_request(["busy"])
+    assert not fake_llm.has_unfinished_requests()
 
 
 def test_engine_checks(vengine) -> None:

@@ -122,8 +122,12 @@ def test_walk_records_release_scores_andhidden_state():
         if r.req_id in victims:
             r.length = 8
     seen = _walk(rt, reqs + forced, budget=9, preempt=victims)
+    part = lorazor_captures(worker, uids=["u3", "fu1", "nobody"])  # a read by uid takes only those
+    assert set(part) == {"u3", "fu1"}
     records = lorazor_captures(worker)
     assert lorazor_captures(worker) == {}  # cleared by the first read
+    assert not set(part) & set(records)
+    records |= part
 
     def expected_release(r: WalkRequest) -> int | None:
         if r.forced is not None or r.adapter not in ("prof", "learn"):

@@ -313,10 +313,11 @@ class LocalBackend:
         """:meth:`run` of ``reqs``, with follow-up requests joining the same engine run as soon as
         the request they follow finishes: when request k returns its last token, its record is
         read by uid and ``follow(k, tokens, record)`` returns the requests to add now (OFF
-        branches). They run under the same calibration config, so they must not need another
-        one: untagged, they are not recorded, and a forced release position overrides no policy
-        only when the config has none. Returns ``reqs``' Batch and the follow-ups' tokens, in
-        the order ``follow`` returned them.
+        branches). They run under the same calibration config, so it must suit them too: being
+        untagged, they are not recorded; and since an OFF branch's forced release must be its only
+        release, the config must hold no release policy (:meth:`VLLMEngine.generate` pipelines
+        full-LoRA passes only). Returns ``reqs``' Batch and the follow-ups' tokens, in the order
+        ``follow`` returned them.
 
         It drives vLLM V1's ``LLMEngine`` as ``LLM.generate`` does (``add_request``, then ``step()``
         while requests are unfinished: ``entrypoints/offline_utils.py:573-630``), asking for final

@@ -326,6 +326,9 @@ class LocalBackend:
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
         from serve_bridge.rpc import lorazor_calibrate
 
+        if config.get("policy") is not None:
+            raise ValueError("run_pipelined: the calibration config holds a release policy, which would also act on "
+                             "the OFF branches; run the pass with run() and the branches after it.")
         engine = self.llm.llm_engine  # entrypoints/llm.py:338
         if engine.has_unfinished_requests():
             raise RuntimeError("the vLLM engine has unfinished requests from another caller")

@@ -20,6 +20,7 @@ from labeling.tasks import build_task
 from tests.conftest import mixed_requests
 from predictors.candidates import tau_candidates
 from predictors.sweep import ForkPlanner
+from serve_bridge.calibration import calibration_config
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
 from tests.engines.fake_vllm import FakeLLM, FakeLoRARequest, FakeSamplingParams
 
@@ -227,6 +228,9 @@ def test_pipelined_run_aborts_on_error_and_refuses_a_busy_engine(engine, fake_ll
     assert not fake_llm.has_unfinished_requests()
     assert all(n == f for _, n, f in seen)  # records read by uid are complete: forwards = tokens
     fake_llm.runtime.take_records()  # the aborted run's other records
+    policy = calibration_config([a.name for a in engine.adapters], StepTrim([ProfiledPolicy(1)] * 2, H))
+    with pytest.raises(ValueError, match="release policy"):
+        backend.run_pipelined(reqs, policy, follow, "t", False)
     fake_llm.add_request("busy", {"prompt_token_ids": [1, 2]}, FakeSamplingParams(max_tokens=1))
     with pytest.raises(RuntimeError, match="unfinished requests"):
         backend.run_pipelined(reqs, {"slots": []}, follow, "t", False)

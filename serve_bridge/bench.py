@@ -440,7 +440,8 @@ def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
     ``LLMEngine.add_request``, then ``step()`` until none is unfinished, as ``LLM._run_engine`` does
     (``entrypoints/offline_utils.py:573-630``). ``params`` must ask for final outputs only
     (``RequestOutputKind.FINAL_ONLY``, what ``LLM`` sets, :561). Returns the wall time, each
-    request's token count and each step's wall time (s)."""
+    request's token count and each step's wall time (s). Prompts are raw token prompts, which
+    ``add_request`` preprocesses itself (``v1/engine/input_processor.py:281-294``)."""
     n = len(prompts)
     for i in range(n):
         engine.add_request(f"r{i}", prompts[i], params[i], lora_request=loras[i])

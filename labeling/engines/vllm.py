@@ -375,6 +375,8 @@ class _PipelinedRun:
         self.pending: set[str] = set()
 
     def add(self, request_id: str, r: VLLMRequest) -> None:
+        # A raw token prompt: LLMEngine.add_request preprocesses it itself (v1/engine/input_processor.py:
+        # 281-294, deprecated in favour of the Renderer's output but accepted by 0.26.0).
         self.engine.add_request(request_id, {"prompt_token_ids": list(r.prompt_ids)},
                                 self.backend.sampling_params(r, self.backend._final_only),
                                 lora_request=self.backend.lora_request(r))

@@ -45,8 +45,8 @@ seeded) while the harness drives ``step()``; the table then gives P50/P90 TTFT a
 The first stock engine starts while the adapters are being written. Each engine serves one
 short request per adapter (loading every adapter) before the timed run of all requests:
 offline, ``LLM.generate``'s own loop with each engine step timed (:func:`serve_offline`; the
-notes give the step count and P50/P90/max step time). The table is rewritten to ``OUT/bench.txt`` after every run, so a run cut short
-still leaves the finished rows.
+notes give the step count and P50/P90/max step time). The table is rewritten to
+``OUT/bench.txt`` after every run, so a run cut short still leaves the finished rows.
 
 Workload generation (:func:`make_workload`) is pure and seeded, and is tested on CPU.
 """

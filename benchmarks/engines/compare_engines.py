@@ -96,7 +96,8 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
     points, _ = label_results(engine, task, pairs, results, names)
     points.to_parquet(args.out / f"{engine_name}_points.parquet", index=False)
     (args.out / f"{engine_name}.json").write_text(json.dumps({
-        "engine": engine_name, "dtype": args.dtype, "options": args.vllm_option if engine_name == "vllm" else [], "load_s": load_s, "wall_s": wall, "requests": len(reqs),
+        "engine": engine_name, "dtype": args.dtype, "options": args.vllm_option if engine_name == "vllm" else [],
+        "load_s": load_s, "wall_s": wall, "requests": len(reqs),
         "on_tokens": on_tokens, "off_tokens": off_tokens, "tokens_per_s": (on_tokens + off_tokens) / wall,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "results": [{"uid": r.uid, "slot": r.slot, "tokens": r.tokens,

@@ -79,9 +79,10 @@ def model_for(tp: int) -> dict:
     return MODEL if fits else TP_MODEL
 
 
-def default_work(tp: int) -> Path:
+def default_work(tp: int, name: str = "lorazor_check") -> Path:
+    """``/tmp/<name>`` for MODEL, ``/tmp/<name>_h<hidden>`` for TP_MODEL (its files differ)."""
     model = model_for(tp)
-    return Path("/tmp/lorazor_check" if model is MODEL else f"/tmp/lorazor_check_h{model['hidden_size']}")
+    return Path(f"/tmp/{name}" if model is MODEL else f"/tmp/{name}_h{model['hidden_size']}")
 
 
 def engine_options(tp: int = 1, fully_sharded: bool = False) -> dict:

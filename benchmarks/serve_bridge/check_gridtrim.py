@@ -175,8 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
     model = cc.model_for(tp)
-    args.work = args.work or Path("/tmp/lorazor_check_gridtrim" + ("" if model is cc.MODEL else
-                                                                   f"_h{model['hidden_size']}"))
+    args.work = args.work or cc.default_work(tp, "lorazor_check_gridtrim")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
         return serve(args.phase, args.work, args.out, args.requests, tp, fs)

@@ -1,0 +1,63 @@
+"""Host time of one GridTrim LoRA linear call in eager mode, kernel launch excluded. No GPU.
+
+    python benchmarks/serve_bridge/bench_gridtrim_host.py [--calls 2000] [--repeats 3]
+
+What vLLM's eager mixed steps pay per LoRA linear before our kernels launch:
+``serve_bridge.gridtrim.add_lora_linear`` (views, the per-layer eligibility cache, the
+metadata and work-list arguments, the ``torch.ops.lorazor`` custom op and its Python
+implementation, the partials buffer), with ``kernels.linear.add_lora_linear`` (the two Triton
+launches) replaced by a no-op. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters,
+256 rows, on CPU tensors. A 28-layer model makes 4 such calls per layer per step (qkv, o,
+gate_up, down). Reports the best of ``--repeats`` means, in µs per call.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kernels.linear  # noqa: E402
+from kernels.metadata import build_metadata  # noqa: E402
+from kernels.worklist import RowTileWorklist  # noqa: E402
+from serve_bridge import gridtrim  # noqa: E402
+
+ROWS, HIDDEN, SLICE, RANK, ADAPTERS = 256, 3072, 1024, 8, 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    kernels.linear.add_lora_linear = lambda *a, **k: None  # the launch, stubbed: host path only
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
+    y = torch.zeros(ROWS, 3 * SLICE, dtype=torch.bfloat16)
+    lora_a = tuple(torch.randn(ADAPTERS, 1, RANK, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(3))
+    lora_b = tuple(torch.randn(ADAPTERS, 1, SLICE, RANK, generator=g).to(torch.bfloat16) for _ in range(3))
+    meta = build_metadata(torch.randint(-1, ADAPTERS, (ROWS,), generator=g), ADAPTERS)
+    # vLLM's meta_args order (lora_kernel_metadata.py:197-205); the last two are not read
+    meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
+                 meta.slot_lora_ids, None, None)
+    worklist = RowTileWorklist.allocate(ROWS, ADAPTERS + 1, "cpu")
+    gridtrim.refresh_worklist(worklist, meta_args)
+
+    def mean_us(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            assert gridtrim.add_lora_linear(y, x, lora_a, lora_b, 0.5, (SLICE,) * 3, meta_args, worklist)
+        return (time.perf_counter() - start) / n * 1e6
+
+    mean_us(50)  # warm-up: op registration, eligibility cache
+    best = min(mean_us(args.calls) for _ in range(args.repeats))
+    print(f"gridtrim.add_lora_linear host path, launch stubbed: {best:.1f} µs per call "
+          f"({best * 4 * 28 / 1e3:.1f} ms per eager step of a 28-layer model; torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()

@@ -340,6 +340,10 @@ class _StepEngine:
     def has_unfinished_requests(self):
         return bool(self.left)
 
+    def abort_request(self, request_ids):
+        for rid in request_ids:
+            self.left.pop(rid, None)
+
     def step(self):
         from types import SimpleNamespace
 
@@ -377,3 +381,11 @@ def test_step_summary():
     assert s["step_ms_mean"] == pytest.approx(40.0) and s["step_ms_p50"] == pytest.approx(25.0)
     assert s["step_ms_p90"] == pytest.approx(79.0)  # numpy's linear interpolation
     assert bench.step_summary([]) == {"steps": 0}
+
+
+def test_profile_workload_runs_a_fresh_copy_and_leaves_the_engine_empty():
+    engine = _StepEngine(lambda i: 100)
+    prompts, params, loras = [[1, 2]] * 4, ["x"] * 4, [None, "a", None, "b"]
+    report = bench.profile_workload(engine, prompts, params, loras, n_steps=3)
+    assert [a[0] for a in engine.added] == ["p0", "p1", "p2", "p3"] and [a[3] for a in engine.added] == loras
+    assert report.startswith("profiled steps: 3,") and not engine.has_unfinished_requests()

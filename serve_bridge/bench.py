@@ -330,7 +330,8 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 
 def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
                    lora_target_modules: Sequence[str] | None = None,
-                   tensor_parallel_size: int = 1, compiled: bool = False) -> dict[str, Any]:
+                   tensor_parallel_size: int = 1, compiled: bool = False,
+                   full_graphs: bool = False) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes;
     ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
     ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
@@ -339,10 +340,19 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     ``tensor_parallel_size``, and ``compiled``: vLLM's default compilation (torch.compile, and
     ``FULL_AND_PIECEWISE`` CUDA graphs, ``config/vllm.py:267``, so mixed prefill/decode steps
     replay piecewise graphs too) instead of eager execution with full graphs for decode batches
-    only, which starts faster. ``nolora`` has the same options without any LoRA one."""
+    only, which starts faster; or ``full_graphs``: still no torch.compile, but ``cudagraph_mode``
+    ``FULL``, so every step, mixed prefill/decode ones included, replays a full CUDA graph of its
+    token count padded up to the next capture size (``v1/cudagraph_dispatcher.py:189-200``: mixed
+    keys for every capture size; steps above the largest size run eagerly, ``:274-280``). vLLM
+    allows full graphs without compilation (``config/compilation.py:635-638``) where the
+    attention backend supports mixed batches: FlashAttention 3, the H200's
+    (``v1/attention/backends/flash_attn.py:341-345``). ``nolora`` has the same options without
+    any LoRA one."""
+    if compiled and full_graphs:
+        raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
     if not compiled:
-        compilation |= {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+        compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
                 compilation_config=compilation)
@@ -465,7 +475,8 @@ def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
-               tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0) -> None:
+               tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
+               full_graphs: bool = False) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
     With ``profile_steps`` > 0, afterwards profile that many steps of a fresh copy of the workload
@@ -478,7 +489,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     t0 = time.time()
     llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
-                                                         tensor_parallel_size, compiled))
+                                                         tensor_parallel_size, compiled, full_graphs))
     startup = time.time() - t0
     per_rank = llm.collective_rpc(engine_classes)  # one per tensor-parallel rank
     for classes in per_rank:
@@ -638,6 +649,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
         ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else []) + (
+        ["--full-graphs"] if args.full_graphs else []) + (
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "serve_bridge.bench"]
@@ -662,7 +674,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
                                                tensor_parallel_size=args.tensor_parallel_size,
-                                               compiled=args.compiled)
+                                               compiled=args.compiled, full_graphs=args.full_graphs)
                                 | {"max_loras": "N", "specialize_active_lora": "per mode"}),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
@@ -760,9 +772,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
-    ap.add_argument("--compiled", action="store_true",
-                    help="vLLM's default compilation (torch.compile, piecewise CUDA graphs for mixed steps) in "
-                         "every mode, instead of eager mixed steps and decode-only graphs (slower start-up)")
+    graphs = ap.add_mutually_exclusive_group()
+    graphs.add_argument("--compiled", action="store_true",
+                        help="vLLM's default compilation (torch.compile, piecewise CUDA graphs for mixed steps) in "
+                             "every mode, instead of eager mixed steps and decode-only graphs (slower start-up)")
+    graphs.add_argument("--full-graphs", action="store_true",
+                        help="no torch.compile, but full CUDA graphs for every step, mixed ones included "
+                             "(cudagraph_mode FULL), in every mode; give --capture-sizes up to 2048 (the token "
+                             "budget) so that no step runs eagerly")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
@@ -797,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
-                   args.tensor_parallel_size, args.compiled, args.profile_steps)
+                   args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs)
         return 0
     return orchestrate(args)
 

@@ -131,6 +131,10 @@ def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
         assert opts["compilation_config"]["mode"] == 0  # eager mixed steps, decode graphs only
         compiled = bench.engine_options(128, [1, 8], mode=mode, compiled=True)["compilation_config"]
         assert compiled == {"cudagraph_capture_sizes": [1, 8]}  # vLLM's default mode and graph mode
+        full = bench.engine_options(128, [1, 2048], mode=mode, full_graphs=True)["compilation_config"]
+        assert full == {"cudagraph_capture_sizes": [1, 2048], "mode": 0, "cudagraph_mode": "FULL"}
+    with pytest.raises(ValueError, match="exclusive"):
+        bench.engine_options(128, compiled=True, full_graphs=True)
 
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):

@@ -476,11 +476,11 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
-               full_graphs: bool = False) -> None:
+               full_graphs: bool = False, profile_python: bool = False) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
     With ``profile_steps`` > 0, afterwards profile that many steps of a fresh copy of the workload
-    (:func:`profile_workload`) into ``<result stem>_profile.md``."""
+    (:func:`profile_workload`; with ``profile_python`` also under cProfile) into ``<result stem>_profile.md``."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -554,7 +554,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     result.write_text(json.dumps(out, indent=1))
     if profile_steps > 0:  # after the result is written: a failing profiler loses no measurement
         try:
-            report = profile_workload(llm.llm_engine, prompts, params, loras, profile_steps)
+            report = profile_workload(llm.llm_engine, prompts, params, loras, profile_steps, profile_python)
         except Exception as e:  # noqa: BLE001 - reported in the file the reader looks at
             report = f"profiling failed: {type(e).__name__}: {e}\n"
         result.with_name(result.stem + "_profile.md").write_text(
@@ -566,23 +566,27 @@ PROFILE_SKIP = 40  # steps before the profiled window: past the ramp-up, to the 
 
 
 def profile_workload(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
-                     n_steps: int) -> str:
+                     n_steps: int, python: bool = False) -> str:
     """Add the workload again (request ids ``p<i>``), run :data:`PROFILE_SKIP` steps, profile the
-    next ``n_steps`` (:mod:`serve_bridge.step_profile`), abort what is left, and return the summary.
+    next ``n_steps`` (:mod:`serve_bridge.step_profile`), with ``python`` the ``n_steps`` after those
+    under cProfile too, abort what is left, and return the summary.
     With every request queued at once, the running batch fills up over the first steps (about ten
     new prompts per 2048-token step); after that, each step decodes the running requests and
     prefills the few that replace those finished: the mixed steps that make up most of an offline
     run."""
-    from serve_bridge.step_profile import profile_steps, summarize
+    from serve_bridge.step_profile import profile_steps, python_profile, summarize
 
     ids = [f"p{i}" for i in range(len(prompts))]
     for i, rid in enumerate(ids):
         engine.add_request(rid, prompts[i], params[i], lora_request=loras[i])
     prof, wall, done = profile_steps(engine.step, engine.has_unfinished_requests, n_steps, skip=PROFILE_SKIP)
+    report = summarize(prof, wall, done)
+    if python:
+        report += "\n" + python_profile(engine.step, engine.has_unfinished_requests, n_steps)[0]
     engine.abort_request(ids)  # external ids (v1/engine/llm_engine.py:212-216)
     while engine.has_unfinished_requests():
         engine.step()
-    return summarize(prof, wall, done)
+    return report
 
 
 # -- orchestration ----------------------------------------------------------------------------
@@ -649,7 +653,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
         ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else []) + (
-        ["--full-graphs"] if args.full_graphs else []) + (
+        ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "serve_bridge.bench"]
@@ -795,6 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="after each timed run, profile S engine steps of a fresh copy of the workload "
                          "(torch.profiler: GPU busy fraction, top kernels, top host operators) into "
                          "OUT/<run>_profile.md")
+    ap.add_argument("--profile-python", action="store_true",
+                    help="with --profile-steps S: also S further steps under cProfile (Python functions by "
+                         "cumulative and own time), in the same file")
     ap.add_argument("--budget-s", type=float, default=3600, help="stop starting engines past this")
     ap.add_argument("--min-run-s", type=float, default=40, help="do not start an engine with less time left")
     ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)
@@ -814,7 +821,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
-                   args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs)
+                   args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
+                   args.profile_python)
         return 0
     return orchestrate(args)
 

@@ -11,9 +11,16 @@ numbers. The summary answers one question first: is the step bound by the GPU or
 
 Profiler wall times include its own overhead on the host (every operator is recorded); device
 kernel durations are not affected.
+
+:func:`python_profile` is the host-side complement: ``cProfile`` over further steps, for the
+Python functions (vLLM's runner, the plugin's hooks, the scheduler) that the operator table
+cannot name. cProfile slows Python calls down, so its times are only compared within a window.
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,3 +99,26 @@ def profile_steps(step: Callable[[], Any], has_work: Callable[[], bool], n_steps
         sync()
         wall = time.perf_counter() - start
     return prof, wall, done
+
+
+def python_profile(step: Callable[[], Any], has_work: Callable[[], bool], n_steps: int,
+                   top: int = 30) -> tuple[str, int]:
+    """Up to ``n_steps`` calls of ``step()`` under ``cProfile`` (stopping when ``has_work()`` turns
+    false). Returns the ``top`` functions by cumulative time and by own time, as text, and the
+    number of steps profiled."""
+    prof = cProfile.Profile()
+    done = 0
+    start = time.perf_counter()
+    while done < n_steps and has_work():
+        prof.enable()
+        step()
+        prof.disable()
+        done += 1
+    wall = time.perf_counter() - start
+    out = io.StringIO()
+    out.write(f"cProfile: {done} steps, {wall * 1e3 / max(done, 1):.2f} ms/step under cProfile\n")
+    stats = pstats.Stats(prof, stream=out).strip_dirs()
+    for key in ("cumulative", "tottime"):
+        out.write(f"\nby {key} time:\n")
+        stats.sort_stats(key).print_stats(top)
+    return out.getvalue(), done

@@ -393,3 +393,6 @@ def test_profile_workload_runs_a_fresh_copy_and_leaves_the_engine_empty():
     report = bench.profile_workload(engine, prompts, params, loras, n_steps=3)
     assert [a[0] for a in engine.added] == ["p0", "p1", "p2", "p3"] and [a[3] for a in engine.added] == loras
     assert report.startswith("profiled steps: 3,") and not engine.has_unfinished_requests()
+    engine = _StepEngine(lambda i: 100)
+    report = bench.profile_workload(engine, prompts, params, loras, n_steps=3, python=True)
+    assert "cProfile: 3 steps," in report and not engine.has_unfinished_requests()

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from serve_bridge.step_profile import busy_time_us, profile_steps, summarize
+from serve_bridge.step_profile import busy_time_us, profile_steps, python_profile, summarize
 
 
 def test_busy_time_is_the_union_of_intervals():
@@ -36,3 +36,15 @@ def test_profile_window_skips_stops_and_summarizes():
     calls.clear()
     _, _, done = profile_steps(step, lambda: len(calls) < 6, n_steps=5, skip=3, cuda=False)
     assert done == 3
+
+
+def test_python_profile_names_the_step_functions():
+    calls = []
+
+    def step_function_under_test():
+        calls.append(sorted(range(200), key=lambda v: -v))
+
+    text, done = python_profile(step_function_under_test, lambda: len(calls) < 4, n_steps=10)
+    assert done == 4 and text.startswith("cProfile: 4 steps,")
+    assert "by cumulative time:" in text and "by tottime time:" in text
+    assert "step_function_under_test" in text.split("by tottime time:")[0]

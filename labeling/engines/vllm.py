@@ -65,7 +65,7 @@ from serve_bridge.steptrim import NO_SLOT, StepTrim
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 ENGINE_OPTIONS = ("name", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "tensor_parallel_size", "data_parallel_size", "enforce_eager", "max_lora_rank",
-                  "progress", "pipeline")
+                  "max_cudagraph_capture_size", "progress", "pipeline")
 RUNNER = "LoRazorGPUModelRunner"
 
 
@@ -193,7 +193,8 @@ def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping
 
     Fixed by the bridge (``serve_bridge.settings.require_supported_engine``): LoRA on, prefix
     caching off, async scheduling off. ``max_lora_rank: auto`` → the adapters' largest rank,
-    rounded up to a rank vLLM supports. ``data_parallel_size`` is not an ``LLM`` argument (vLLM
+    rounded up to a rank vLLM supports. ``max_cudagraph_capture_size`` (null: vLLM's
+    ``min(2 · max_num_seqs, 512)``) goes into ``compilation_config``. ``data_parallel_size`` is not an ``LLM`` argument (vLLM
     0.26 refuses it in one process, ``entrypoints/llm.py:280-292``): see :class:`DataParallelBackend`.
     """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
@@ -213,6 +214,8 @@ def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         if options.get(key) is not None:
             kw[key] = int(options[key])
+    if options.get("max_cudagraph_capture_size") is not None:
+        kw["compilation_config"] = {"max_cudagraph_capture_size": int(options["max_cudagraph_capture_size"])}
     return kw
 
 

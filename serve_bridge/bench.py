@@ -254,6 +254,24 @@ def step_summary(step_s: Sequence[float]) -> dict[str, Any]:
             "step_ms_p90": float(q[1]), "step_ms_p99": float(q[2]), "step_ms_max": float(ms.max())}
 
 
+def host_probe_ms(repeats: int = 5) -> float:
+    """The best of ``repeats`` timings (ms) of a fixed host workload: a Python loop and small torch
+    CPU ops, the kind of work an engine step does between kernels. Taken before and after each
+    timed run, it shows whether the host itself was slower for one engine than for another (a
+    shared machine's load, clocks), which the engines' ratios would otherwise absorb."""
+    best = float("inf")
+    for _ in range(repeats):
+        x = np.arange(256)
+        start = time.perf_counter()
+        acc = 0
+        for i in range(20000):
+            acc += i * i % 7
+        for _ in range(200):
+            x = (x + 1) % 1000
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
@@ -522,6 +540,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     loras = [lora(a) for a in wl.adapter]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    probe_before = host_probe_ms()
     timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
     # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
     if arrival_rate:
@@ -530,6 +549,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     else:
         elapsed, lengths, step_s = serve_offline(llm.llm_engine, prompts, params, loras)
         timing = step_summary(step_s)
+    probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     if lengths != wl.max_tokens:
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
@@ -549,7 +569,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
-           "arrival_rate": arrival_rate, **timing,
+           "arrival_rate": arrival_rate, **timing, **probe,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
     if profile_steps > 0:  # after the result is written: a failing profiler loses no measurement
@@ -741,6 +761,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                              f"subprocess {time.time() - t:.0f} s"
                              + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/"
                                 f"{row['step_ms_p90']:.1f}/{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
+                             + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms "
+                                f"before/after, load {row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
                              + ("" if row["counters"] is None else
                                 f"; {row['counters']['skipped_forwards']}/{row['counters']['decode_forwards']} "
                                 f"decode forwards skipped (planned {row['planned_skip']:.3f}), "

@@ -396,3 +396,10 @@ def test_profile_workload_runs_a_fresh_copy_and_leaves_the_engine_empty():
     engine = _StepEngine(lambda i: 100)
     report = bench.profile_workload(engine, prompts, params, loras, n_steps=3, python=True)
     assert "cProfile: 3 steps," in report and not engine.has_unfinished_requests()
+
+
+def test_host_probe_times_a_fixed_workload():
+    probes = [bench.host_probe_ms(repeats=2) for _ in range(2)]
+    assert all(0 < p < 5000 for p in probes)
+    # the best of more repeats can only be faster or equal on the same host state; allow noise
+    assert bench.host_probe_ms(repeats=5) < 3 * max(probes)

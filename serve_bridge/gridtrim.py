@@ -20,10 +20,13 @@ It does not use ``num_active_loras`` (the last element of ``meta_args``) at all.
 kernels and work list, with vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the
 tensor-parallel paths that communicate between the two (below).
 
-The launches go through custom ops, ``torch.ops.lorazor.gridtrim_lora_linear``,
+While torch.compile traces, the launches go through custom ops, ``torch.ops.lorazor.gridtrim_lora_linear``,
 ``gridtrim_shrink`` and ``gridtrim_expand`` (registered together on first use for CPU and CUDA,
 with fake kernels). torch.compile (vLLM's default compilation mode) then treats them as opaque,
 as vLLM does its own ``torch.ops.vllm.lora_shrink`` (``lora/ops/triton_ops/lora_shrink_op.py:285-291``).
+In eager mode the same implementations are called directly (:func:`_call`): eager mixed steps
+are bound by the host (``benchmarks/serve_bridge/BENCH.md``, fifth session), and the dispatcher
+adds its cost to every call.
 
 Tensor parallelism (vLLM 0.26.0, ``lora/layers/``): every rank has its own punica wrapper with
 the same token mapping, so the same work list; only the weights and activations are shards.
@@ -273,12 +276,20 @@ def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor
     worklist.update(LoRABatchMeta.from_vllm_meta_args(meta_args))
 
 
-def _meta_and_list(meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist) -> tuple[torch.Tensor, ...]:
-    """The custom ops' metadata and work-list tensor arguments, in schema order."""
+def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist,
+          tail: tuple) -> None:
+    """Run op ``name`` on ``head`` (the output, the input, the weight lists), the step's metadata and
+    work list, and ``tail`` (its scalars, typed as in its schema). While torch.compile traces, through
+    ``torch.ops.lorazor.<name>``, so that the launch stays opaque to the tracer; in eager mode
+    (CUDA-graph capture included) its implementation is called directly, skipping the dispatcher's
+    per-call cost (about 15 µs on the development CPU, for ~113 calls per eager step)."""
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
-    return (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
-            meta.slot_lora_ids, worklist.tile_lora, worklist.tile_first, worklist.tile_rows, worklist.num_tiles,
-            worklist.positions)
+    if torch.compiler.is_compiling():
+        _op(name)(*head, meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot,
+                  meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora, worklist.tile_first,
+                  worklist.tile_rows, worklist.num_tiles, worklist.positions, worklist.block_m, *tail)
+    else:
+        _DIRECT[name][0](*head, meta, worklist, *tail)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -302,8 +313,8 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     if reason is not None:
         warn_fallback_once(reason)
         return False
-    _op(OP_NAME)(y2, x2, list(lora_a), list(lora_b), *_meta_and_list(meta_args, worklist), worklist.block_m,
-                 float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0))
+    _call(OP_NAME, (y2, x2, list(lora_a), list(lora_b)), meta_args, worklist,
+          (float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0)))
     return True
 
 
@@ -337,8 +348,7 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     if reason is not None:
         warn_fallback_once(reason, "a LoRA shrink (add_shrink)")
         return False
-    _op(SHRINK_OP)(y, x2, list(lora_a), *_meta_and_list(meta_args, worklist), worklist.block_m, float(scale),
-                   int(num_programs or 0))
+    _call(SHRINK_OP, (y, x2, list(lora_a)), meta_args, worklist, (float(scale), int(num_programs or 0)))
     return True
 
 
@@ -370,8 +380,8 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     if reason is not None:
         warn_fallback_once(reason, "a LoRA expand (add_expand)")
         return False
-    _op(EXPAND_OP)(y2, x, list(lora_b), *_meta_and_list(meta_args, worklist), worklist.block_m, int(offset_start),
-                   bool(add_inputs), int(num_programs or 0))
+    _call(EXPAND_OP, (y2, x, list(lora_b)), meta_args, worklist,
+          (int(offset_start), bool(add_inputs), int(num_programs or 0)))
     return True
 
 
@@ -391,33 +401,28 @@ _SCHEMAS = {
 }
 
 
-def _unpack(meta_and_list: Sequence[torch.Tensor], block_m: int) -> tuple[LoRABatchMeta, RowTileWorklist]:
-    return LoRABatchMeta(*meta_and_list[:5]), RowTileWorklist(block_m, *meta_and_list[5:])
-
-
-def _launch(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-            *rest: object) -> None:
+def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+            meta: LoRABatchMeta, worklist: RowTileWorklist, scale: float, offset_start: int, add_inputs: bool,
+            num_programs: int) -> None:
+    """``gridtrim_lora_linear``: shrink then expand through an uninitialised partials buffer (shrink
+    writes every (split, slice, row) that expand reads, kernels/layout.py)."""
     from kernels.linear import add_lora_linear as kernels_add_lora_linear
 
-    *tensors, block_m, scale, offset_start, add_inputs, num_programs = rest
-    meta, worklist = _unpack(tensors, block_m)
     a3 = as_3d(lora_a[0])
-    # Uninitialised: shrink writes every (split, slice, row) that expand reads (kernels/layout.py).
     partials = partials_buffer(len(lora_a), x.shape[0], a3.shape[1], a3.shape[2], x.device)
     kernels_add_lora_linear(y, x, lora_a, lora_b, partials, meta, worklist, scale,
                             offset_start=offset_start, add_inputs=add_inputs,
                             num_programs=num_programs or None)
 
 
-def _launch_shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], *rest: object) -> None:
-    """y (fp32 ``[slices, M, rank]``) = the shrink, 0 on rows without adapter.
+def _shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], meta: LoRABatchMeta,
+            worklist: RowTileWorklist, scale: float, num_programs: int) -> None:
+    """``gridtrim_shrink``: y (fp32 ``[slices, M, rank]``) = the shrink, 0 on rows without adapter.
 
     With one hidden chunk (``K ≤ K_CHUNK``) the kernel writes straight into y (a view as
     ``[1, slices, M, rank]`` partials); otherwise into zeroed split-K partials, summed into y."""
     from kernels.shrink import lora_shrink
 
-    *tensors, block_m, scale, num_programs = rest
-    meta, worklist = _unpack(tensors, block_m)
     rank, hidden = as_3d(lora_a[0]).shape[1:]
     splits = num_splits(hidden)
     if splits == 1:
@@ -430,16 +435,33 @@ def _launch_shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
         torch.sum(partials, dim=0, out=y)
 
 
-def _launch_expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], *rest: object) -> None:
+def _expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], meta: LoRABatchMeta,
+            worklist: RowTileWorklist, offset_start: int, add_inputs: bool, num_programs: int) -> None:
+    """``gridtrim_expand``: y's slices (+)= bf(x[s]) @ B_s[id]ᵀ on rows with an adapter."""
     from kernels.expand import lora_expand
 
-    *tensors, block_m, offset_start, add_inputs, num_programs = rest
-    meta, worklist = _unpack(tensors, block_m)
     lora_expand(x.unsqueeze(0), lora_b, y, meta, worklist, offset_start=offset_start, add_inputs=add_inputs,
                 num_programs=num_programs or None)
 
 
-_IMPLS = {OP_NAME: _launch, SHRINK_OP: _launch_shrink, EXPAND_OP: _launch_expand}
+# op name → (implementation, number of leading arguments before the metadata)
+_DIRECT: dict[str, tuple[Callable[..., None], int]] = {OP_NAME: (_linear, 4), SHRINK_OP: (_shrink, 3),
+                                                         EXPAND_OP: (_expand, 3)}
+_N_META = 10  # metadata and work-list tensors in each schema, then block_m
+
+
+def _op_impl(name: str) -> Callable[..., None]:
+    """The registered kernel of op ``name``: rebuilds the metadata and work list from the schema's
+    flat arguments and calls the implementation."""
+    impl, n_head = _DIRECT[name]
+
+    def run(*args: object) -> None:
+        tensors = args[n_head:n_head + _N_META]
+        block_m = args[n_head + _N_META]
+        meta, worklist = LoRABatchMeta(*tensors[:5]), RowTileWorklist(block_m, *tensors[5:])
+        impl(*args[:n_head], meta, worklist, *args[n_head + _N_META + 1:])
+
+    return run
 
 
 def _fake(*args: object) -> None:
@@ -459,7 +481,7 @@ def _op(name: str = OP_NAME):
                     continue
                 lib.define(schema)
                 for key in ("CPU", "CUDA"):
-                    lib.impl(op_name, _IMPLS[op_name], key)
+                    lib.impl(op_name, _op_impl(op_name), key)
                 lib._register_fake(op_name, _fake)
             _LIB = lib
         op = _OPS[name] = getattr(torch.ops.lorazor, name)

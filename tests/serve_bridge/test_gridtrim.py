@@ -188,6 +188,45 @@ def test_successive_steps_match_reference(add_inputs):
     assert int(wl.num_tiles) == 0  # the last step had no adapter row
 
 
+@needs_triton
+def test_traced_path_runs_the_same_launches(monkeypatch):
+    """While torch.compile traces, add_lora_linear / shrink / expand go through the registered
+    ``torch.ops.lorazor`` ops; in eager mode they call the implementations directly. Both paths
+    must write the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    a, b = _weights(gen)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    mapping = _mapping({-1: 4, 0: 9, 3: 7}, gen)
+    meta.prepare(mapping)
+    gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
+    rows = mapping.numel()
+    x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
+    y0 = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
+    buf0 = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
+    used = []
+    real_op = gridtrim._op
+    monkeypatch.setattr(gridtrim, "_op", lambda name=gridtrim.OP_NAME: used.append(name) or real_op(name))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, buf, y_expand = y0.clone(), torch.full_like(buf0, float("nan")), y0.clone()
+        assert gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
+        assert gridtrim.shrink(buf, x, tuple(a), 0.5, meta.meta_args(rows), wl, num_programs=PROGRAMS)
+        assert gridtrim.expand(y_expand, buf0, tuple(b), WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
+        return y, buf, y_expand
+
+    eager = run()
+    assert used == []  # eager: no dispatcher
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = run()
+    assert used == [gridtrim.OP_NAME, gridtrim.SHRINK_OP, gridtrim.EXPAND_OP]
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    assert all(torch.equal(bits(e), bits(t)) for e, t in zip(eager, traced))
+    _check(eager[0], y0, x, a, b, mapping, 0.5, True)
+
+
 def _stub_vllm(monkeypatch) -> type:
     """A stand-in for ``vllm.lora.punica_wrapper.punica_gpu`` whose PunicaWrapperGPU keeps the
     parts the subclass relies on: lora_config/max_loras (punica_gpu.py:49-50), token_mapping_meta

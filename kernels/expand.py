@@ -10,6 +10,8 @@ covers qkv or gate_up. Two launches over the same tile body:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -123,6 +125,11 @@ def check_b(lora_b: Sequence[torch.Tensor], y: torch.Tensor,
 def b_kwargs(b3: list[torch.Tensor], y: torch.Tensor, offset_start: int, chunk_n: int) -> dict:
     """Kernel arguments for the B slices (padded to 3) and y: slice widths, output columns,
     adapter strides, and column chunks of `chunk_n` per slice (`col_chunks` in all)."""
+    return dict(y_ptr=y, **_b_static(b3, y, offset_start, chunk_n))
+
+
+def _b_static(b3: list[torch.Tensor], y: torch.Tensor, offset_start: int, chunk_n: int) -> dict:
+    """:func:`b_kwargs` without y itself: what holds for every y of the same strides."""
     widths = [b.shape[1] for b in b3]
     outs = [offset_start + sum(widths[:s]) for s in range(len(b3))]
     chunks = [triton.cdiv(n, chunk_n) for n in widths]
@@ -130,13 +137,39 @@ def b_kwargs(b3: list[torch.Tensor], y: torch.Tensor, offset_start: int, chunk_n
     slices, widths, outs, chunks = b3 + [b3[0]] * pad, widths + [0] * pad, outs + [0] * pad, \
         chunks + [0] * pad
     return dict(
-        b0_ptr=slices[0], b1_ptr=slices[1], b2_ptr=slices[2], y_ptr=y,
+        b0_ptr=slices[0], b1_ptr=slices[1], b2_ptr=slices[2],
         n0=widths[0], n1=widths[1], n2=widths[2], out0=outs[0], out1=outs[1], out2=outs[2],
         sbl0=slices[0].stride(0), sbl1=slices[1].stride(0), sbl2=slices[2].stride(0),
         chunks0=chunks[0], chunks1=chunks[1], col_chunks=sum(chunks),
         stride_bn=b3[0].stride(1), stride_br=b3[0].stride(2),
         stride_ym=y.stride(0), stride_yn=y.stride(1), CHUNK_N=chunk_n,
     )
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    """A validated expand of 1–3 B slices into outputs of one width, dtype and strides from
+    `offset_start`: the kernel arguments that hold for every batch (``args``: the weights, slice
+    widths and columns, strides of B and y, tile sizes). A launch adds y, the partials buffer and
+    its strides, the metadata and ``add_inputs``."""
+
+    args: dict[str, Any]
+    slices: int
+    rank: int
+    y_key: tuple  # (dtype, width, strides) of the y it was built for
+
+
+def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start: int = 0,
+                  block_n: int | None = None, chunk_tiles: int = CHUNK_TILES) -> ExpandConfig:
+    """Validate 1–3 B slices against y (see `check_b`) and compute the launch arguments that do
+    not change between batches. An item writes `chunk_tiles` tiles of `block_n` columns (default
+    `default_block_n(rank)`)."""
+    b3 = check_b(lora_b, y, offset_start)
+    rank = b3[0].shape[2]
+    block_n = block_n or default_block_n(rank)
+    args = dict(**_b_static(b3, y, offset_start, block_n * chunk_tiles), rank=rank, BLOCK_R=block_rank(rank),
+                BLOCK_N=block_n, num_warps=NUM_WARPS)
+    return ExpandConfig(args, len(b3), rank, (y.dtype, y.shape[1], y.stride()))
 
 
 def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor,
@@ -151,21 +184,22 @@ def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch
     semantics are `reference.expand_reference`'s. An item writes `chunk_tiles` tiles of `block_n`
     columns (default `default_block_n(rank)`).
     """
-    b3 = check_b(lora_b, y, offset_start)
-    rank = b3[0].shape[2]
-    if partials.shape[1] != len(b3) or partials.shape[2] < y.shape[0] or partials.shape[3] != rank:
-        raise ValueError(f"partials {tuple(partials.shape)} do not match {len(b3)} slices of "
-                         f"rank {rank} for {y.shape[0]} tokens")
-    block_n = block_n or default_block_n(rank)
-    slice_args = b_kwargs(b3, y, offset_start, block_n * chunk_tiles)
-    col_chunks = slice_args["col_chunks"]
-    common = dict(
-        **slice_args, part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted, rank=rank,
-        stride_ps=partials.stride(0), stride_pc=partials.stride(1),
-        stride_pm=partials.stride(2), stride_pr=partials.stride(3),
-        N_SPLITS=partials.shape[0], BLOCK_R=block_rank(rank), BLOCK_N=block_n,
-        ADD_INPUTS=add_inputs, num_warps=NUM_WARPS,
-    )
+    launch_expand(expand_config(lora_b, y, offset_start, block_n, chunk_tiles), partials, y, meta, schedule,
+                  add_inputs=add_inputs, num_programs=num_programs)
+
+
+def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta,
+                  schedule: RowTileWorklist | GridTrimPlan, *, add_inputs: bool = True,
+                  num_programs: int | None = None) -> None:
+    """:func:`lora_expand` with a prebuilt `config`, for a y of the width, dtype and strides it was
+    built for (the caller's contract: not re-checked, that is what the config saves)."""
+    if partials.shape[1] != config.slices or partials.shape[2] < y.shape[0] or partials.shape[3] != config.rank:
+        raise ValueError(f"partials {tuple(partials.shape)} do not match {config.slices} slices of "
+                         f"rank {config.rank} for {y.shape[0]} tokens")
+    ps, pc, pm, pr = partials.stride()
+    common = dict(**config.args, part_ptr=partials, y_ptr=y, sorted_idx_ptr=meta.token_indices_sorted,
+                  stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr, N_SPLITS=partials.shape[0],
+                  ADD_INPUTS=add_inputs)
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(y.device),)
         _expand_worklist_kernel[grid](
@@ -175,6 +209,7 @@ def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch
         return
     if schedule.num_slots == 0:
         return
+    col_chunks = config.args["col_chunks"]
     if schedule.large_slots is None:
         classes = [(schedule.all_slots, schedule.row_bound, 1, _NO_UPPER_BOUND)]
     else:

@@ -2,16 +2,51 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kernels.expand import CHUNK_TILES, lora_expand
+from kernels.expand import CHUNK_TILES, ExpandConfig, expand_config, launch_expand
 from kernels.fused import FusedConfig, lora_fused
 from kernels.gridtrim import GridTrimPlan
 from kernels.layout import K_CHUNK
 from kernels.metadata import LoRABatchMeta
-from kernels.shrink import lora_shrink
+from kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
 from kernels.worklist import RowTileWorklist
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One LoRA linear's shrink and expand, validated once for its weights and for inputs and
+    outputs of one dtype, width and strides (`linear_config`). Building the launch arguments
+    costs far more host time than a launch itself; a server builds this once per layer and
+    reuses it every step (`launch_linear`)."""
+
+    shrink: ShrinkConfig
+    expand: ExpandConfig
+
+    def fits(self, y: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether x and y have the dtype, width and strides this config was built for."""
+        return (x.dtype, x.shape[1], x.stride()) == self.shrink.x_key and \
+            (y.dtype, y.shape[1], y.stride()) == self.expand.y_key
+
+
+def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                  *, offset_start: int = 0, block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
+                  k_chunk: int = K_CHUNK) -> LinearConfig:
+    """Validate and precompute `add_lora_linear`'s unfused launches for this layer and these x/y
+    layouts (the values of x and y are not read)."""
+    return LinearConfig(shrink_config(x, lora_a, k_chunk),
+                        expand_config(lora_b, y, offset_start, block_n, chunk_tiles))
+
+
+def launch_linear(config: LinearConfig, y: torch.Tensor, x: torch.Tensor, partials: torch.Tensor,
+                  meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan, scale: float = 1.0, *,
+                  add_inputs: bool = True, num_programs: int | None = None) -> None:
+    """`add_lora_linear`'s unfused path with a prebuilt `config`; x and y must fit it
+    (`LinearConfig.fits`: the caller's contract, not re-checked here)."""
+    launch_shrink(config.shrink, x, partials, meta, schedule, scale, num_programs=num_programs)
+    launch_expand(config.expand, partials, y, meta, schedule, add_inputs=add_inputs, num_programs=num_programs)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -37,8 +72,6 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
         return
     if partials is None:
         raise ValueError("the unfused launch needs a partials buffer (layout.partials_buffer)")
-    lora_shrink(x, lora_a, partials, meta, schedule, scale, k_chunk=k_chunk,
-                num_programs=num_programs)
-    lora_expand(partials, lora_b, y, meta, schedule, offset_start=offset_start,
-                add_inputs=add_inputs, block_n=block_n, chunk_tiles=chunk_tiles,
-                num_programs=num_programs)
+    config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start, block_n=block_n,
+                           chunk_tiles=chunk_tiles, k_chunk=k_chunk)
+    launch_linear(config, y, x, partials, meta, schedule, scale, add_inputs=add_inputs, num_programs=num_programs)

@@ -9,6 +9,8 @@ Two launches over the same tile body:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -97,11 +99,39 @@ def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tenso
 
 def a_kwargs(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
     """Kernel arguments for x and the A slices (padded to 3 with slice 0)."""
+    return dict(x_ptr=x, **_a_static(x, a3))
+
+
+def _a_static(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
+    """:func:`a_kwargs` without x itself: what holds for every x of the same width and strides."""
     slices = a3 + [a3[0]] * (MAX_SLICES - len(a3))
-    return dict(x_ptr=x, a0_ptr=slices[0], a1_ptr=slices[1], a2_ptr=slices[2],
+    return dict(a0_ptr=slices[0], a1_ptr=slices[1], a2_ptr=slices[2],
                 K=a3[0].shape[2], rank=a3[0].shape[1],
                 stride_xm=x.stride(0), stride_xk=x.stride(1),
                 stride_al=a3[0].stride(0), stride_ar=a3[0].stride(1), stride_ak=a3[0].stride(2))
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """A validated shrink of 1–3 A slices for inputs of one width, dtype and strides: the kernel
+    arguments that hold for every batch (``args``: the weights, widths, strides of x and A, tile
+    sizes). A launch adds x, the partials buffer and its strides, the metadata and the scale."""
+
+    args: dict[str, Any]
+    slices: int
+    rank: int
+    splits: int
+    x_key: tuple  # (dtype, width, strides) of the x it was built for
+
+
+def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK) -> ShrinkConfig:
+    """Validate x `[M, K]` against 1–3 A slices `[max_loras, (1,) rank, K]` (see `check_a`) and
+    compute the launch arguments that do not change between batches."""
+    a3 = check_a(x, lora_a)
+    rank, hidden = a3[0].shape[1:]
+    args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk), K_CHUNK=k_chunk,
+                N_SPLITS=num_splits(hidden, k_chunk), num_warps=NUM_WARPS)
+    return ShrinkConfig(args, len(a3), rank, args["N_SPLITS"], (x.dtype, x.shape[1], x.stride()))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,
@@ -115,30 +145,31 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch
     rows of tokens with an adapter are written. `schedule` picks the launch design;
     `num_programs` sizes the persistent grid (default: `persistent_programs`).
     """
-    a3 = check_a(x, lora_a)
-    rank, hidden = a3[0].shape[1:]
-    splits = num_splits(hidden, k_chunk)
-    if tuple(partials.shape[:2]) != (splits, len(a3)) or partials.shape[2] < x.shape[0] \
-            or partials.shape[3] != rank or partials.dtype != torch.float32:
+    launch_shrink(shrink_config(x, lora_a, k_chunk), x, partials, meta, schedule, scale, num_programs=num_programs)
+
+
+def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor, meta: LoRABatchMeta,
+                  schedule: RowTileWorklist | GridTrimPlan, scale: float = 1.0, *,
+                  num_programs: int | None = None) -> None:
+    """:func:`lora_shrink` with a prebuilt `config`, for an x of the width, dtype and strides it
+    was built for (the caller's contract: not re-checked, that is what the config saves)."""
+    if tuple(partials.shape[:2]) != (config.splits, config.slices) or partials.shape[2] < x.shape[0] \
+            or partials.shape[3] != config.rank or partials.dtype != torch.float32:
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
-                         f"[{splits}, {len(a3)}, ≥{x.shape[0]}, {rank}] float32")
-    common = dict(
-        **a_kwargs(x, a3), part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted,
-        scale=scale, stride_ps=partials.stride(0), stride_pc=partials.stride(1),
-        stride_pm=partials.stride(2), stride_pr=partials.stride(3),
-        N_SPLITS=splits, BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk),
-        K_CHUNK=k_chunk, num_warps=NUM_WARPS,
-    )
+                         f"[{config.splits}, {config.slices}, ≥{x.shape[0]}, {config.rank}] float32")
+    ps, pc, pm, pr = partials.stride()
+    common = dict(**config.args, x_ptr=x, part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted,
+                  scale=scale, stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(x.device),)
         _shrink_worklist_kernel[grid](
             tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
-            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles, SLICES=len(a3),
+            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles, SLICES=config.slices,
             BLOCK_M=schedule.block_m, **common)
     else:
         if schedule.num_slots == 0:
             return
-        grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * splits, len(a3),
+        grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * config.splits, config.slices,
                 schedule.num_slots)
         _shrink_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,

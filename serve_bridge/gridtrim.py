@@ -24,9 +24,10 @@ While torch.compile traces, the launches go through custom ops, ``torch.ops.lora
 ``gridtrim_shrink`` and ``gridtrim_expand`` (registered together on first use for CPU and CUDA,
 with fake kernels). torch.compile (vLLM's default compilation mode) then treats them as opaque,
 as vLLM does its own ``torch.ops.vllm.lora_shrink`` (``lora/ops/triton_ops/lora_shrink_op.py:285-291``).
-In eager mode the same implementations are called directly (:func:`_call`): eager mixed steps
-are bound by the host (``benchmarks/serve_bridge/BENCH.md``, fifth session), and the dispatcher
-adds its cost to every call.
+In eager mode the same implementations are called directly (:func:`_call`), with each layer's
+launch arguments built once (``kernels.linear.LinearConfig``, cached with the layer's eligibility):
+eager mixed steps are bound by the host (``benchmarks/serve_bridge/BENCH.md``, fifth session), and
+rebuilding ~40 arguments per call cost ~0.2 ms (``benchmarks/serve_bridge/STEP_HOST.md``).
 
 Tensor parallelism (vLLM 0.26.0, ``lora/layers/``): every rank has its own punica wrapper with
 the same token mapping, so the same work list; only the weights and activations are shards.
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -78,12 +80,13 @@ OP_NAME = "gridtrim_lora_linear"
 SHRINK_OP = "gridtrim_shrink"
 EXPAND_OP = "gridtrim_expand"
 
+_T = TypeVar("_T")
 _warned: set[tuple[str, str]] = set()
-# Eligibility per layer, keyed by the identity of its stacked-weight tuples (vLLM builds them
-# once per layer: lora/layers/base_linear.py:129-150, column_parallel_linear.py:225-246) and the
-# activation's dtype and widths; each value keeps the tuples alive, so an id is never reused while
-# its entry exists.
-_eligibility: dict[tuple, tuple[tuple[object, ...], str | None]] = {}
+# Eligibility per layer (and, for LoRA linears, the launch config it allows), keyed by the identity
+# of its stacked-weight tuples (vLLM builds them once per layer: lora/layers/base_linear.py:129-150,
+# column_parallel_linear.py:225-246) and the activation's dtype, widths and strides; each value
+# keeps the tuples alive, so an id is never reused while its entry exists.
+_eligibility: dict[tuple, tuple[tuple[object, ...], Any]] = {}
 
 
 def _slices_reason(n: int) -> str | None:
@@ -231,12 +234,13 @@ def _expand_io_reason(y: torch.Tensor, x: torch.Tensor, slices: int) -> str | No
     return None
 
 
-def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], str | None]) -> str | None:
-    """``compute()`` (an eligibility check), once per layer in eager mode (about 25 µs a call
-    otherwise, i.e. ~3 ms per eager step of a 28-layer model); torch.compile traces it once anyway.
+def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], _T]) -> _T:
+    """``compute()`` (an eligibility check, with the launch arguments it allows), once per layer
+    in eager mode (about 25 µs a call otherwise for the check alone, i.e. ~3 ms per eager step of
+    a 28-layer model); torch.compile traces it once anyway.
 
     ``weights`` are the layer's stacked-weight tuples (keyed by identity, kept alive by the
-    entry), ``key`` the rest of what the check depends on."""
+    entry), ``key`` the rest of what the result depends on."""
     if torch.compiler.is_compiling():
         return compute()
     full = (*map(id, weights), *key)
@@ -247,13 +251,25 @@ def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], str |
     return hit[1]
 
 
-def _cached_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
-                   lora_b: Sequence[torch.Tensor], output_slices: Sequence[int], offset_start: int) -> str | None:
-    """:func:`ineligible_reason` through the per-layer cache."""
-    key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], tuple(output_slices), offset_start, x.device,
-           y.device)
-    return _cached((lora_a, lora_b), key,
-                   lambda: ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start))
+def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
+                 lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
+                 offset_start: int) -> tuple[str | None, Any]:
+    """(:func:`ineligible_reason`, and when None the layer's ``kernels.linear.LinearConfig`` for
+    x and y of these layouts) through the per-layer cache. Building the launch arguments costs
+    about 0.2 ms of Python per call on the development CPU, the same order as the GPU host's
+    measured per-call cost in eager steps (``benchmarks/serve_bridge/BENCH.md``, fifth session)."""
+    key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), tuple(output_slices),
+           offset_start, x.device, y.device)
+
+    def compute() -> tuple[str | None, Any]:
+        reason = ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start)
+        if reason is not None:
+            return reason, None
+        from kernels.linear import linear_config
+
+        return None, linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
+
+    return _cached((lora_a, lora_b), key, compute)
 
 
 def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
@@ -277,19 +293,21 @@ def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor
 
 
 def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist,
-          tail: tuple) -> None:
-    """Run op ``name`` on ``head`` (the output, the input, the weight lists), the step's metadata and
+          tail: tuple, **eager: Any) -> None:
+    """Run op ``name`` on ``head`` (the output, the input, the weights), the step's metadata and
     work list, and ``tail`` (its scalars, typed as in its schema). While torch.compile traces, through
     ``torch.ops.lorazor.<name>``, so that the launch stays opaque to the tracer; in eager mode
-    (CUDA-graph capture included) its implementation is called directly, skipping the dispatcher's
-    per-call cost (about 15 µs on the development CPU, for ~113 calls per eager step)."""
+    (CUDA-graph capture included) its implementation is called directly, with the ``eager``
+    keywords (a cached launch config), skipping the dispatcher's per-call cost (about 15 µs on the
+    development CPU, for ~113 calls per eager step)."""
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
     if torch.compiler.is_compiling():
-        _op(name)(*head, meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot,
-                  meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora, worklist.tile_first,
-                  worklist.tile_rows, worklist.num_tiles, worklist.positions, worklist.block_m, *tail)
+        _op(name)(*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
+                  meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
+                  worklist.tile_first, worklist.tile_rows, worklist.num_tiles, worklist.positions,
+                  worklist.block_m, *tail)
     else:
-        _DIRECT[name][0](*head, meta, worklist, *tail)
+        _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -309,12 +327,12 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     """
     x2 = x.view(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
-    reason = _cached_reason(y2, x2, lora_a, lora_b, output_slices, offset_start)
+    reason, config = _linear_plan(y2, x2, lora_a, lora_b, output_slices, offset_start)
     if reason is not None:
         warn_fallback_once(reason)
         return False
-    _call(OP_NAME, (y2, x2, list(lora_a), list(lora_b)), meta_args, worklist,
-          (float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0)))
+    _call(OP_NAME, (y2, x2, lora_a, lora_b), meta_args, worklist,
+          (float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0)), config=config)
     return True
 
 
@@ -348,7 +366,7 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     if reason is not None:
         warn_fallback_once(reason, "a LoRA shrink (add_shrink)")
         return False
-    _call(SHRINK_OP, (y, x2, list(lora_a)), meta_args, worklist, (float(scale), int(num_programs or 0)))
+    _call(SHRINK_OP, (y, x2, lora_a), meta_args, worklist, (float(scale), int(num_programs or 0)))
     return True
 
 
@@ -380,7 +398,7 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     if reason is not None:
         warn_fallback_once(reason, "a LoRA expand (add_expand)")
         return False
-    _call(EXPAND_OP, (y2, x, list(lora_b)), meta_args, worklist,
+    _call(EXPAND_OP, (y2, x, lora_b), meta_args, worklist,
           (int(offset_start), bool(add_inputs), int(num_programs or 0)))
     return True
 
@@ -401,18 +419,20 @@ _SCHEMAS = {
 }
 
 
-def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
             meta: LoRABatchMeta, worklist: RowTileWorklist, scale: float, offset_start: int, add_inputs: bool,
-            num_programs: int) -> None:
+            num_programs: int, config: Any = None) -> None:
     """``gridtrim_lora_linear``: shrink then expand through an uninitialised partials buffer (shrink
-    writes every (split, slice, row) that expand reads, kernels/layout.py)."""
-    from kernels.linear import add_lora_linear as kernels_add_lora_linear
+    writes every (split, slice, row) that expand reads, kernels/layout.py). ``config``: the layer's
+    ``kernels.linear.LinearConfig`` for these x/y layouts (built here when None, as under the op)."""
+    from kernels.linear import launch_linear, linear_config
 
-    a3 = as_3d(lora_a[0])
-    partials = partials_buffer(len(lora_a), x.shape[0], a3.shape[1], a3.shape[2], x.device)
-    kernels_add_lora_linear(y, x, lora_a, lora_b, partials, meta, worklist, scale,
-                            offset_start=offset_start, add_inputs=add_inputs,
-                            num_programs=num_programs or None)
+    if config is None:
+        config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
+    sh = config.shrink
+    partials = partials_buffer(sh.slices, x.shape[0], sh.rank, sh.args["K"], x.device)
+    launch_linear(config, y, x, partials, meta, worklist, scale, add_inputs=add_inputs,
+                  num_programs=num_programs or None)
 
 
 def _shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], meta: LoRABatchMeta,

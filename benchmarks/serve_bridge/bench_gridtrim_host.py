@@ -1,14 +1,14 @@
-"""Host time of one GridTrim LoRA linear call in eager mode, kernel launch excluded. No GPU.
+"""Host time of one GridTrim LoRA linear call in eager mode, up to the Triton launches. No GPU.
 
     python benchmarks/serve_bridge/bench_gridtrim_host.py [--calls 2000] [--repeats 3]
 
-What vLLM's eager mixed steps pay per LoRA linear before our kernels launch:
-``serve_bridge.gridtrim.add_lora_linear`` (views, the per-layer eligibility cache, the
-metadata and work-list arguments, the ``torch.ops.lorazor`` custom op and its Python
-implementation, the partials buffer), with ``kernels.linear.add_lora_linear`` (the two Triton
-launches) replaced by a no-op. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters,
-256 rows, on CPU tensors. A 28-layer model makes 4 such calls per layer per step (qkv, o,
-gate_up, down). Reports the best of ``--repeats`` means, in µs per call.
+What vLLM's eager mixed steps pay per LoRA linear besides the launches themselves:
+``serve_bridge.gridtrim.add_lora_linear`` (views, the per-layer eligibility and launch-config
+cache, the metadata, the partials buffer) and ``kernels``' shrink and expand down to their
+Triton kernels, whose launch (``kernel[grid](**args)``) is replaced by a no-op that takes the
+same arguments. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU
+tensors. A 28-layer model makes 4 such calls per layer per step (qkv, o, gate_up, down).
+Reports the best of ``--repeats`` means, in µs per call.
 """
 from __future__ import annotations
 
@@ -21,10 +21,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import kernels.linear  # noqa: E402
+import kernels.expand  # noqa: E402
+import kernels.shrink  # noqa: E402
 from kernels.metadata import build_metadata  # noqa: E402
 from kernels.worklist import RowTileWorklist  # noqa: E402
 from serve_bridge import gridtrim  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](**args)`` accepts and drops the call."""
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kwargs: None
+
 
 ROWS, HIDDEN, SLICE, RANK, ADAPTERS = 256, 3072, 1024, 8, 128
 
@@ -34,7 +43,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    kernels.linear.add_lora_linear = lambda *a, **k: None  # the launch, stubbed: host path only
+    kernels.shrink._shrink_worklist_kernel = kernels.expand._expand_worklist_kernel = _NoLaunch()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     y = torch.zeros(ROWS, 3 * SLICE, dtype=torch.bfloat16)
@@ -50,12 +59,13 @@ def main() -> None:
     def mean_us(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            assert gridtrim.add_lora_linear(y, x, lora_a, lora_b, 0.5, (SLICE,) * 3, meta_args, worklist)
+            assert gridtrim.add_lora_linear(y, x, lora_a, lora_b, 0.5, (SLICE,) * 3, meta_args, worklist,
+                                            num_programs=1056)  # an H200's 132 SMs × 8
         return (time.perf_counter() - start) / n * 1e6
 
-    mean_us(50)  # warm-up: op registration, eligibility cache
+    mean_us(50)  # warm-up: eligibility and launch-config cache
     best = min(mean_us(args.calls) for _ in range(args.repeats))
-    print(f"gridtrim.add_lora_linear host path, launch stubbed: {best:.1f} µs per call "
+    print(f"gridtrim.add_lora_linear host path up to the Triton launches: {best:.1f} µs per call "
           f"({best * 4 * 28 / 1e3:.1f} ms per eager step of a 28-layer model; torch {torch.__version__})")
 
 

@@ -189,6 +189,32 @@ def test_successive_steps_match_reference(add_inputs):
 
 
 @needs_triton
+def test_launch_config_follows_the_output_layout():
+    """The per-layer launch config is keyed by x's and y's strides: the same layer writing into a
+    column window of a wider output (other row stride) gets its own config and stays exact, and
+    the contiguous output keeps using its own."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = _weights(gen)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    mapping = _mapping({0: 6, -1: 2, 2: 9}, gen)
+    meta.prepare(mapping)
+    gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
+    rows = mapping.numel()
+    x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
+    n = sum(WIDTHS)
+    for pad in (24, 0, 24):  # a column window of a wider output, a contiguous one, the window again
+        base = torch.randn(rows, n + pad, generator=gen).to(DEVICE, DTYPE)
+        y0, y = base[:, pad // 3:pad // 3 + n], base.clone()[:, pad // 3:pad // 3 + n]
+        assert gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
+        _check(y, y0, x, a, b, mapping, 0.5, True)
+        assert torch.equal(base[:, :pad // 3], y.as_strided(base.shape, base.stride(), 0)[:, :pad // 3])
+    # key: id(A), id(B), "linear", dtypes, widths, x.stride(), y.stride(), ...
+    layouts = {k[8] for k in gridtrim._eligibility if k[:2] == (id(a), id(b))}
+    assert layouts == {(n + 24, 1), (n, 1)}
+
+
+@needs_triton
 def test_traced_path_runs_the_same_launches(monkeypatch):
     """While torch.compile traces, add_lora_linear / shrink / expand go through the registered
     ``torch.ops.lorazor`` ops; in eager mode they call the implementations directly. Both paths

@@ -156,7 +156,6 @@ class ExpandConfig:
     args: dict[str, Any]
     slices: int
     rank: int
-    y_key: tuple  # (dtype, width, strides) of the y it was built for
 
 
 def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start: int = 0,
@@ -169,7 +168,7 @@ def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start:
     block_n = block_n or default_block_n(rank)
     args = dict(**_b_static(b3, y, offset_start, block_n * chunk_tiles), rank=rank, BLOCK_R=block_rank(rank),
                 BLOCK_N=block_n, num_warps=NUM_WARPS)
-    return ExpandConfig(args, len(b3), rank, (y.dtype, y.shape[1], y.stride()))
+    return ExpandConfig(args, len(b3), rank)
 
 
 def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor,

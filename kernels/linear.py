@@ -25,11 +25,6 @@ class LinearConfig:
     shrink: ShrinkConfig
     expand: ExpandConfig
 
-    def fits(self, y: torch.Tensor, x: torch.Tensor) -> bool:
-        """Whether x and y have the dtype, width and strides this config was built for."""
-        return (x.dtype, x.shape[1], x.stride()) == self.shrink.x_key and \
-            (y.dtype, y.shape[1], y.stride()) == self.expand.y_key
-
 
 def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                   *, offset_start: int = 0, block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
@@ -43,8 +38,8 @@ def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
 def launch_linear(config: LinearConfig, y: torch.Tensor, x: torch.Tensor, partials: torch.Tensor,
                   meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan, scale: float = 1.0, *,
                   add_inputs: bool = True, num_programs: int | None = None) -> None:
-    """`add_lora_linear`'s unfused path with a prebuilt `config`; x and y must fit it
-    (`LinearConfig.fits`: the caller's contract, not re-checked here)."""
+    """`add_lora_linear`'s unfused path with a prebuilt `config`; x and y must have the dtypes,
+    widths and strides it was built for (the caller's contract, not re-checked here)."""
     launch_shrink(config.shrink, x, partials, meta, schedule, scale, num_programs=num_programs)
     launch_expand(config.expand, partials, y, meta, schedule, add_inputs=add_inputs, num_programs=num_programs)
 

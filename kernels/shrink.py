@@ -121,7 +121,6 @@ class ShrinkConfig:
     slices: int
     rank: int
     splits: int
-    x_key: tuple  # (dtype, width, strides) of the x it was built for
 
 
 def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK) -> ShrinkConfig:
@@ -131,7 +130,7 @@ def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int 
     rank, hidden = a3[0].shape[1:]
     args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk), K_CHUNK=k_chunk,
                 N_SPLITS=num_splits(hidden, k_chunk), num_warps=NUM_WARPS)
-    return ShrinkConfig(args, len(a3), rank, args["N_SPLITS"], (x.dtype, x.shape[1], x.stride()))
+    return ShrinkConfig(args, len(a3), rank, args["N_SPLITS"])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,

@@ -121,6 +121,14 @@ def lora_group_count(token_mapping: np.ndarray) -> int:
     return int(ids.size)
 
 
+def lora_ids(mapping: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with (vLLM 0.26.0
+    ``lora/layers/utils.py:33-42``): ``convert_mapping`` loops over it element by element
+    (``lora/punica_wrapper/utils.py:91-115``), and reading numpy scalars there is slower
+    (``benchmarks/serve_bridge/bench_mapping_host.py``)."""
+    return tuple(np.asarray(mapping).tolist())
+
+
 @dataclass
 class RequestState:
     """Release state of one request, created when it is added and dropped when it finishes.

@@ -16,9 +16,10 @@ itself lives in :mod:`serve_bridge.runtime`.
   ``gpu_model_runner.py:1251,1278``), whose ``extra_args`` (``sampling_params.py:324``) hold the
   per-request LoRazor arguments (uid, forced release; :func:`serve_bridge.runtime.request_args`).
 - ``v1/worker/lora_model_runner_mixin.py:73`` ``set_active_loras``, called once per step by
-  ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping comes from
-  ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979``), is masked by release
-  position, and goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``). Per-row
+  ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping is what
+  ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979-1002``) computes from
+  ``request_lora_mapping`` and ``lora_id_to_lora_request``, is masked by release position, and
+  goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``). Per-row
   inputs: ``req_ids`` (:307), ``num_computed_tokens_cpu`` (:171, positions are
   ``num_computed + query offset`` as in ``gpu_model_runner.py:1969-1972``),
   ``num_tokens_no_spec`` (:157).
@@ -81,7 +82,7 @@ import numpy as np
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
-from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger
+from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
 from serve_bridge.settings import BridgeError, BridgeSettings, require_supported_engine
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
@@ -135,12 +136,18 @@ class LoRazorGPUModelRunner(_BaseRunner):
             return super().set_active_loras(input_batch, num_scheduled_tokens, num_sampled_tokens, mapping_type)
         if num_sampled_tokens is None:
             num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
-        sampled, tokens, lora_requests = input_batch.make_lora_inputs(num_scheduled_tokens, num_sampled_tokens)
         n = input_batch.num_reqs
+        # What InputBatch.make_lora_inputs computes (gpu_input_batch.py:994-1000), kept in numpy: each
+        # request's LoRA id repeated per scheduled and per sampled token, and the active LoRA requests.
+        # Its tuples of numpy scalars would cost ~0.4 ms per 2k-token step to build and read back.
+        per_request = input_batch.request_lora_mapping[:n]
+        tokens, sampled = per_request.repeat(num_scheduled_tokens), per_request.repeat(num_sampled_tokens)
+        lora_requests = set(input_batch.lora_id_to_lora_request.values())
         step = self.lorazor.begin_step(input_batch.req_ids[:n], input_batch.num_computed_tokens_cpu[:n],
                                        num_scheduled_tokens, input_batch.num_tokens_no_spec[:n], tokens, sampled)
         self._lorazor_groups = step.lora_groups
-        self._set_active_loras(tuple(step.sampled_mapping), tuple(step.token_mapping), lora_requests, mapping_type)
+        self._set_active_loras(lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), lora_requests,
+                               mapping_type)
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         groups, self._lorazor_groups = self._lorazor_groups, None

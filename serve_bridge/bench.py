@@ -255,8 +255,8 @@ def step_summary(step_s: Sequence[float]) -> dict[str, Any]:
 
 
 def host_probe_ms(repeats: int = 5) -> float:
-    """The best of ``repeats`` timings (ms) of a fixed host workload: a Python loop and small torch
-    CPU ops, the kind of work an engine step does between kernels. Taken before and after each
+    """The best of ``repeats`` timings (ms) of a fixed host workload: a Python loop and small numpy
+    ops, the kind of work an engine step does between kernels. Taken before and after each
     timed run, it shows whether the host itself was slower for one engine than for another (a
     shared machine's load, clocks), which the engines' ratios would otherwise absorb."""
     best = float("inf")
@@ -830,6 +830,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.profile_python and not args.profile_steps:
+        ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
     if args.phase == "prepare":
         try:
             prepare(args.work, args.adapters, args.skewed, args.requests, args.seed, MODELS[args.model])

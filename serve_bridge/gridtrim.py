@@ -432,7 +432,7 @@ def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lo
     if config is None:
         config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
     sh = config.shrink
-    partials = partials_buffer(sh.slices, x.shape[0], sh.rank, sh.args["K"], x.device)
+    partials = partials_buffer(sh.slices, x.shape[0], sh.rank, sh.args["K"], x.device, k_chunk=sh.args["K_CHUNK"])
     launch_linear(config, y, x, partials, meta, worklist, scale, add_inputs=add_inputs,
                   num_programs=num_programs or None)
 

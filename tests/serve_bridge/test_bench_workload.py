@@ -403,3 +403,9 @@ def test_host_probe_times_a_fixed_workload():
     assert all(0 < p < 5000 for p in probes)
     # the best of more repeats can only be faster or equal on the same host state; allow noise
     assert bench.host_probe_ms(repeats=5) < 3 * max(probes)
+
+
+def test_profile_python_needs_profile_steps(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--profile-python", "--out", "/nonexistent/out"])
+    assert "--profile-python needs --profile-steps" in capsys.readouterr().err

@@ -10,11 +10,15 @@ in two dependent loads.
 `RowTileWorklist.update` is a few torch ops on the metadata's device, with no host sync and
 static buffers, so it can be captured in the same CUDA graph as the step: one graph per batch
 size serves every adapter mix. Kernels read `num_tiles` on device; their grid is fixed.
+`host_tiles` is the same list built on the host with numpy, for a caller that already holds the
+metadata there and uploads it (serve_bridge.punica_meta); its buffers are then views of one block
+(`RowTileWorklist.in_block`), rewritten by one copy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.metadata import LoRABatchMeta
@@ -43,7 +47,7 @@ class RowTileWorklist:
         A group of c tokens has ceil(c / block_m) ≤ floor(c / block_m) + 1 tiles, so
         `max_tokens // block_m + max_slots` entries always suffice.
         """
-        capacity = max_tokens // block_m + max_slots
+        capacity = cls.capacity_for(max_tokens, max_slots, block_m)
 
         def buffer() -> torch.Tensor:
             return torch.zeros(capacity, dtype=torch.int32, device=device)
@@ -51,6 +55,25 @@ class RowTileWorklist:
         return cls(block_m=block_m, tile_lora=buffer(), tile_first=buffer(), tile_rows=buffer(),
                    num_tiles=torch.zeros(1, dtype=torch.int32, device=device),
                    positions=torch.arange(capacity, dtype=torch.int64, device=device))
+
+    @staticmethod
+    def capacity_for(max_tokens: int, max_slots: int, block_m: int = 16) -> int:
+        """Tile entries that any batch of ≤ `max_tokens` tokens over ≤ `max_slots` slots needs."""
+        return max_tokens // block_m + max_slots
+
+    @classmethod
+    def in_block(cls, block: torch.Tensor, capacity: int, block_m: int = 16) -> RowTileWorklist:
+        """Buffers that are views of `block` (int32, `block_size(capacity)` entries, laid out as
+        `host_tiles` writes them: tile_lora, tile_first, tile_rows, then num_tiles)."""
+        assert block.dtype == torch.int32 and block.numel() == cls.block_size(capacity)
+        tile_lora, tile_first, tile_rows, num_tiles = block.split([capacity, capacity, capacity, 1])
+        return cls(block_m=block_m, tile_lora=tile_lora, tile_first=tile_first, tile_rows=tile_rows,
+                   num_tiles=num_tiles, positions=torch.arange(capacity, dtype=torch.int64, device=block.device))
+
+    @staticmethod
+    def block_size(capacity: int) -> int:
+        """Entries of an `in_block` block for `capacity` tiles."""
+        return 3 * capacity + 1
 
     @property
     def capacity(self) -> int:
@@ -72,6 +95,26 @@ class RowTileWorklist:
         self.tile_first.copy_(meta.slot_start_loc[slot] + row0)
         self.tile_rows.copy_(torch.clamp(counts[slot] - row0, max=self.block_m))
         self.num_tiles.copy_(ends[-1:])
+
+
+def host_tiles(num_tokens_per_slot: np.ndarray, slot_lora_ids: np.ndarray, slot_start_loc: np.ndarray,
+               block_m: int, out: np.ndarray) -> int:
+    """`RowTileWorklist.update` on the host: write the list for this metadata (numpy arrays, as in
+    `LoRABatchMeta`) into `out`, an int32 array laid out as `RowTileWorklist.in_block`'s block.
+    Tiles are ordered by slot, then by row offset; entries past the count keep old values (garbage,
+    as on the device). Returns the number of tiles."""
+    capacity = (out.size - 1) // 3
+    counts = num_tokens_per_slot.astype(np.int64)
+    tiles = np.where(slot_lora_ids >= 0, -(-counts // block_m), 0)
+    total = int(tiles.sum())
+    assert total <= capacity, f"{total} tiles exceed the list's {capacity} entries"
+    slot = np.repeat(np.arange(tiles.size), tiles)
+    row0 = (np.arange(total) - (np.cumsum(tiles) - tiles)[slot]) * block_m
+    out[:total] = slot_lora_ids[slot]
+    out[capacity:capacity + total] = slot_start_loc[slot] + row0
+    out[2 * capacity:2 * capacity + total] = np.minimum(counts[slot] - row0, block_m)
+    out[3 * capacity] = total
+    return total
 
 
 def persistent_programs(device: torch.device | str, programs_per_sm: int = PROGRAMS_PER_SM) -> int:

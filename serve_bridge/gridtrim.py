@@ -3,12 +3,13 @@
 Pure torch; importable without vLLM and without Triton (the ``kernels`` Triton modules are
 imported on first launch). :mod:`serve_bridge.vllm_punica` is the thin vLLM side that calls it.
 
-Per engine step (eager, outside any CUDA graph), :func:`refresh_worklist` rebuilds the
-:class:`~kernels.worklist.RowTileWorklist` from the metadata vLLM has just written
-(``LoRAKernelMeta.prepare_tensors``, ``lora/ops/triton_ops/lora_kernel_metadata.py:109-168``,
-paths inside the ``vllm`` package 0.26.0). The worklist lists only row tiles of slots whose
-adapter id is ≥ 0, so rows mapped to -1 (no adapter, or released by StepTrim) and CUDA-graph
-padding rows launch no work. It uses device ops only and static buffers.
+Per engine step (eager, outside any CUDA graph), the :class:`~kernels.worklist.RowTileWorklist`
+is rebuilt for the step's metadata (``LoRAKernelMeta``, ``lora/ops/triton_ops/
+lora_kernel_metadata.py:109-168``, paths inside the ``vllm`` package 0.26.0): by
+:func:`refresh_worklist` with device ops from the metadata on the device, or, in vLLM, on the host
+together with the metadata itself (:mod:`serve_bridge.punica_meta`). The list holds only row
+tiles of slots whose adapter id is ≥ 0, so rows mapped to -1 (no adapter, or released by
+StepTrim) and CUDA-graph padding rows launch no work. Its buffers are static.
 
 Per LoRA linear, :func:`add_lora_linear` runs shrink + expand with the persistent launch. Its
 grid does not depend on the batch, and the kernels read the tile count on device. A step with no

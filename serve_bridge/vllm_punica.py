@@ -17,18 +17,19 @@ What it changes, and what it leaves stock:
   are captured through this call, and a step with no adapter rows replays it as a device-side
   no-op (``num_tiles = 0``). Layers our kernels do not support (dtype, >3 slices, rank > 64,
   unequal A shapes) fall back to the stock method, with one warning per reason.
-- ``update_metadata`` (``punica_gpu.py:75-88``): after vLLM prepares its kernel metadata
-  (``LoRAKernelMeta.prepare_tensors``, ``lora/ops/triton_ops/lora_kernel_metadata.py:109-168``,
-  into static buffers), the work list is rebuilt from ``token_mapping_meta`` with device ops
-  into static buffers allocated here. It runs once per step, eagerly, before the forward (and
-  before any CUDA graph replay).
+- ``update_metadata`` (``punica_gpu.py:75-88``): once per step, eagerly, before the forward
+  (and before any CUDA graph replay). vLLM's version loops over every token in Python and then
+  prepares its kernel metadata with small device ops and host syncs. Ours
+  (:class:`serve_bridge.punica_meta.HostPunicaMetadata`) writes the same values, and both work
+  lists, with numpy on the host, then uploads them in two copies into device blocks. vLLM's buffers
+  are views of those blocks from construction on.
 - ``add_lora_logits`` (``punica_gpu.py:266-325``, called from ``lora/layers/logits_processor.py:185``
   on every step, eagerly, for the sampled rows): vLLM wraps ``lm_head`` in a LoRA layer whatever
   the adapters target (``lora/utils.py:219-238`` adds the model's ``embedding_modules``), so the
   stock path runs a shrink and a vocabulary-wide expand (128256 columns for Llama-3) over every
   adapter slot each step. It is a one-slice LoRA linear over the sampler's mapping
-  (``prompt_mapping_meta``), so ours runs it on the same kernels with a second work list,
-  refreshed in the call itself.
+  (``prompt_mapping_meta``), so ours runs it on the same kernels with the sampler's work list,
+  uploaded by ``update_metadata``.
 - ``add_shrink`` / ``add_expand`` (``punica_gpu.py:90-169``): called directly only by the
   fully-sharded tensor-parallel paths (``fully_sharded_loras``), which communicate between them
   (``lora/layers/column_parallel_linear.py:57-73``: all-gather of the buffer;
@@ -55,8 +56,9 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-from kernels.worklist import RowTileWorklist, persistent_programs
+from kernels.worklist import persistent_programs
 from serve_bridge import gridtrim
+from serve_bridge.punica_meta import HostPunicaMetadata
 
 QUALNAME = "serve_bridge.vllm_punica.GridTrimPunicaWrapper"
 
@@ -67,11 +69,11 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device: torch.device | str,
                  **kwargs: Any) -> None:
         super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
-        # Slots: vLLM's metadata has max_loras + 1 of them, the -1 group included
-        # (lora_kernel_metadata.py:64-72); self.max_loras is lora_config.max_loras (punica_gpu.py:49-50).
-        self.gridtrim_worklist = RowTileWorklist.allocate(max_num_batched_tokens, self.max_loras + 1, device)
-        # The sampler's rows (prompt_mapping_meta, punica_gpu.py:68-73, same capacity) for add_lora_logits.
-        self.gridtrim_prompt_worklist = RowTileWorklist.allocate(max_num_batched_tokens, self.max_loras + 1, device)
+        # Rebinds the metadata buffers PunicaWrapperGPU.__init__ just allocated (punica_base.py:138-150,
+        # punica_gpu.py:55-73) to views of its upload blocks, before anything captures them. Work lists:
+        # the tokens' (token_mapping_meta) for the linears, the sampler's (prompt_mapping_meta) for the logits.
+        self.gridtrim_meta = HostPunicaMetadata(self)
+        self.gridtrim_worklist, self.gridtrim_prompt_worklist = self.gridtrim_meta.worklists
         # One-slice tuples of the logits layer's stacks, kept so gridtrim's per-layer eligibility
         # cache (keyed by the tuples' identity) sees the same objects every step.
         self._gridtrim_logits_stacks: tuple[tuple[torch.Tensor], tuple[torch.Tensor]] | None = None
@@ -82,13 +84,10 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
 
     def update_metadata(self, mapping: Any, lora_index_to_id: list[int | None], max_loras: int,
                         vocab_size: int, **kwargs: Any) -> None:
-        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
-        # token_mapping_meta is prepared from the token mapping at punica_gpu.py:87; meta_args
-        # (lora_kernel_metadata.py:170-205) returns views of its static buffers. The sampler's
-        # list is refreshed where it is used, in add_lora_logits (a model without LoRA logits
-        # never pays for it).
-        meta = self.token_mapping_meta
-        gridtrim.refresh_worklist(self.gridtrim_worklist, meta.meta_args(meta.token_lora_mapping.size(0), False))
+        # What PunicaWrapperGPU.update_metadata sets (punica_gpu.py:84-88), the work lists included.
+        self.is_prefill = mapping.is_prefill
+        self.gridtrim_meta.update(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, max_loras,
+                                  vocab_size)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
@@ -118,9 +117,6 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         assert buffer is None, "the buffer is created inside add_lora_logits (as in punica_gpu.py:297-304)"
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         meta_args = self.prompt_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
-        # Called once per step, after update_metadata prepared prompt_mapping_meta from the sampler
-        # indices (punica_gpu.py:88); the refresh is device ops only, so it is graph-safe too.
-        gridtrim.refresh_worklist(self.gridtrim_prompt_worklist, meta_args)
         stacks = self._gridtrim_logits_stacks
         if stacks is None or stacks[0][0] is not lora_a_stacked or stacks[1][0] is not lora_b_stacked:
             stacks = self._gridtrim_logits_stacks = ((lora_a_stacked,), (lora_b_stacked,))
@@ -136,8 +132,8 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         (the stock op zeroes it first, lora_shrink_op.py:192). Returns None, as the stock method does
         (the callers use the return value only where ``can_update_inplace()`` is False, not on CUDA)."""
         x2 = x.view(-1, x.shape[-1])
-        # The stock method's metadata view (punica_gpu.py:113-120); self.gridtrim_worklist was refreshed
-        # from the same token_mapping_meta in update_metadata.
+        # The stock method's metadata view (punica_gpu.py:113-120); self.gridtrim_worklist was uploaded
+        # with the same token_mapping_meta in update_metadata.
         meta_args = self.token_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
         if not gridtrim.shrink(y, x2, lora_a_stacked, scale, meta_args, self.gridtrim_worklist,
                                num_programs=self.gridtrim_programs):

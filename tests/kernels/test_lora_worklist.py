@@ -6,7 +6,7 @@ import torch
 from conftest import mapping_from_groups, vllm_style_metadata
 
 from kernels.metadata import LoRABatchMeta, build_metadata
-from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
+from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, host_tiles, persistent_programs
 
 
 def _expected_tiles(meta: LoRABatchMeta, block_m: int) -> list[tuple[int, int, int]]:
@@ -68,3 +68,20 @@ def test_no_adapter_rows_give_an_empty_list() -> None:
 def test_persistent_grid_off_cuda() -> None:
     assert persistent_programs("cpu") == PROGRAMS_PER_SM
     assert persistent_programs("cpu", 3) == 3
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_host_tiles_write_the_device_list(gen: torch.Generator, block_m: int) -> None:
+    capacity = RowTileWorklist.capacity_for(512, 33, block_m)
+    block = torch.full((RowTileWorklist.block_size(capacity),), -7, dtype=torch.int32)  # poisoned
+    host = RowTileWorklist.in_block(block, capacity, block_m)
+    device = RowTileWorklist.allocate(512, 33, "cpu", block_m)
+    for _ in range(20):
+        m = int(torch.randint(1, 513, (1,), generator=gen))
+        mapping = torch.randint(-1, 32, (m,), generator=gen, dtype=torch.int32)
+        meta, _ = vllm_style_metadata(mapping, 32)
+        device.update(meta)
+        n = host_tiles(meta.num_tokens_per_slot.numpy(), meta.slot_lora_ids.numpy(), meta.slot_start_loc.numpy(),
+                       block_m, block.numpy())
+        assert n == int(host.num_tiles) == int(device.num_tiles)
+        assert _listed(host) == _listed(device) == _expected_tiles(meta, block_m)

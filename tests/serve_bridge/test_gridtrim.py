@@ -7,6 +7,7 @@ independently of ``kernels.metadata``; the oracle is ``kernels.reference``.
 """
 from __future__ import annotations
 
+import bisect
 import importlib
 import importlib.util
 import logging
@@ -33,28 +34,32 @@ HIDDEN, RANK, WIDTHS = 80, 8, (40, 16, 16)  # qkv-like: q wider than k and v
 
 
 class VllmKernelMeta:
-    """vLLM's LoRAKernelMeta contract, rebuilt for the test: static buffers of max_tokens /
-    max_loras + 1 (+2) entries; each step resets the slot arrays, and a batch without adapter
-    rows stops there; otherwise the mapping and its stable sort are written to the front of the
-    buffers, and the unique ids (sorted, -1 first when present) with their counts and the
-    start offsets to the slot arrays. Entries past the batch keep stale values."""
+    """vLLM's LoRAKernelMeta contract (``make``, ``prepare_tensors``, ``meta_args``), restated for
+    the tests: static buffers of max_tokens / max_loras + 1 (+2) entries; each step resets the slot
+    arrays, and a batch without adapter rows stops there; otherwise the mapping and its stable sort
+    are written to the front of the buffers, and the unique ids (sorted, -1 first when present) with
+    their counts and the start offsets to the slot arrays, the id count rounded up to a captured one
+    (:153-159). Entries past the batch keep stale values."""
 
-    def __init__(self, max_loras: int, max_tokens: int) -> None:
+    def __init__(self, max_loras: int, max_tokens: int, captured_lora_counts: list[int] | None = None) -> None:
         def stale(n: int) -> torch.Tensor:
             return torch.full((n,), 9999, dtype=torch.int32, device=DEVICE)
 
         self.token_lora_mapping, self.token_indices_sorted_by_lora_ids = stale(max_tokens), stale(max_tokens)
         self.active_lora_ids, self.num_tokens_per_lora = stale(max_loras + 1), stale(max_loras + 1)
         self.lora_token_start_loc = stale(max_loras + 2)
-        self.no_lora = torch.tensor([False])
-        self.num_active = torch.tensor([max_loras + 1], dtype=torch.int32)
+        self.no_lora_flag_cpu = torch.tensor([False])
+        self.num_active_loras_cpu = torch.tensor([9999], dtype=torch.int32)
+        self.default_num_active_loras_cpu = torch.tensor([max_loras + 1], dtype=torch.int32)
+        self.captured_lora_counts = sorted(captured_lora_counts or [])
 
     def prepare(self, mapping: torch.Tensor) -> None:
         self.active_lora_ids.fill_(-1)
         self.num_tokens_per_lora.fill_(0)
         self.lora_token_start_loc.fill_(0)
-        self.no_lora[0] = bool((mapping == -1).all())
-        if self.no_lora[0]:
+        self.num_active_loras_cpu[0] = 0
+        self.no_lora_flag_cpu[0] = bool((mapping == -1).all())
+        if self.no_lora_flag_cpu[0]:
             return
         n = mapping.numel()
         self.token_lora_mapping[:n] = mapping
@@ -63,11 +68,29 @@ class VllmKernelMeta:
         self.active_lora_ids[: ids.numel()] = ids
         self.num_tokens_per_lora[: ids.numel()] = counts.to(torch.int32)
         self.lora_token_start_loc[1: 1 + ids.numel()] = torch.cumsum(counts, 0).to(torch.int32)
+        at = bisect.bisect_left(self.captured_lora_counts, ids.numel())
+        self.num_active_loras_cpu[0] = (self.captured_lora_counts[at] if at < len(self.captured_lora_counts)
+                                        else ids.numel())
 
     def meta_args(self, token_nums: int, specialize: bool = False) -> tuple[torch.Tensor, ...]:
         return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
-                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora,
-                self.num_active)
+                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora_flag_cpu,
+                self.num_active_loras_cpu if specialize else self.default_num_active_loras_cpu)
+
+
+# Slot s of the tests' adapter manager holds adapter id LORA_INDEX_TO_ID[s] (vLLM's lora_index_to_id).
+LORA_INDEX_TO_ID = [100 + 7 * s for s in range(MAX_LORAS)]
+
+
+def vllm_mapping(tokens: torch.Tensor, sampled: torch.Tensor | None = None) -> tuple[SimpleNamespace, list[int]]:
+    """(a LoRAMapping, lora_index_to_id) for slot indices per token and per sampled row (-1 = none;
+    default: the tokens), as ``update_metadata`` receives them (``lora/layers/utils.py:33-42``: adapter
+    ids, 0 for none)."""
+    def ids(slots: torch.Tensor) -> tuple[int, ...]:
+        return tuple(0 if s < 0 else LORA_INDEX_TO_ID[s] for s in slots.tolist())
+    mapping = SimpleNamespace(index_mapping=ids(tokens), prompt_mapping=ids(tokens if sampled is None else sampled),
+                              is_prefill=False)
+    return mapping, LORA_INDEX_TO_ID
 
 
 def _mapping(groups: dict[int, int], gen: torch.Generator) -> torch.Tensor:
@@ -255,23 +278,24 @@ def test_traced_path_runs_the_same_launches(monkeypatch):
 
 def _stub_vllm(monkeypatch) -> type:
     """A stand-in for ``vllm.lora.punica_wrapper.punica_gpu`` whose PunicaWrapperGPU keeps the
-    parts the subclass relies on: lora_config/max_loras (punica_gpu.py:49-50), token_mapping_meta
-    (:57-62), update_metadata preparing it from the token mapping (:75-88), and a stock
-    add_lora_linear (recorded here)."""
+    parts the subclass relies on: the base metadata buffers (punica_base.py:138-154),
+    lora_config/max_loras (punica_gpu.py:49-50), token_mapping_meta and prompt_mapping_meta
+    (:57-73), and stock add_lora_linear/add_lora_logits (recorded here)."""
 
     class PunicaWrapperGPU:
         stock_calls: list = []
 
         def __init__(self, max_num_batched_tokens, max_batches, device, **kwargs):
+            def stale(*shape: int) -> torch.Tensor:
+                return torch.full(shape, 9999, dtype=torch.long, device=device)
+            self._token_lora_indices, self._sampler_indices = stale(max_num_batched_tokens), stale(max_num_batched_tokens)
+            self._sampler_indices_padded = stale(max_num_batched_tokens)
+            self._embeddings_indices = stale(2, max_num_batched_tokens)
+            self.indices_len = [None] * 4
             self.lora_config = kwargs["lora_config"]
             self.max_loras = self.lora_config.max_loras
             self.token_mapping_meta = VllmKernelMeta(self.max_loras, max_num_batched_tokens)
             self.prompt_mapping_meta = VllmKernelMeta(self.max_loras, max_num_batched_tokens)
-
-        def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, sampled=None, **kwargs):
-            # vLLM prepares the sampler's mapping from the sampled rows' indices (punica_gpu.py:88)
-            self.token_mapping_meta.prepare(mapping)
-            self.prompt_mapping_meta.prepare(mapping if sampled is None else sampled)
 
         def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
                             **kwargs):
@@ -312,7 +336,7 @@ def test_punica_wrapper_subclass(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     a, b = _weights(gen)
     mapping = _mapping({0: 4, -1: 2, 1: 3}, gen)
-    wrapper.update_metadata(mapping, [None] * MAX_LORAS, MAX_LORAS + 1, 1000)
+    wrapper.update_metadata(*vllm_mapping(mapping), MAX_LORAS + 1, 1000)
     assert int(wrapper.gridtrim_worklist.num_tiles) == 2
     x = torch.randn(12, HIDDEN, generator=gen).to(DEVICE, DTYPE)  # 3 padding rows
     y0 = _poisoned_output(12, mapping, True, gen)
@@ -340,7 +364,7 @@ def test_punica_wrapper_logits_use_the_sampler_mapping(monkeypatch):
     tokens = _mapping({0: 9, 1: 5, -1: 4}, gen)
     sampled = _mapping({1: 2, -1: 1, 3: 2}, gen)
     for step in range(2):  # the same stacks on a second step reuse the layer's eligibility
-        wrapper.update_metadata(tokens, [None] * MAX_LORAS, MAX_LORAS + 1, vocab, sampled=sampled)
+        wrapper.update_metadata(*vllm_mapping(tokens, sampled), MAX_LORAS + 1, vocab)
         x = torch.randn(sampled.numel(), HIDDEN, generator=gen).to(DEVICE, DTYPE)
         y0 = torch.randn(sampled.numel(), padded, generator=gen).to(DEVICE, DTYPE)
         y0[sampled < 0] = float("nan")

@@ -28,7 +28,7 @@ from kernels.reference import expand_reference, shrink_reference  # noqa: E402
 from kernels.worklist import RowTileWorklist  # noqa: E402
 from serve_bridge import gridtrim  # noqa: E402
 from tests.serve_bridge.test_gridtrim import (MAX_LORAS, MAX_TOKENS, PROGRAMS, VllmKernelMeta,  # noqa: E402
-                                              _stub_vllm, _wrapper)
+                                              _stub_vllm, _wrapper, vllm_mapping)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16  # the interpreter's dtype (tests/kernels/test_lora_kernels.py)
@@ -317,7 +317,7 @@ def test_punica_wrapper_add_shrink_add_expand(monkeypatch):
     gen = torch.Generator().manual_seed(26)
     ids = torch.cat([torch.full((n,), lora, dtype=torch.int32) for lora, n in {0: 4, -1: 2, 3: 5}.items()])
     mapping = ids[torch.randperm(ids.numel(), generator=gen)]
-    wrapper.update_metadata(mapping, [None] * MAX_LORAS, MAX_LORAS + 1, 1000)
+    wrapper.update_metadata(*vllm_mapping(mapping), MAX_LORAS + 1, 1000)
     m = mapping.numel()
     x = _randn(m, HIDDEN, gen=gen)
     a = tuple(_a(gen, rank=RANK // TP) for _ in range(2))  # this rank's A shards

@@ -13,7 +13,9 @@ switches (``serve_bridge.settings``):
   linears run LoRazor's work-list kernels.
 
 With neither, it does nothing, so installing LoRazor leaves vLLM stock. With either, it refuses
-an unsupported vLLM or runner (and, for GridTrim, a non-CUDA platform) with one clear error.
+an unsupported vLLM or runner (and, for GridTrim, a non-CUDA platform) with one clear error, and
+makes vLLM's worker LoRA manager read its adapter registry once per step instead of once per
+adapter (:mod:`serve_bridge.vllm_lora_manager`; same calls, same order).
 
 vLLM swallows import errors of plugin modules, so this module imports nothing heavy and
 all checks run inside :func:`register`, whose errors vLLM does not catch.
@@ -44,6 +46,9 @@ def register() -> None:
         require_v1_runner()
     except BridgeError as err:
         raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None
+    from serve_bridge import vllm_lora_manager
+
+    vllm_lora_manager.install()
     if gridtrim:
         install_gridtrim()
     if steptrim:

@@ -29,12 +29,17 @@ ratio is to the stock row of its own pass:
   their tiles), ``specialize_active_lora`` on as in stock.
 - ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
   ``specialize_active_lora`` off.
+- ``stockfix`` (only when asked for): stock, plus the plugin's one registry read per step in
+  vLLM's worker LoRA manager (:mod:`serve_bridge.vllm_lora_manager`), installed in the engine's
+  process (the engine runs in-process here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU). The
+  plugin installs that fix in every LoRazor mode, so this is the baseline that isolates what the
+  kernels and release add beyond it.
 - ``nolora`` (only when asked for): the backbone with ``enable_lora`` off, serving the same
   requests without adapters. It is the ceiling: no LoRA speed-up can beat it, so its ratio to
   stock bounds what the other modes can reach on the workload.
 
-Each engine checks that its runner class and its punica wrapper class are the mode's, and
-fails otherwise. The realized skip of the StepTrim modes comes from the plugin's counters over
+Each engine checks that its runner class, its punica wrapper class and its adapter-registry
+path are the mode's, and fails otherwise. The realized skip of the StepTrim modes comes from the plugin's counters over
 ``collective_rpc``.
 
 With ``--arrival-rate R`` each engine instead serves the requests open-loop: request i is added
@@ -102,23 +107,27 @@ HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the 
 # Decode batches replay CUDA graphs (no torch.compile), as in check_correctness.py; mixed
 # prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
-MODES = ("stock", "gridtrim", "steptrim", "both", "nolora")
+MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
 # nolora: the backbone alone (enable_lora=False, the same requests without adapters), the ceiling
 # any LoRA speed-up is bounded by; opt-in through --modes.
 DEFAULT_MODES = ("stock", "gridtrim", "steptrim", "both")
 MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
               "steptrim": "steptrim (release, vLLM's LoRA kernels)",
               "both": "steptrim + gridtrim (release, our LoRA kernels)",
-              "nolora": "no LoRA (backbone alone: the ceiling)"}
+              "nolora": "no LoRA (backbone alone: the ceiling)",
+              "stockfix": "stock + one registry read per step (the plugin's vLLM fix alone)"}
 STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
 GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
 # vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
 # off with ours (their grid ignores the adapter count: one LoRA graph per batch size).
 SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES if mode != "nolora"}
 RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "LoRazorGPUModelRunner",
-          "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner"}
+          "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner", "stockfix": "GPUModelRunner"}
 WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
-           "both": "GridTrimPunicaWrapper", "nolora": None}
+           "both": "GridTrimPunicaWrapper", "nolora": None, "stockfix": "PunicaWrapperGPU"}
+# How vLLM's LRU worker LoRA manager reads its registry per step (serve_bridge.vllm_lora_manager);
+# None without LoRA.
+REGISTRY = {mode: "once per step" for mode in MODES} | {"stock": "per adapter", "nolora": None}
 
 
 # -- workload (pure) ------------------------------------------------------------------------
@@ -403,17 +412,23 @@ def engine_classes(worker: Any) -> dict[str, str | None]:
     (``v1/worker/lora_model_runner_mixin.py:41``), whose ``_adapter_manager`` is the
     ``LoRAModelManager`` (``lora/worker_manager.py:102``); it keeps the wrappers by prefix in
     ``punica_wrapper_mapping``, the language model's under ``"language_model"``
-    (``lora/model_manager.py:51``, filled at :164-177). Without LoRA the runner has no
-    ``lora_manager`` (the mixin tests for it, :70), and the wrapper is None."""
+    (``lora/model_manager.py:51``, filled at :164-177); and whether that worker manager's
+    ``_apply_adapters`` is the plugin's (``"once per step"``) or vLLM's (``"per adapter"``). Without
+    LoRA the runner has no ``lora_manager`` (the mixin tests for it, :70), and both are None."""
+    from serve_bridge.vllm_lora_manager import apply_adapters
+
     runner = worker.model_runner
     manager = getattr(runner, "lora_manager", None)
-    wrapper = None if manager is None else manager._adapter_manager.punica_wrapper_mapping["language_model"]
-    return {"runner": type(runner).__name__, "punica_wrapper": None if wrapper is None else type(wrapper).__name__}
+    if manager is None:
+        return {"runner": type(runner).__name__, "punica_wrapper": None, "registry": None}
+    wrapper = manager._adapter_manager.punica_wrapper_mapping["language_model"]
+    registry = "once per step" if getattr(type(manager), "_apply_adapters", None) is apply_adapters else "per adapter"
+    return {"runner": type(runner).__name__, "punica_wrapper": type(wrapper).__name__, "registry": registry}
 
 
 def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
-    """Refuse an engine whose runner or punica wrapper is not the mode's."""
-    want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode]}
+    """Refuse an engine whose runner, punica wrapper or registry path is not the mode's."""
+    want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode], "registry": REGISTRY[mode]}
     if found != want:
         raise RuntimeError(f"mode {mode}: the engine runs {found}, expected {want}")
 
@@ -505,6 +520,10 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     from vllm.sampling_params import RequestOutputKind
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
+    if mode == "stockfix":  # in this process, where the in-process engine's worker runs
+        from serve_bridge import vllm_lora_manager
+
+        vllm_lora_manager.install()
     t0 = time.time()
     llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
                                                          tensor_parallel_size, compiled, full_graphs))
@@ -702,8 +721,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                                 | {"max_loras": "N", "specialize_active_lora": "per mode"}),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
-        "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter). "
-        "Each engine's runner and punica wrapper classes are checked.",
+        "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter); "
+        "stockfix = stock with the plugin's one registry read per step in vLLM's worker LoRA manager, which every "
+        "LoRazor mode has. Each engine's runner, punica wrapper and registry path are checked.",
         "specialize_active_lora: on for stock and steptrim (the device README's setting: one decode graph per batch "
         "size and adapter-count bucket); off for gridtrim and both, whose kernels ignore the adapter count, so each "
         "batch size has one LoRA graph (plus the no-LoRA one).",
@@ -790,7 +810,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
                     help="modes to run, in this order (default: stock gridtrim steptrim both; nolora, the "
-                         "backbone without LoRA, is the ceiling)")
+                         "backbone without LoRA, is the ceiling; stockfix, stock with the plugin's registry fix "
+                         "alone, isolates what the kernels and release add)")
     ap.add_argument("--passes", type=int, default=1,
                     help="run the modes this many times per adapter count, each pass in the reverse order of "
                          "the one before; each row's ratio is to the stock row of its own pass")

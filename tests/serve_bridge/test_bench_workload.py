@@ -195,8 +195,10 @@ def test_passes_alternate_the_order_and_compare_within_a_pass():
 
 def test_modes_and_their_engines():
     assert bench.DEFAULT_MODES == ("stock", "gridtrim", "steptrim", "both")
-    assert bench.MODES == bench.DEFAULT_MODES + ("nolora",)
+    assert bench.MODES == bench.DEFAULT_MODES + ("nolora", "stockfix")
     assert set(bench.MODE_LABEL) == set(bench.MODES)
+    # stockfix differs from stock only by the registry fix it installs in-process, not by options
+    assert bench.engine_options(4, mode="stockfix") == bench.engine_options(4, mode="stock")
     spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.DEFAULT_MODES}
     assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False}
     # everything else is the same in every LoRA mode
@@ -206,23 +208,34 @@ def test_modes_and_their_engines():
     # nolora: the same engine without any LoRA option (vLLM's enable_lora defaults to False)
     lora_keys = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "specialize_active_lora"}
     assert bench.engine_options(4, mode="nolora") == {k: v for k, v in strip[0].items() if k not in lora_keys}
-    bench.check_engine_classes("nolora", {"runner": "GPUModelRunner", "punica_wrapper": None})
-    with pytest.raises(RuntimeError, match="mode nolora: the engine runs"):
-        bench.check_engine_classes("nolora", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
-    bench.check_engine_classes("stock", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
-    bench.check_engine_classes("gridtrim", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"})
-    bench.check_engine_classes("steptrim", {"runner": "LoRazorGPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"})
-    bench.check_engine_classes("both", {"runner": "LoRazorGPUModelRunner",
-                                        "punica_wrapper": "GridTrimPunicaWrapper"})
-    for mode, found in (("stock", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"}),
-                        ("gridtrim", {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"}),
-                        ("both", {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"})):
+    def found(mode: str, **change: str | None) -> dict[str, str | None]:
+        return {"runner": bench.RUNNER[mode], "punica_wrapper": bench.WRAPPER[mode],
+                "registry": bench.REGISTRY[mode]} | change
+
+    assert found("nolora") == {"runner": "GPUModelRunner", "punica_wrapper": None, "registry": None}
+    assert found("stock") == {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU",
+                              "registry": "per adapter"}
+    assert found("stockfix") == found("stock", registry="once per step")
+    assert found("gridtrim") == {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper",
+                                 "registry": "once per step"}
+    assert found("steptrim") == found("stockfix", runner="LoRazorGPUModelRunner")
+    assert found("both") == found("gridtrim", runner="LoRazorGPUModelRunner")
+    for mode in bench.MODES:
+        bench.check_engine_classes(mode, found(mode))
+    for mode, wrong in (("nolora", found("nolora", punica_wrapper="PunicaWrapperGPU")),
+                        ("stock", found("stock", punica_wrapper="GridTrimPunicaWrapper")),
+                        ("stock", found("stock", registry="once per step")),
+                        ("stockfix", found("stock")),
+                        ("gridtrim", found("gridtrim", punica_wrapper="PunicaWrapperGPU")),
+                        ("both", found("both", runner="GPUModelRunner"))):
         with pytest.raises(RuntimeError, match=f"mode {mode}: the engine runs"):
-            bench.check_engine_classes(mode, found)
+            bench.check_engine_classes(mode, wrong)
 
 
 def test_engine_classes_follow_vllms_path():
     from types import SimpleNamespace
+
+    from serve_bridge.vllm_lora_manager import apply_adapters
 
     class GridTrimPunicaWrapper:
         pass
@@ -233,20 +246,27 @@ def test_engine_classes_follow_vllms_path():
 
     worker = SimpleNamespace(model_runner=LoRazorGPUModelRunner())
     assert bench.engine_classes(worker) == {"runner": "LoRazorGPUModelRunner",
-                                            "punica_wrapper": "GridTrimPunicaWrapper"}
+                                            "punica_wrapper": "GridTrimPunicaWrapper", "registry": "per adapter"}
+
+    class LRUCacheWorkerLoRAManager:  # as after serve_bridge.vllm_lora_manager.install()
+        _apply_adapters = apply_adapters
+        _adapter_manager = LoRazorGPUModelRunner.lora_manager._adapter_manager
+
+    LoRazorGPUModelRunner.lora_manager = LRUCacheWorkerLoRAManager()
+    assert bench.engine_classes(worker)["registry"] == "once per step"
 
     class GPUModelRunner:  # LoRA off: vLLM never sets lora_manager (lora_model_runner_mixin.py:70)
         pass
 
     assert bench.engine_classes(SimpleNamespace(model_runner=GPUModelRunner())) == {
-        "runner": "GPUModelRunner", "punica_wrapper": None}
+        "runner": "GPUModelRunner", "punica_wrapper": None, "registry": None}
 
 
 def test_mode_env(tmp_path):
     environ = {"PATH": "/bin", "LORAZOR_BUNDLE": "/stale", "LORAZOR_GRIDTRIM": "1", "LORAZOR_X": "y"}
     adapters = {"a00": tmp_path / "a00", "a01": tmp_path / "a01"}
     envs = {m: bench.mode_env(m, environ, tmp_path / "b", adapters) for m in bench.MODES}
-    assert envs["stock"] == envs["nolora"] == {"PATH": "/bin"}
+    assert envs["stock"] == envs["nolora"] == envs["stockfix"] == {"PATH": "/bin"}
     assert envs["gridtrim"] == {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1"}
     bundle = {"LORAZOR_BUNDLE": str(tmp_path / "b"), "LORAZOR_LOG_INTERVAL_S": "0",
               "LORAZOR_ADAPTERS": f"a00={tmp_path / 'a00'},a01={tmp_path / 'a01'}"}

@@ -70,6 +70,17 @@ def steptrim_from_data(data: Sequence[Mapping[str, Any] | None] | None, hidden_s
     return None if data is None else StepTrim([policy_from_data(d) for d in data], hidden_size, device)
 
 
+def require_cacheable(policy: StepTrim | None, prefix_caching: bool) -> None:
+    """Refuse a pass with a release policy on an engine that caches prefixes: the scheduler keys
+    cached blocks by forced release positions only (:mod:`serve_bridge.prefix_cache`), and blocks
+    decoded after a release the runtime decides would be cached under the adapter's name."""
+    if prefix_caching and policy is not None and any(p is not None for p in policy.policies):
+        raise ValueError("this pass has a release policy, and the vLLM engine caches prefixes "
+                         "(engine.prefix_caching=true): releases decided while decoding would leave KV blocks "
+                         "cached under the adapter's name. Run it with engine.prefix_caching=false; the cached "
+                         "stages before it are kept.")
+
+
 def calibration_config(slots: Sequence[str], policy: StepTrim | None = None, scorer: StepTrim | None = None,
                        capture: Iterable[int] = ()) -> dict[str, Any]:
     """The argument of :func:`serve_bridge.rpc.lorazor_calibrate` (plain data)."""
@@ -129,7 +140,7 @@ class CalibrationRuntime(ReleaseRuntime):
     """
 
     def __init__(self, hidden_size: int, device: torch.device | str, log_interval_s: float = 60.0,
-                 max_rows: int = 256, cuda_graphs: bool = True) -> None:
+                 max_rows: int = 256, cuda_graphs: bool = True, prefix_caching: bool = False) -> None:
         super().__init__(None, StepTrim([], hidden_size, device), [],  # type: ignore[arg-type]  # no bundle
                          log_interval_s=log_interval_s, max_rows=max_rows, cuda_graphs=cuda_graphs)
         self.hidden_size = int(hidden_size)
@@ -139,6 +150,7 @@ class CalibrationRuntime(ReleaseRuntime):
         self.records: dict[str, CaptureRecord] = {}
         self._capture_plan: _CapturePlan | None = None
         self._captured: list[_Captured] = []
+        self.prefix_caching = prefix_caching
 
     # -- configuration ---------------------------------------------------------------------
     def configure(self, config: Mapping[str, Any]) -> None:
@@ -150,6 +162,7 @@ class CalibrationRuntime(ReleaseRuntime):
         for name, st in (("policy", policy), ("scorer", scorer)):
             if st is not None and len(st.policies) != len(slots):
                 raise ValueError(f"calibration {name}: {len(st.policies)} slots for {len(slots)} adapters")
+        require_cacheable(policy, self.prefix_caching)
         if policy is None:  # full LoRA: no slot ever releases
             policy = StepTrim([None] * len(slots), self.hidden_size, self.device)
         self.set_steptrim(policy, slots)

@@ -15,7 +15,9 @@ switches (``serve_bridge.settings``):
 With neither, it does nothing, so installing LoRazor leaves vLLM stock. With either, it refuses
 an unsupported vLLM or runner (and, for GridTrim, a non-CUDA platform) with one clear error, and
 makes vLLM's worker LoRA manager read its adapter registry once per step instead of once per
-adapter (:mod:`serve_bridge.vllm_lora_manager`; same calls, same order).
+adapter (:mod:`serve_bridge.vllm_lora_manager`; same calls, same order). In calibration mode it
+also keys prefix-cache blocks by forced release position (:mod:`serve_bridge.prefix_cache`), so
+the calibration engine may cache prefixes.
 
 vLLM swallows import errors of plugin modules, so this module imports nothing heavy and
 all checks run inside :func:`register`, whose errors vLLM does not catch.
@@ -55,6 +57,10 @@ def register() -> None:
         from serve_bridge.vllm_hooks import install
 
         install()
+    if settings is not None and settings.calibration:
+        from serve_bridge import prefix_cache
+
+        prefix_cache.install()
 
 
 def install_gridtrim() -> None:

@@ -467,18 +467,21 @@ def _weights_match(path: str, sha256: str) -> bool:
         return False
 
 
-def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.device | str) -> ReleaseRuntime:
+def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.device | str,
+                  prefix_caching: bool = False) -> ReleaseRuntime:
     """Load and check the bundle for a model of ``hidden_size``; one BundleError on the first problem.
 
     With ``settings.adapters`` the bundle must not name an unserved adapter, and each
     served adapter in the bundle must have the calibrated weights. A served adapter the
     bundle lacks runs full LoRA, with a warning. In calibration mode (``settings.calibration``)
-    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`.
+    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`, told
+    whether the engine caches prefixes (``prefix_caching``; it then refuses release policies).
     """
     if settings.calibration:
         from serve_bridge.calibration import CalibrationRuntime  # it subclasses ReleaseRuntime
 
-        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s)
+        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
+                                  prefix_caching=prefix_caching)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
         bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,

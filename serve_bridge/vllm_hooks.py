@@ -103,9 +103,10 @@ class LoRazorGPUModelRunner(_BaseRunner):
         if settings is None:
             raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
                               "plugin installs it only when one of them is set in every vLLM process.")
-        require_supported_engine(vllm_config)
+        require_supported_engine(vllm_config, calibration=settings.calibration)
         hidden_size = vllm_config.model_config.get_hidden_size()
-        runtime = build_runtime(settings, hidden_size, device)
+        runtime = build_runtime(settings, hidden_size, device,
+                                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None

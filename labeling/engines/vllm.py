@@ -22,8 +22,8 @@ How it maps the hf engine's semantics onto vLLM:
   is not its last and it is not released after forward t's decision), with a partial result
   holding what the hf engine's has at that point (scores and h_t up to t, release if ≤ t,
   no tokens yet).
-- **OFF branches** by prefix replay (prefix caching is off under StepTrim, DESIGN §4):
-  requests of prompt + ON tokens[:t+1] with the forced release position
+- **OFF branches** by prefix replay: requests of prompt + ON tokens[:t+1] with the forced
+  release position
   len(prompt) + t (``SamplingParams.extra_args``, :mod:`serve_bridge.runtime`): the adapter is
   applied to the positions ON consumed at forwards ≤ t and not from token t+1 on — OFF_t =
   profiled k = t — with ``max_tokens = max_new_tokens − (t+1)``. ``branches[t]`` = ON
@@ -32,6 +32,10 @@ How it maps the hf engine's semantics onto vLLM:
   (:meth:`LocalBackend.run_pipelined`), so the ON pass's tail, when few long responses are
   left, runs next to OFF work instead of alone. Otherwise (``pipeline: false``, data-parallel
   replicas, or a pass with a release policy) they run as a second ``generate`` after it.
+  Prefix caching is off by default (DESIGN §4). With ``prefix_caching: true`` the bridge keys the
+  KV blocks of forced releases by release position (:mod:`serve_bridge.prefix_cache`): an OFF
+  branch then reuses the prompt and ON-prefix blocks its ON request computed with the adapter,
+  instead of re-prefilling them, and passes with a release policy are refused.
 
 The pure parts (capture set, fork planning, OFF requests, branch assembly, engine arguments,
 sharding) are functions below, tested on CPU against the hf engine; the process-level part is
@@ -57,7 +61,7 @@ from tqdm.auto import tqdm
 from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.engines.chat import ChatIO
 from labeling.engines.hf import ForkFn, GenRequest, GenResult
-from serve_bridge.calibration import calibration_config
+from serve_bridge.calibration import calibration_config, require_cacheable
 from serve_bridge.runtime import REQUEST_ARGS_KEY
 from serve_bridge.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
 from serve_bridge.steptrim import NO_SLOT, StepTrim
@@ -65,7 +69,7 @@ from serve_bridge.steptrim import NO_SLOT, StepTrim
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 ENGINE_OPTIONS = ("name", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "tensor_parallel_size", "data_parallel_size", "enforce_eager", "max_lora_rank",
-                  "max_cudagraph_capture_size", "progress", "pipeline")
+                  "max_cudagraph_capture_size", "progress", "pipeline", "prefix_caching")
 RUNNER = "LoRazorGPUModelRunner"
 
 
@@ -191,8 +195,10 @@ def lora_rank(adapters: Sequence[AdapterSpec]) -> int:
 def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` arguments from ``conf/engine/vllm.yaml`` options.
 
-    Fixed by the bridge (``serve_bridge.settings.require_supported_engine``): LoRA on, prefix
-    caching off, async scheduling off. ``max_lora_rank: auto`` → the adapters' largest rank,
+    Fixed by the bridge (``serve_bridge.settings.require_supported_engine``): LoRA on, async
+    scheduling off. Prefix caching follows ``prefix_caching`` (default off): the bridge keys the
+    blocks of forced releases (:mod:`serve_bridge.prefix_cache`), so OFF branches reuse their ON
+    request's prefix blocks, and passes with a release policy are refused. ``max_lora_rank: auto`` → the adapters' largest rank,
     rounded up to a rank vLLM supports. ``max_cudagraph_capture_size`` (null: vLLM's
     ``min(2 · max_num_seqs, 512)``) goes into ``compilation_config``. ``data_parallel_size`` is not
     an ``LLM`` argument (vLLM 0.26 refuses it in one process, ``entrypoints/llm.py:280-292``): see
@@ -208,7 +214,7 @@ def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping
     kw = {"model": str(model_dir), "tokenizer": str(model_dir), "dtype": options.get("dtype", "bfloat16"),
           "enable_lora": True, "max_loras": len(adapters), "max_cpu_loras": len(adapters),
           "max_lora_rank": lora_rank(adapters) if rank in (None, "auto") else int(rank),
-          "enable_prefix_caching": False, "async_scheduling": False,
+          "enable_prefix_caching": bool(options.get("prefix_caching", False)), "async_scheduling": False,
           "gpu_memory_utilization": float(options.get("gpu_memory_utilization", 0.85)),
           "tensor_parallel_size": int(options.get("tensor_parallel_size", 1)),
           "enforce_eager": bool(options.get("enforce_eager", False)), "seed": 0}
@@ -535,12 +541,15 @@ class VLLMEngine(ChatIO):
 
     backend: a :class:`LocalBackend` / :class:`DataParallelBackend` (or a stand-in with
     ``run`` and ``max_model_len``); build one from the config with :meth:`from_config`.
+    prefix_caching: whether the backend's engines cache prefixes (then passes with a release
+    policy are refused, :func:`serve_bridge.calibration.require_cacheable`).
     """
 
     def __init__(self, backend: Any, tokenizer: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
-                 hidden_size: int, progress: bool = True, pipeline: bool = True) -> None:
+                 hidden_size: int, progress: bool = True, pipeline: bool = True, prefix_caching: bool = False) -> None:
         self.backend = backend
         self.pipeline = pipeline
+        self.prefix_caching = prefix_caching
         self.tokenizer = tokenizer
         self.adapters = list(adapters)
         self.eos_ids = set(int(i) for i in stop_ids)
@@ -571,7 +580,7 @@ class VLLMEngine(ChatIO):
         else:
             backend = build_local_backend(args, adapters, stops)
         return cls(backend, tokenizer, adapters, stops, hidden, progress=bool(options.get("progress", True)),
-                   pipeline=bool(options.get("pipeline", True)))
+                   pipeline=bool(options.get("pipeline", True)), prefix_caching=args["enable_prefix_caching"])
 
     def close(self) -> None:
         self.backend.close()
@@ -581,6 +590,7 @@ class VLLMEngine(ChatIO):
         for name, st in (("steptrim", policy), ("scorer", scorer)):
             if st is not None and st.hidden_size != self.hidden_size:
                 raise ValueError(f"{name}: hidden size {st.hidden_size}, the engine's model has {self.hidden_size}")
+        require_cacheable(policy, self.prefix_caching)
         return calibration_config([a.name for a in self.adapters], policy, scorer, capture)
 
     def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, steptrim: StepTrim | None = None,

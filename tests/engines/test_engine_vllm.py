@@ -124,8 +124,9 @@ def test_engine_arguments(engine, tmp_path) -> None:
     assert kw["max_loras"] == 2 and kw["max_lora_rank"] == 8 and kw["max_num_seqs"] == 64
     assert "max_model_len" not in kw and "data_parallel_size" not in kw and kw["tensor_parallel_size"] == 2
     assert "compilation_config" not in kw  # vLLM's own graph sizes
-    kw = llm_kwargs("/m", engine.adapters, {"max_cudagraph_capture_size": 1024})
+    kw = llm_kwargs("/m", engine.adapters, {"max_cudagraph_capture_size": 1024, "prefix_caching": True})
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 1024}
+    assert kw["enable_prefix_caching"] is True and kw["async_scheduling"] is False
     with pytest.raises(ValueError, match="not known to engine=vllm"):
         llm_kwargs("/m", engine.adapters, {"batch_size": 4})
     big = tmp_path / "big"
@@ -264,3 +265,16 @@ def test_data_parallel_replicas_split_and_merge() -> None:
         assert dp.run([], {"slots": []}, "dp", False).tokens == []
     finally:
         dp.close()
+
+
+def test_a_prefix_caching_engine_refuses_release_policy_passes(engine, fake_llm, requests_small, heads) -> None:
+    """With engine.prefix_caching the scheduler keys only forced releases (serve_bridge.prefix_cache):
+    a pass whose policy releases while decoding is refused before it starts; full-LoRA passes run."""
+    backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest)
+    cached = VLLMEngine(backend, engine.tokenizer, engine.adapters, engine.eos_ids, engine.hidden_size,
+                        progress=False, prefix_caching=True)
+    policy = StepTrim([ProfiledPolicy(3), None], H)
+    with pytest.raises(ValueError, match="release policy.*prefix_caching=false"):
+        cached.generate(requests_small, MAX_NEW, steptrim=policy)
+    assert len(cached.generate(requests_small, MAX_NEW, steptrim=StepTrim([None, None], H),
+                               scorer=StepTrim(heads, H))) == len(requests_small)

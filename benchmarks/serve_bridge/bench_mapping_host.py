@@ -93,12 +93,17 @@ def run(version: str, rows: int, tokens: int, steps: int) -> dict[str, float]:
     return {key: float(np.median(v)) for key, v in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def step_args(description: str) -> argparse.Namespace:
+    """--steps, --tokens and --rows, the step shape of the host benchmarks of this directory."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=256)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = step_args(__doc__.split("\n")[0])
     print(f"{args.rows} requests, {args.tokens} tokens per step, median ms per step (torch {torch.__version__})")
     print("| version | hand-over (incl. begin_step) | id loop | torch.tensor | sum |")
     print("|---|---|---|---|---|")

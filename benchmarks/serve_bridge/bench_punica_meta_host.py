@@ -14,7 +14,6 @@ version. ``host`` is :class:`serve_bridge.punica_meta.HostPunicaMetadata.update`
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,6 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_mapping_host import step_args  # noqa: E402
 
 from kernels.metadata import LoRABatchMeta  # noqa: E402
 from kernels.worklist import RowTileWorklist  # noqa: E402
@@ -37,11 +39,7 @@ ADAPTERS = 128
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=256)
-    args = ap.parse_args()
+    args = step_args(__doc__.split("\n")[0])
     gen = np.random.default_rng(0)
     lora_index_to_id = list(range(1, ADAPTERS + 1))
     t = args.tokens

@@ -48,13 +48,8 @@ class RowTileWorklist:
         `max_tokens // block_m + max_slots` entries always suffice.
         """
         capacity = cls.capacity_for(max_tokens, max_slots, block_m)
-
-        def buffer() -> torch.Tensor:
-            return torch.zeros(capacity, dtype=torch.int32, device=device)
-
-        return cls(block_m=block_m, tile_lora=buffer(), tile_first=buffer(), tile_rows=buffer(),
-                   num_tiles=torch.zeros(1, dtype=torch.int32, device=device),
-                   positions=torch.arange(capacity, dtype=torch.int64, device=device))
+        block = torch.zeros(cls.block_size(capacity), dtype=torch.int32, device=device)
+        return cls.in_block(block, capacity, block_m)
 
     @staticmethod
     def capacity_for(max_tokens: int, max_slots: int, block_m: int = 16) -> int:

@@ -84,23 +84,23 @@ class _KernelMetaBlock:
     twins in the pinned block, and its work list after them."""
 
     def __init__(self, meta: Any, device_block: torch.Tensor, host_block: np.ndarray, block_m: int) -> None:
-        t, s = meta.token_lora_mapping.numel(), meta.active_lora_ids.numel()
-        capacity = RowTileWorklist.capacity_for(t, s, block_m)
-        sizes = [t, t, s, s, s + 1, RowTileWorklist.block_size(capacity)]
-        self.meta, self.block_m, self.captured = meta, block_m, list(meta.captured_lora_counts)
+        sizes = self.sizes(meta, block_m)
+        self.block_m, self.captured = block_m, list(meta.captured_lora_counts)
         (meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.active_lora_ids,
          meta.num_tokens_per_lora, meta.lora_token_start_loc, tiles) = device_block.split(sizes)
-        self.worklist = RowTileWorklist.in_block(tiles, capacity, block_m)
-        bounds = np.cumsum([0, *sizes])
+        self.worklist = RowTileWorklist.in_block(tiles, RowTileWorklist.capacity_for(sizes[0], sizes[2], block_m),
+                                                 block_m)
         (self.mapping, self.order, self.active, self.counts, self.starts,
-         self.tiles) = (host_block[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+         self.tiles) = np.split(host_block, np.cumsum(sizes)[:-1])
         self.no_lora_flag = meta.no_lora_flag_cpu.numpy()
         self.num_active = meta.num_active_loras_cpu.numpy()
 
     @staticmethod
-    def size(meta: Any, block_m: int) -> int:
+    def sizes(meta: Any, block_m: int) -> list[int]:
+        """Entries of each part of the block: mapping and order [T], slot ids and counts [S], start
+        offsets [S+1], then the work list (T tokens, S slots: ``LoRAKernelMeta.make``'s sizes)."""
         t, s = meta.token_lora_mapping.numel(), meta.active_lora_ids.numel()
-        return 2 * t + 3 * s + 1 + RowTileWorklist.block_size(RowTileWorklist.capacity_for(t, s, block_m))
+        return [t, t, s, s, s + 1, RowTileWorklist.block_size(RowTileWorklist.capacity_for(t, s, block_m))]
 
     def write(self, indices: np.ndarray) -> None:
         """``prepare_tensors(indices)`` (slot index per token, -1 = none) into the host block, and the
@@ -138,16 +138,19 @@ class HostPunicaMetadata:
 
     def __init__(self, wrapper: Any, block_m: int = 16) -> None:
         device = wrapper._token_lora_indices.device
-        self.tokens = t = wrapper._token_lora_indices.numel()  # max_num_batched_tokens (punica_base.py:138-150)
+        t = wrapper._token_lora_indices.numel()  # max_num_batched_tokens (punica_base.py:138-150)
         pin = device.type == "cuda"
         self._long_device = torch.empty(5 * t, dtype=torch.int64, device=device)
         self._long_host = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)
         (wrapper._token_lora_indices, wrapper._sampler_indices, wrapper._sampler_indices_padded,
          embeddings) = self._long_device.split([t, t, t, 2 * t])
         wrapper._embeddings_indices = embeddings.view(2, t)
-        self._long = self._long_host.numpy()
+        # the host twins of those four buffers, views of the pinned block
+        self._token_indices, self._sampler_indices, self._sampler_padded, host_embeddings = \
+            np.split(self._long_host.numpy(), [t, 2 * t, 3 * t])
+        self._embeddings = host_embeddings.reshape(2, t)
         metas = (wrapper.token_mapping_meta, wrapper.prompt_mapping_meta)
-        sizes = [_KernelMetaBlock.size(m, block_m) for m in metas]
+        sizes = [sum(_KernelMetaBlock.sizes(m, block_m)) for m in metas]
         self._int_device = torch.empty(sum(sizes), dtype=torch.int32, device=device)
         self._int_host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=pin)
         self._blocks = [_KernelMetaBlock(m, d, h, block_m) for m, d, h in
@@ -171,15 +174,15 @@ class HostPunicaMetadata:
         lookup = self._lookup[1]
         tokens = slot_indices(np.fromiter(index_mapping, np.int64, len(index_mapping)), lookup)
         sampler = slot_indices(np.fromiter(prompt_mapping, np.int64, len(prompt_mapping)), lookup)
-        n, m, t, long = tokens.size, sampler.size, self.tokens, self._long
-        long[:n] = tokens
-        long[t:t + m] = sampler
-        long[2 * t:2 * t + m] = np.arange(m) + np.where(sampler == -1, max_loras - 1, sampler) * m
+        n, m = tokens.size, sampler.size
+        self._token_indices[:n] = tokens
+        self._sampler_indices[:m] = sampler
+        self._sampler_padded[:m] = np.arange(m) + np.where(sampler == -1, max_loras - 1, sampler) * m
         # _embeddings_indices: row 0 is the slot × extra vocabulary size, 0 since 0.26 dropped extra
         # vocabularies (punica_base.py:175-178); row 1 the slot × vocabulary size, slot 0 for tokens
         # without an adapter (utils.py:114, 127-132). Neither can be -1, so :133-135 changes nothing.
-        long[3 * t:3 * t + n] = 0
-        long[4 * t:4 * t + n] = np.maximum(tokens, 0) * vocab_size
+        self._embeddings[0, :n] = 0
+        self._embeddings[1, :n] = np.maximum(tokens, 0) * vocab_size
         self._wrapper.indices_len[:] = [n, m, m, n]
         self._blocks[0].write(tokens)
         self._blocks[1].write(sampler)

@@ -15,8 +15,9 @@ Skip fraction: decode forwards (t ≥ 1) that run without the adapter, over all 
 forwards, summed over requests. A response of L tokens takes forwards 0 … L−1, so it has
 L−1 decode forwards, of which max(0, L−1−r) skip the adapter.
 
-This module is pure torch and imports no vLLM: the hf engine, the sweep and the vLLM
-runtime all call it, so calibrated numbers predict serving.
+This module is pure torch (on CUDA it launches the Triton kernel of ``kernels.steptrim``) and
+imports no vLLM: the hf engine, the sweep and the vLLM runtime all call it, so calibrated
+numbers predict serving.
 """
 from __future__ import annotations
 
@@ -74,13 +75,18 @@ class StepTrim:
         fire = (t ≥ k) | (s < τ),  s = Σ_j h_j·w_j + b  in float32,
 
     i.e. the profiled rule for profiled slots, the learned rule for learned slots, neither for
-    the rest. s is computed with the same float32 ops as ``(h.float() * w).sum(-1) + b`` (an
-    elementwise product and a row sum, not a GEMM: no TF32, no reduction order that changes
-    with the number of heads), so :meth:`scores` and :meth:`step` agree bit for bit on the same
-    rows and the sweep's recorded scores are the ones serving compares with τ.
+    the rest. s is the float32 sum of the float32 products h_j·w_j (no GEMM: no TF32, no
+    reduction order that changes with the number of heads). Its order of summation belongs to
+    the device: torch's ``(h.float() * w).sum(-1) + b`` off CUDA, and on CUDA the fused kernel
+    of :mod:`kernels.steptrim` (one launch: gather, score, compare), whose order depends on the
+    hidden size only, not on the batch. ``kernel`` picks the path (default: the kernel on CUDA;
+    True off CUDA needs Triton's interpreter). On one device, :meth:`scores`, :meth:`fires`,
+    :meth:`step` and :meth:`fires_into` agree bit for bit on the same rows, so the sweep's
+    recorded scores are the ones serving compares with τ.
     """
 
-    def __init__(self, policies: Sequence[Policy], hidden_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, policies: Sequence[Policy], hidden_size: int, device: torch.device | str = "cpu",
+                 kernel: bool | None = None) -> None:
         self.policies = tuple(policies)
         self.hidden_size = int(hidden_size)
         self.needs_hidden = any(isinstance(p, LearnedPolicy) for p in self.policies)
@@ -103,22 +109,29 @@ class StepTrim:
                 raise TypeError(f"slot {i}: unsupported policy {type(p).__name__}")
         self.device = torch.device(device)
         self.table = table.to(self.device)  # [n_slots + 1, 3 (+ H)]; the last row serves NO_SLOT
+        self.kernel = self.device.type == "cuda" if kernel is None else bool(kernel)
 
     def to(self, device: torch.device | str) -> StepTrim:
-        """The same policies on another device (self if already there)."""
+        """The same policies on another device (self if already there), on that device's path."""
         device = torch.device(device)
         return self if device == self.device else StepTrim(self.policies, self.hidden_size, device)
 
+    @staticmethod
+    def exact_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` as float32/bf16/fp16 (other dtypes become float32): types whose float32
+        promotion is exact, so every path multiplies the same float32 values."""
+        return hidden if hidden.dtype in _EXACT_UPCAST else hidden.float()
+
     def _score(self, params: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype not in _EXACT_UPCAST:
-            hidden = hidden.float()
         # bf16/fp16 × float32 promotes inside the kernel: the same float32 products as hidden.float() * w
-        return (hidden * params[:, _W:]).sum(-1).add_(params[:, _B])
+        return (self.exact_hidden(hidden) * params[:, _W:]).sum(-1).add_(params[:, _B])
 
     def scores(self, slots: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """s = w_slot · h + b_slot per row, float32 [R] (zeros for non-learned slots)."""
         if not self.needs_hidden:
             return torch.zeros(slots.shape[0], dtype=torch.float32, device=self.device)
+        if self.kernel:
+            return self._launch(slots, torch.zeros_like(slots), hidden)[0]
         return self._score(self.table[slots], hidden)
 
     def fires(self, slots: torch.Tensor, t: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,13 +139,45 @@ class StepTrim:
 
         The engine-facing form of :meth:`step` for rows known to be unreleased; same arguments.
         """
+        if self.needs_hidden and hidden is None:
+            raise ValueError("a learned policy needs the final hidden states of the step")
+        if self.kernel:
+            return self._launch(slots, t, hidden)[1]
         params = self.table[slots]  # one gather: k, τ, b (and w) per row
         fire = t >= params[:, _K]
         if self.needs_hidden:
-            if hidden is None:
-                raise ValueError("a learned policy needs the final hidden states of the step")
             fire |= self._score(params, hidden) < params[:, _TAU]
         return fire
+
+    def fires_into(self, meta: torch.Tensor, src: torch.Tensor, hidden_dtype: torch.dtype, score: torch.Tensor,
+                   fire: torch.Tensor) -> None:
+        """The kernel path's launch, for callers that keep their own buffers (the serving
+        runtime's CUDA graphs): rows ``meta`` (int64 [3, B]: hidden row, slot, t; padding rows
+        have slot NO_SLOT) of the hidden states that ``src`` points at
+        (:func:`kernels.steptrim.hidden_source`, dtype ``hidden_dtype``) into ``score``
+        (float32 [B]) and ``fire`` (bool [B]). Buffers may be pinned host memory."""
+        from kernels.steptrim import launch_steptrim  # Triton, imported on the kernel path only
+
+        if not self.kernel:
+            raise RuntimeError("StepTrim.fires_into: this StepTrim computes with torch (kernel=False)")
+        launch_steptrim(meta, src, hidden_dtype, self.table, self.needs_hidden, score, fire)
+
+    def _launch(self, slots: torch.Tensor, t: torch.Tensor,
+                hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from kernels.steptrim import hidden_source
+
+        n = slots.shape[0]
+        meta = torch.stack([torch.arange(n, device=self.device), slots.to(self.device, torch.int64),
+                            t.to(self.device, torch.int64)])
+        if self.needs_hidden:
+            hidden = self.exact_hidden(hidden).contiguous()
+            src, dtype = hidden_source(hidden), hidden.dtype
+        else:
+            src, dtype = meta, torch.float32  # not read
+        score = torch.empty(n, dtype=torch.float32, device=self.device)
+        fire = torch.empty(n, dtype=torch.bool, device=self.device)
+        self.fires_into(meta, src, dtype, score, fire)
+        return score, fire
 
     def step(self, slots: torch.Tensor, t: torch.Tensor, released: torch.Tensor,
              hidden: torch.Tensor | None = None) -> torch.Tensor:

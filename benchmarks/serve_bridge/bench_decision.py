@@ -15,17 +15,19 @@ simulates the engine for ``--steps`` steps after a warm-up:
 so the decision's GPU work queues behind the forward, as in vLLM, and its two events time the
 GPU work itself, not host launch gaps (as long as decide() takes less host time than the forward).
 
-Modes: ``graph`` (the runtime as shipped: StepTrim replayed as a CUDA graph), ``eager`` (the
-same buffers, StepTrim launched op by op) and ``old`` (the runtime before this change:
-per-step ``torch.tensor(...).pin_memory()`` metadata and the former ~20-op StepTrim).
+Modes: ``graph`` (the runtime as shipped: StepTrim's kernel replayed as a CUDA graph),
+``eager`` (the same buffers and kernel, launched directly) and ``old`` (the runtime before
+the launcher existed: per-step ``torch.tensor(...).pin_memory()`` metadata and the former
+~20-op StepTrim).
 Without a learned policy the runtime decides on the host, so graph and eager coincide.
 Columns: host time of the engine thread in decide() and in resolve() (perf_counter), their
 sum per step, and the GPU time between the decision's two CUDA events (off CUDA, and for
 host-side decisions, the host time of decide()), in µs over the timed steps.
 
 It also checks the decisions: on random inputs with firing rows, the runtime's launcher
-(graph and eager) gives the same fired rows as StepTrim on the CPU, except rows whose score
-is within 1e-4 of τ (the GPU's float32 row sum may round differently from the CPU's).
+(graph and eager) gives the same fired rows and scores, bit for bit, as StepTrim on the same
+device, and the same fired rows as StepTrim on the CPU except rows whose score is within 1e-4
+of τ (the GPU kernel's float32 row sum may round differently from the CPU's).
 """
 from __future__ import annotations
 
@@ -209,7 +211,9 @@ def run_case(policy: str, rows: int, mode: str, args, device: torch.device, cycl
 
 
 def check_decisions(device: torch.device, args) -> list[str]:
-    """Launcher (each mode) vs StepTrim on the CPU on random inputs with firing rows."""
+    """Launcher (each mode) on random inputs with firing rows against StepTrim on the same device
+    (fired rows and, on CUDA, scores: bit for bit, the one-release-semantics rule) and against
+    StepTrim on the CPU (fired rows, except within 1e-4 of τ: another device's float32 row sum)."""
     g = torch.Generator().manual_seed(7)
     H, n = args.hidden, args.heads
     pols = []
@@ -221,10 +225,11 @@ def check_decisions(device: torch.device, args) -> list[str]:
         else:
             pols.append(ProfiledPolicy(i % 7) if r == 1 else None)
     cpu = StepTrim(pols, H)
+    same = StepTrim(pols, H, device)
     out = []
     for cuda_graphs in ((True, False) if device.type == "cuda" else (False,)):
         launcher = DecisionLauncher(StepTrim(pols, H, device), max_rows=64, cuda_graphs=cuda_graphs)
-        bad = 0
+        bad_same = bad_cpu = 0
         for trial in range(6):
             rows_total = [5, 37, 64, 200, 3, 256][trial]
             hidden = torch.randn(rows_total, H, generator=g)
@@ -235,14 +240,17 @@ def check_decisions(device: torch.device, args) -> list[str]:
             hd = hidden.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
             launcher.launch(rows.tolist(), slots.tolist(), t.tolist(), hd)
             fired, _ = launcher.result()
+            h_same = hd[rows.to(device)]
+            want = same.fires(slots.to(device), t.to(device), h_same).cpu().numpy()
+            bad_same += int((fired != want).sum())
+            if device.type == "cuda":
+                bad_same += int((launcher.last_scores() != same.scores(slots.to(device), h_same)).sum())
             h_ref = hd.float().cpu()[rows]
             ref = cpu.fires(slots, t, h_ref).numpy()
-            near = np.zeros(m, dtype=bool)
-            if cpu.needs_hidden:
-                s = cpu.scores(slots, h_ref)
-                near = ((s - cpu.table[slots, 1]).abs() < 1e-4).numpy()
-            bad += int(((fired != ref) & ~near).sum())
-        out.append(f"{launcher.mode}: {'ok' if bad == 0 else f'{bad} rows DIFFER'}")
+            near = ((cpu.scores(slots, h_ref) - cpu.table[slots, 1]).abs() < 1e-4).numpy()
+            bad_cpu += int(((fired != ref) & ~near).sum())
+        out.append(f"{launcher.mode}: same device {'ok' if bad_same == 0 else f'{bad_same} values DIFFER'}, "
+                   f"vs CPU {'ok' if bad_cpu == 0 else f'{bad_cpu} rows DIFFER'}")
     return out
 
 
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{args.steps} timed steps after {args.warmup} warm-up steps; dummy forward {args.forward_ms} ms; "
         f"hidden size {args.hidden}; all times in µs.", "",
         table(results), "",
-        "Decision check (launcher vs StepTrim on the CPU): " + "; ".join(checks), ""])
+        "Decision check (launcher vs StepTrim on the same device, bit for bit, and on the CPU): " + "; ".join(checks), ""])
     print(md)
     (args.out / "bench_decision.md").write_text(md)
     (args.out / "bench_decision.json").write_text(json.dumps({"device": name, "torch": torch.__version__,

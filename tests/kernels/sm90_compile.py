@@ -1,4 +1,5 @@
-"""Compile every kernel launch of one qkv-shaped layer op for sm_90 without a GPU.
+"""Compile every kernel launch of one qkv-shaped layer op, and StepTrim's decision kernel, for sm_90
+without a GPU.
 
 Run as a script (`python tests/kernels/sm90_compile.py`, TRITON_INTERPRET unset): it calls the
 host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers replaced by
@@ -21,7 +22,7 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import expand, fused, shrink  # noqa: E402
+from kernels import expand, fused, shrink, steptrim  # noqa: E402
 from kernels.gridtrim import plan_gridtrim  # noqa: E402
 from kernels.layout import partials_buffer  # noqa: E402
 from kernels.metadata import build_metadata  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     launches: list = []
     for mod, names in ((shrink, ("_shrink_worklist_kernel", "_shrink_grid_kernel")),
                        (expand, ("_expand_worklist_kernel", "_expand_grid_kernel")),
-                       (fused, ("_fused_worklist_kernel",))):
+                       (fused, ("_fused_worklist_kernel",)), (steptrim, ("_steptrim_kernel",))):
         for name in names:
             setattr(mod, name, _Recorder(getattr(mod, name), launches))
     m, loras = 64, 4
@@ -82,9 +83,19 @@ def main() -> None:
             shrink.lora_shrink(x, a, part, meta, schedule, num_programs=8)
             expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, num_programs=8)
         fused.lora_fused(x, a, b, y, meta, worklist, num_programs=8)
+    # StepTrim at Llama-3.2-3B's hidden size (bf16 and fp16 hidden states; learned and profiled
+    # only) and at SmolLM2-135M's (float32).
+    meta = torch.zeros(3, 8, dtype=torch.int64)
+    src = torch.zeros(2, dtype=torch.int64)
+    score, fire = torch.zeros(8), torch.zeros(8, dtype=torch.bool)
+    for hidden, dtype, learned in ((3072, torch.bfloat16, True), (3072, torch.float16, True),
+                                   (576, torch.float32, True), (3072, torch.bfloat16, False)):
+        table = torch.zeros(loras + 1, steptrim.COLUMNS + (hidden if learned else 0))
+        steptrim.launch_steptrim(meta, src, dtype, table, learned, score, fire)
     for fn, kwargs in launches:
         compiled = _compile(fn, kwargs)
-        print(f"{fn.__name__} {kwargs['BLOCK_R']=}: {len(compiled.asm['cubin'])} B cubin, "
+        block = kwargs.get("BLOCK_R", kwargs.get("BLOCK_H"))
+        print(f"{fn.__name__} block {block}: {len(compiled.asm['cubin'])} B cubin, "
               f"{compiled.metadata.shared} B shared memory")
 
 

@@ -98,6 +98,6 @@ def test_bench_decision_runs_on_cpu(tmp_path):
     assert len(lines) == 8
     assert all(len(ln.split("|")) == 15 for ln in lines)  # 13 columns
     assert "| learned | 9 | 3 | graph | cpu |" in md and "| profiled | 4 | 3 | old | cpu |" in md
-    assert "Decision check (launcher vs StepTrim on the CPU): cpu: ok" in md
+    assert "bit for bit, and on the CPU): cpu: same device ok, vs CPU ok" in md
     data = json.loads((tmp_path / "bench_decision.json").read_text())
-    assert len(data["results"]) == 8 and data["checks"] == ["cpu: ok"]
+    assert len(data["results"]) == 8 and data["checks"] == ["cpu: same device ok, vs CPU ok"]

@@ -152,7 +152,7 @@ def test_launcher_matches_steptrim_across_buckets(learned):
         assert gpu_ms is None and fired.dtype == np.bool_ and fired.shape == (m,)
         assert fired.tolist() == st.fires(slots, t, hidden[rows]).tolist()
         b = launcher._buckets[bucket_size(m)]
-        assert (b.host_np[1, m:] == NO_SLOT).all() and (b.host_np[0, m:] == 0).all()  # padding restored
+        assert (b.meta_np[1, m:] == NO_SLOT).all() and (b.meta_np[0, m:] == 0).all()  # padding restored
     assert sorted(launcher._buckets) == [8, 16, 64]  # grown on demand
     with pytest.raises(RuntimeError, match="nothing was launched"):
         launcher.result()

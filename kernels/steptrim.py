@@ -25,6 +25,7 @@ no copy before or after it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -69,10 +70,10 @@ def block_h(hidden_size: int) -> int:
     return min(MAX_BLOCK_H, triton.next_power_of_2(hidden_size))
 
 
-def hidden_source(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_source(hidden: torch.Tensor, out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
     """The (address, row stride) pair the kernel reads ``hidden`` [N, H] through, written into
-    ``out`` (int64 [2]) or into a new tensor on ``hidden``'s device. ``hidden`` must outlive
-    every launch that reads the pair."""
+    ``out`` (int64 [2]: a tensor, or a numpy view of one) or into a new tensor on ``hidden``'s
+    device. ``hidden`` must outlive every launch that reads the pair."""
     check_hidden(hidden)
     pair = (hidden.data_ptr(), hidden.stride(0))
     if out is None:

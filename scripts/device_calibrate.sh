@@ -21,6 +21,10 @@
 #               "--engines vllm --vllm-option max_num_seqs=1024" next to an earlier hf result).
 #   compare-serial  the vLLM side of `compare` again with engine.pipeline=false (OFF branches as a
 #               second generate), against compare's hf result, into /tmp/cal/compare_serial
+#   compare-graphs  the same with engine.max_cudagraph_capture_size=1024 (/tmp/cal/compare_graphs)
+#   compare-cached  the same with engine.prefix_caching=true as well: OFF branches reuse their ON
+#               request's KV blocks before the release (/tmp/cal/compare_cached)
+# `compare` with COMPARE_ARGS="--engines vllm" reuses an hf result carried in build/cal/compare.
 # build/cal, when carried (an earlier call's cal.tar unpacked there: GSM8K adapter, run directory),
 # seeds /tmp/cal, so `compare` alone needs no earlier phase in the same call.
 # Everything the phases write is packed into $OUT/cal.tar after every phase, so a call cut by
@@ -72,6 +76,15 @@ calibrate() {  # calibrate LOG ARGS...: one pipeline run, cut at the call's limi
   echo "[$SECONDS s] rc $? ($log)"
   grep -v "INFO\|WARNING\|it/s\]\|s/it\]" "$W/logs/$log.log" | tail -14
 }
+compare_vllm() {  # compare_vllm NAME KEY=VALUE...: the vLLM side again with engine options, against compare's hf result
+  local name=$1; shift
+  [ -f "$W/compare/hf.json" ] || { echo "compare-$name needs compare's hf result"; return; }
+  mkdir -p "$W/compare_$name" && cp "$W"/compare/hf.json "$W"/compare/hf_points.parquet "$W/compare_$name/"
+  echo "[$SECONDS s] engine=vllm with $*, GSM8K, $COMPARE_LIMIT requests"
+  timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare_$name" \
+      --limit "$COMPARE_LIMIT" --engines vllm $(printf -- "--vllm-option %s " "$@") 2>&1 \
+      | grep -v "INFO\|WARNING\|it/s\]" | tail -25
+}
 train_pid=""
 for phase in "${phases[@]}"; do
   [ "$(left)" -gt 20 ] || { echo "[$SECONDS s] no time left for $phase"; break; }
@@ -106,13 +119,9 @@ for phase in "${phases[@]}"; do
       echo "[$SECONDS s] engine=hf vs engine=vllm, GSM8K, $COMPARE_LIMIT requests"
       timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare" \
           --limit "$COMPARE_LIMIT" --hf-batch-size 64 ${COMPARE_ARGS:-} 2>&1 | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
-    compare-serial)
-      [ -f "$W/compare/hf.json" ] || { echo "compare-serial needs compare's hf result"; continue; }
-      mkdir -p "$W/compare_serial" && cp "$W"/compare/hf.json "$W"/compare/hf_points.parquet "$W/compare_serial/"
-      echo "[$SECONDS s] engine=vllm with pipeline=false, GSM8K, $COMPARE_LIMIT requests"
-      timeout "$(left)" python3 benchmarks/engines/compare_engines.py --run "$W/run_gsm8k" --out "$W/compare_serial" \
-          --limit "$COMPARE_LIMIT" --engines vllm --vllm-option pipeline=false 2>&1 \
-          | grep -v "INFO\|WARNING\|it/s\]" | tail -25 ;;
+    compare-serial) compare_vllm serial pipeline=false ;;
+    compare-graphs) compare_vllm graphs max_cudagraph_capture_size=1024 ;;
+    compare-cached) compare_vllm cached prefix_caching=true max_cudagraph_capture_size=1024 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   pack

@@ -86,6 +86,7 @@ class DecisionLauncher:
             self._hidden_source = hidden_source
             # the hidden states' (address, row stride), read by the kernel at run time
             self._src = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+            self._src_np = self._src.numpy()
             # external: inside a graph they become event record nodes, so one replay records both
             self._events = (_timing_event(), _timing_event())
             self._pool: Any = None
@@ -136,7 +137,7 @@ class DecisionLauncher:
             return
         # on CUDA StepTrim has a learned policy (else it is on the CPU), so hidden is given
         hidden = _kernel_rows(hidden)
-        self._hidden_source(hidden, self._src)
+        self._hidden_source(hidden, self._src_np)  # through a numpy view: no torch call
         self._inflight = (b, n, hidden)
         if self.use_graphs:
             graph = self._graph(b, hidden.dtype)

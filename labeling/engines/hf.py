@@ -118,7 +118,11 @@ class HFEngine(ChatIO):
         scorer: StepTrim whose learned heads score main rows at every forward (s_t).
         capture(t): record h_t of main rows at forward t.
         fork(result, t, s_t): fork OFF_t from a main row after forward t.
+        Both StepTrims decide on the engine's device (a copy is made if needed), on that
+        device's path: the same one the vLLM runtime takes there.
         """
+        steptrim = steptrim.to(self.device) if steptrim is not None else None
+        scorer = scorer.to(self.device) if scorer is not None else None
         for r in requests:
             if r.slot != NO_SLOT and not 0 <= r.slot < len(self.adapters):
                 raise ValueError(f"request {r.uid}: slot {r.slot} has no adapter (have {len(self.adapters)})")

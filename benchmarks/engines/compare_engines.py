@@ -97,7 +97,7 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
     points.to_parquet(args.out / f"{engine_name}_points.parquet", index=False)
     (args.out / f"{engine_name}.json").write_text(json.dumps({
         "engine": engine_name, "dtype": args.dtype, "options": args.vllm_option if engine_name == "vllm" else [],
-        "load_s": load_s, "wall_s": wall, "requests": len(reqs),
+        "load_s": load_s, "wall_s": wall, "requests": len(reqs), "limit": args.limit,
         "on_tokens": on_tokens, "off_tokens": off_tokens, "tokens_per_s": (on_tokens + off_tokens) / wall,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "results": [{"uid": r.uid, "slot": r.slot, "tokens": r.tokens,
@@ -105,6 +105,20 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
     }))
     print(f"{engine_name}: {len(reqs)} requests, {on_tokens} ON + {off_tokens} OFF tokens in {wall:.1f} s "
           f"({(on_tokens + off_tokens) / wall:.0f} tokens/s; load {load_s:.0f} s)", flush=True)
+
+
+def check_earlier(out: Path, engines: list[str], limit: int) -> None:
+    """Before any engine runs: the other engine's earlier result must exist in ``out`` and hold
+    the requests this run asks for (``--limit``); else exit with one clear message."""
+    for name in sorted({"hf", "vllm"} - set(engines)):
+        path = out / f"{name}.json"
+        if not path.exists():
+            sys.exit(f"--engines {' '.join(engines)}: no earlier {name} result at {path}; run both engines")
+        earlier = json.loads(path.read_text())
+        had = earlier.get("limit", earlier["requests"])  # results before 2026-11-30 lack "limit"
+        if had != limit and (limit or "limit" in earlier):
+            sys.exit(f"{path} holds {earlier['requests']} requests (--limit {had}), but this run asks for "
+                     f"--limit {limit}: pass --limit {had}, or run both engines")
 
 
 def compare(out: Path) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], dict]:
@@ -177,6 +191,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
         return phase(args.phase, args)
+    check_earlier(args.out, args.engines, args.limit)
     for name in args.engines:  # one process each: GPU memory and vLLM's process state stay separate
         cmd = [sys.executable, __file__, "--phase", name, "--run", str(args.run), "--out", str(args.out),
                "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit),

@@ -1,0 +1,40 @@
+"""benchmarks/engines/compare_engines.py refuses, before any engine runs, an earlier result of
+other requests (a 128-request hf result next to a 512-request vLLM run cost a device call)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("compare_engines", ROOT / "benchmarks/engines/compare_engines.py")
+compare_engines = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_engines)
+
+
+def _write(out: Path, name: str, requests: int, limit: int | None) -> None:
+    data = {"requests": requests, "results": []} | ({} if limit is None else {"limit": limit})
+    (out / f"{name}.json").write_text(json.dumps(data))
+
+
+def test_other_engines_result_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no earlier hf result"):
+        compare_engines.check_earlier(tmp_path, ["vllm"], 128)
+    compare_engines.check_earlier(tmp_path, ["hf", "vllm"], 128)  # both run now: nothing to check
+
+
+def test_earlier_result_of_other_requests_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path, "hf", 128, 128)
+    with pytest.raises(SystemExit, match="holds 128 requests .*asks for --limit 512: pass --limit 128"):
+        compare_engines.check_earlier(tmp_path, ["vllm"], 512)
+    compare_engines.check_earlier(tmp_path, ["vllm"], 128)
+
+
+def test_results_without_a_recorded_limit(tmp_path: Path) -> None:
+    _write(tmp_path, "hf", 128, None)  # written before the limit was recorded
+    with pytest.raises(SystemExit, match="holds 128 requests"):
+        compare_engines.check_earlier(tmp_path, ["vllm"], 512)
+    compare_engines.check_earlier(tmp_path, ["vllm"], 128)
+    compare_engines.check_earlier(tmp_path, ["vllm"], 0)  # all requests: the count cannot be checked up front

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the embedded backbone (SmolLM2-135M-Instruct + the demo adapter arith-a),
 # issue 7, check 3: learned release points, hf engine vs the vLLM runtime (stock LoRA kernels
-# and GridTrim), benchmarks/serve_bridge/check_learned_real.py. The calibration pipelines on
-# engine=vllm (issue 5) are scripts/device_calibrate.sh's phases.
+# and GridTrim, offline and behind `vllm serve`), benchmarks/serve_bridge/check_learned_real.py.
+# The calibration pipelines on engine=vllm (issue 5) are scripts/device_calibrate.sh's phases.
 #
 # Carry sequence (../shared/device/README.md): .devcarry/c0, c1, c2, m0, m1 copied to
 # /tmp/devcarry in five calls (the m chunks are the SmolLM2 GGUF, assembled by setup.sh), then
@@ -19,7 +19,7 @@ export PYTHONPATH="$PYTHONPATH:/tmp/pydeps" LORAZOR_CACHE=/tmp/lorazor PYTHONUNB
 res=/tmp/res
 mkdir -p "$res"
 echo "[$SECONDS s] learned release: hf vs vLLM"
-timeout 300 python3 benchmarks/serve_bridge/check_learned_real.py --run runs/arith-smollm2-arith-demo \
+timeout 480 python3 benchmarks/serve_bridge/check_learned_real.py --run runs/arith-smollm2-arith-demo \
     --gguf-dir /tmp/smollm2 --out "$res/real" 2>&1 | tail -30
 tar -cf "${OUT:-/tmp}/real.tar" -C "$res" .
 echo "[$SECONDS s] done"

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR
 
-(``scripts/device_check_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
+(``scripts/device_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
 (``make demo``: task arith, backbone smollm2, adapter arith-a) whose ``bundle/`` holds the
 learned P50 head. On the same requests (the run's train, validation and test splits), in the
 same dtype (bf16) on the same GPU:
@@ -14,12 +14,17 @@ same dtype (bf16) on the same GPU:
   served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
   the bundle, hence full LoRA). Release points come from the runtime's request records.
 - ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1`` (our kernels behind the punica wrapper).
+- ``server``: the gridtrim engine's configuration behind ``vllm serve`` (the OpenAI server, with
+  ``--worker-extension-cls serve_bridge.rpc.LoRazorWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``):
+  each request is one ``POST /v1/completions`` with the prompt's token ids, greedy, the same stop
+  ids and ``return_token_ids``, named by an ``X-Request-Id`` header; release points and counters
+  come from ``POST /collective_rpc`` (``lorazor_requests``, ``lorazor_counters``).
 
 Checks: release points hf = vLLM on ≥ 95% of requests (the rest explained by the margin
 |s_t − τ| at the first disagreeing step: bf16 kernels of two engines differ in reduction order,
 so a score within a few hundredths of τ can fall on either side); full-LoRA tokens hf vs vLLM;
-vLLM with GridTrim vs stock kernels (tokens and release points); accuracy and realized skip of
-each engine.
+vLLM with GridTrim vs stock kernels, and the server vs the offline engine (tokens and release
+points); the server's counters read over HTTP; accuracy and realized skip of each engine.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ from serve_bridge.steptrim import skip_fraction  # noqa: E402
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
-VLLM_MODES = ("vllm", "gridtrim")
+VLLM_MODES = ("vllm", "gridtrim", "server")
+SERVER_PORT = 8765
 
 
 def _task():
@@ -130,6 +136,80 @@ def run_vllm(mode: str, run: Path, work: Path) -> None:
     (work / f"{mode}.json").write_text(json.dumps(out))
 
 
+def run_server(work: Path, log: Path) -> None:
+    """The gridtrim engine's configuration behind ``vllm serve`` → work/server.json (module doc).
+
+    The server is this process's child, started with this process's environment plus
+    ``VLLM_SERVER_DEV_MODE=1`` and vLLM's engine core in its own process (the OpenAI server's
+    AsyncLLM always runs it so); its log goes to ``log``.
+    """
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    hf = json.loads((work / "hf.json").read_text())
+    url = f"http://127.0.0.1:{SERVER_PORT}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", hf["backbone_dir"],
+           "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
+           "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
+           "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
+           "--no-async-scheduling", "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
+           "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+           "--worker-extension-cls", "serve_bridge.rpc.LoRazorWorkerExtension"]
+    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+    def post(path: str, body: dict, headers: dict | None = None) -> dict:
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read() or b"null")
+
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 420
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready (see {log})")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve was not ready after 420 s (see {log})")
+            time.sleep(2)
+        counters = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
+        out: dict = {"runner": "LoRazorGPUModelRunner" if "decision_steps" in counters else str(counters)}
+        for family, name in (("full", f"{ADAPTER}-full"), ("trim", ADAPTER)):
+            post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})
+
+            def complete(j: int, name: str = name, family: str = family) -> list[int]:
+                body = {"model": name, "prompt": hf["prompts"][j], "max_tokens": 48, "temperature": 0.0,
+                        "stop_token_ids": hf["stop_ids"], "return_token_ids": True}
+                return post("/v1/completions", body, {"X-Request-Id": f"lzr-{family}-{j}"})["choices"][0]["token_ids"]
+
+            t = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=64) as pool:
+                out[family] = list(pool.map(complete, range(len(hf["prompts"]))))
+            out[f"{family}_s"] = time.perf_counter() - t
+            release: list = [None] * len(hf["prompts"])
+            for rec in post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})["results"][0]:
+                # vLLM's id for prompt 0 of request "cmpl-<X-Request-Id>", plus the engine's own suffix
+                prefix = f"cmpl-lzr-{family}-"
+                if rec["req_id"].startswith(prefix):
+                    release[int(rec["req_id"][len(prefix):].split("-", 1)[0])] = rec["release"]
+            out[f"{family}_release"] = release
+        out["counters"] = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
+        (work / "server.json").write_text(json.dumps(out))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     """Tokens without a final stop token (engines may differ in whether they keep it)."""
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
@@ -180,13 +260,22 @@ def compare(work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
             notes.append(f"{mode} request {j}: release hf {a} vs vLLM {b}; at t={t} hf s_t={s:.3f} "
                          f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
                          f"{'agree' if prefix else 'differ'}")
-    if all((work / f"{m}.json").exists() for m in VLLM_MODES):
-        a, b = (json.loads((work / f"{m}.json").read_text()) for m in VLLM_MODES)
-        same = sum(x == y for x, y in zip(a["full"], b["full"]))
-        rows.append(("gridtrim vs stock kernels: full-LoRA tokens", True, f"{same}/{n} identical"))
+    for first, second, label in (("vllm", "gridtrim", "gridtrim vs stock kernels"),
+                                 ("gridtrim", "server", "vllm serve vs offline LLM (both gridtrim)")):
+        if not all((work / f"{m}.json").exists() for m in (first, second)):
+            continue
+        a, b = (json.loads((work / f"{m}.json").read_text()) for m in (first, second))
+        same = sum(_strip(x, stops) == _strip(y, stops) for x, y in zip(a["full"], b["full"]))
+        rows.append((f"{label}: full-LoRA tokens", True, f"{same}/{n} identical"))
         same_rel = sum(x == y for x, y in zip(a["trim_release"], b["trim_release"]))
-        rows.append(("gridtrim vs stock kernels: learned release points (≥ 95%)", same_rel >= 0.95 * n,
-                     f"{same_rel}/{n}"))
+        rows.append((f"{label}: learned release points (≥ 95%)", same_rel >= 0.95 * n, f"{same_rel}/{n}"))
+    server = work / "server.json"
+    if server.exists():
+        c = json.loads(server.read_text())["counters"]
+        released = c.get("released_requests", 0)
+        rows.append(("vllm serve: counters over POST /collective_rpc", released > 0,
+                     f"{released} released, skip {c.get('skip_fraction', float('nan')):.3f}, decision p95 "
+                     f"{1e3 * c.get('decision_gpu_ms_p95', float('nan')):.1f} µs"))
     return rows, notes
 
 
@@ -202,6 +291,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "hf":
         return run_hf(args.run, args.gguf_dir, args.work)
+    if args.phase == "server":
+        return run_server(args.work, args.out / "server_vllm_serve.log")
     if args.phase in VLLM_MODES:
         return run_vllm(args.phase, args.run, args.work)
     me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
@@ -209,7 +300,8 @@ def main() -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     bundle = {"LORAZOR_BUNDLE": str(args.run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}
     timings = []
-    for phase, env in (("hf", base), ("vllm", base | bundle), ("gridtrim", base | bundle | {"LORAZOR_GRIDTRIM": "1"})):
+    gridtrim = base | bundle | {"LORAZOR_GRIDTRIM": "1"}
+    for phase, env in (("hf", base), ("vllm", base | bundle), ("gridtrim", gridtrim), ("server", gridtrim)):
         t = time.time()
         with open(args.out / f"real_{phase}.log", "w") as log:
             code = subprocess.run(me + ["--phase", phase], env=env, stdout=log, stderr=subprocess.STDOUT).returncode

@@ -33,7 +33,7 @@ import triton.language as tl
 NUM_WARPS = 4
 MAX_BLOCK_H = 1024
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-COLUMNS = 3  # k, τ, b before the head weight in StepTrim's table
+COLUMNS = 3  # k, τ, b before the head weight: serve_bridge.steptrim's table layout (_K, _TAU, _B, _W)
 
 
 @triton.jit(do_not_specialize=["B", "n_slots", "table_stride"])

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.steptrim import check_hidden, hidden_source, launch_steptrim
+from kernels.steptrim import COLUMNS, check_hidden, hidden_source, launch_steptrim
 from serve_bridge.decision import DecisionLauncher
+from serve_bridge import steptrim as steptrim_module
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,6 +99,12 @@ def test_profiled_only_and_empty_launches(gen: torch.Generator) -> None:
     empty = torch.zeros(3, 0, dtype=torch.int64, device=DEVICE)
     launch_steptrim(empty, empty, torch.float32, st.table, False, torch.empty(0, device=DEVICE),
                     torch.empty(0, dtype=torch.bool, device=DEVICE))
+
+
+def test_kernel_reads_steptrims_table_layout() -> None:
+    """The kernel reads k, τ, b at columns 0, 1, 2 and w from column COLUMNS on: StepTrim's layout."""
+    m = steptrim_module
+    assert (m._K, m._TAU, m._B, m._W) == (0, 1, 2, COLUMNS)
 
 
 def test_bad_inputs_are_refused(gen: torch.Generator) -> None:

@@ -107,18 +107,20 @@ def phase(engine_name: str, args: argparse.Namespace) -> None:
           f"({(on_tokens + off_tokens) / wall:.0f} tokens/s; load {load_s:.0f} s)", flush=True)
 
 
-def check_earlier(out: Path, engines: list[str], limit: int) -> None:
-    """Before any engine runs: the other engine's earlier result must exist in ``out`` and hold
-    the requests this run asks for (``--limit``); else exit with one clear message."""
+def check_earlier(out: Path, engines: list[str], limit: int) -> bool:
+    """Before any engine runs: whether the other engine's earlier result is in ``out`` (False:
+    this run writes its own result only, for a later run of the other engine to compare with).
+    An earlier result of other requests than ``--limit`` asks for exits with one clear message."""
     for name in sorted({"hf", "vllm"} - set(engines)):
         path = out / f"{name}.json"
         if not path.exists():
-            sys.exit(f"--engines {' '.join(engines)}: no earlier {name} result at {path}; run both engines")
+            return False
         earlier = json.loads(path.read_text())
         had = earlier.get("limit", earlier["requests"])  # results before 2026-11-30 lack "limit"
         if had != limit and (limit or "limit" in earlier):
             sys.exit(f"{path} holds {earlier['requests']} requests (--limit {had}), but this run asks for "
                      f"--limit {limit}: pass --limit {had}, or run both engines")
+    return True
 
 
 def compare(out: Path) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], dict]:
@@ -191,7 +193,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
         return phase(args.phase, args)
-    check_earlier(args.out, args.engines, args.limit)
+    comparable = check_earlier(args.out, args.engines, args.limit)
     for name in args.engines:  # one process each: GPU memory and vLLM's process state stay separate
         cmd = [sys.executable, __file__, "--phase", name, "--run", str(args.run), "--out", str(args.out),
                "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit),
@@ -201,6 +203,10 @@ def main() -> None:
         print(f"phase {name}: rc={rc} in {time.time() - t:.0f} s", flush=True)
         if rc != 0:
             sys.exit(rc)
+    if not comparable:
+        other = ({"hf", "vllm"} - set(args.engines)).pop()
+        print(f"no {other} result in {args.out} yet: run --engines {other} --limit {args.limit} there to compare")
+        return
     rows, same, stats = compare(args.out)
     text = f"{time.strftime('%Y-%m-%d')}, `{' '.join(sys.argv)}`\n\n" + table(rows, same) + "\n"
     print(text, flush=True)

@@ -57,7 +57,7 @@ def _steptrim_kernel(meta_ptr, B, src_ptr, table_ptr, table_stride, n_slots, sco
             offs = j + tl.arange(0, BLOCK_H)
             mask = offs < H
             x = tl.load(hidden_row + offs, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(params + 3 + offs, mask=mask, other=0.0)
+            w = tl.load(params + 3 + offs, mask=mask, other=0.0)  # w from column COLUMNS (= 3)
             acc += x * w
         score = tl.sum(acc, axis=0) + bias
         fire = fire | (score < tau)

@@ -60,8 +60,11 @@ python3 -c "from labeling.backbone import SMOLLM2, BackboneSpec, resolve_backbon
 print('backbone:', r(BackboneSpec(**{**SMOLLM2.__dict__, 'gguf_dir': '/tmp/smollm2'})))" 2>&1 | tail -1
 
 left() { echo $((until_s - SECONDS)); }
-pack() {  # outputs worth keeping; runs' bulky labeling shards and features stay behind
+pack() {  # outputs worth keeping; runs' bulky labeling shards and features stay behind, and so do
+  # compare's per-engine vLLM outputs (3.5 MB each at 512 requests; the device returns files up to
+  # 16 MB): its tables and the hf result, which a later lease can carry back, are kept
   tar -cf "${OUT:-/tmp}/cal.tar" -C "$W" --exclude='*/labels/shards' --exclude='*.npy' \
+      --exclude='compare*/vllm*' --exclude='compare*/scratch_*' \
       logs adapters $(cd "$W" && ls -d run_* compare* 2>/dev/null) 2>/dev/null
   cp -r runs/arith-smollm2-arith-demo/agreement "$W/demo_hf_agreement" 2>/dev/null
   tar -rf "${OUT:-/tmp}/cal.tar" -C "$W" demo_hf_agreement 2>/dev/null

@@ -108,6 +108,6 @@ def launch_steptrim(meta: torch.Tensor, src: torch.Tensor, hidden_dtype: torch.d
     hidden_size = table.shape[1] - COLUMNS if learned else 1
     _steptrim_kernel[(rows,)](
         meta_ptr=meta, B=rows, src_ptr=src, table_ptr=table, table_stride=table.stride(0),
-        n_slots=table.shape[0] - 1, score_ptr=score, fire_ptr=fire, HIDDEN=_TL_DTYPE[hidden_dtype], LEARNED=learned, H=hidden_size, BLOCK_H=block_h(hidden_size),
-        num_warps=NUM_WARPS)
+        n_slots=table.shape[0] - 1, score_ptr=score, fire_ptr=fire, HIDDEN=_TL_DTYPE[hidden_dtype],
+        LEARNED=learned, H=hidden_size, BLOCK_H=block_h(hidden_size), num_warps=NUM_WARPS)
 

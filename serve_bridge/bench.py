@@ -39,8 +39,8 @@ ratio is to the stock row of its own pass:
   stock bounds what the other modes can reach on the workload.
 
 Each engine checks that its runner class, its punica wrapper class and its adapter-registry
-path are the mode's, and fails otherwise. The realized skip of the StepTrim modes comes from the plugin's counters over
-``collective_rpc``.
+path are the mode's, and fails otherwise. The realized skip of the StepTrim modes comes from
+the plugin's counters over ``collective_rpc``.
 
 With ``--arrival-rate R`` each engine instead serves the requests open-loop: request i is added
 through vLLM V1's ``LLMEngine.add_request`` at its Poisson arrival time (:func:`arrival_times`,

@@ -136,7 +136,7 @@ class DecisionLauncher:
             b.out[:n] = st.fires(b.meta[SLOT, :n], b.meta[T, :n], h)
             return
         # on CUDA StepTrim has a learned policy (else it is on the CPU), so hidden is given
-        hidden = _kernel_rows(hidden)
+        hidden = StepTrim.kernel_hidden(hidden)
         self._hidden_source(hidden, self._src_np)  # through a numpy view: no torch call
         self._inflight = (b, n, hidden)
         if self.use_graphs:
@@ -206,12 +206,6 @@ class DecisionLauncher:
                 graph.capture_end()
         main.wait_stream(self._stream)
         return graph
-
-
-def _kernel_rows(hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden`` in a dtype and layout the StepTrim kernel reads (usually ``hidden`` itself)."""
-    hidden = StepTrim.exact_hidden(hidden)
-    return hidden if hidden.stride(-1) == 1 else hidden.contiguous()
 
 
 def _timing_event() -> Any:

@@ -153,8 +153,9 @@ class HostPunicaMetadata:
         sizes = [sum(_KernelMetaBlock.sizes(m, block_m)) for m in metas]
         self._int_device = torch.empty(sum(sizes), dtype=torch.int32, device=device)
         self._int_host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=pin)
-        self._blocks = [_KernelMetaBlock(m, d, h, block_m) for m, d, h in
-                        zip(metas, self._int_device.split(sizes), np.split(self._int_host.numpy(), np.cumsum(sizes)[:1]))]
+        host_blocks = np.split(self._int_host.numpy(), np.cumsum(sizes)[:-1])
+        self._blocks = [_KernelMetaBlock(m, d, h, block_m)
+                        for m, d, h in zip(metas, self._int_device.split(sizes), host_blocks)]
         self.worklists = tuple(b.worklist for b in self._blocks)
         self._wrapper = wrapper
         self._uploaded = torch.cuda.Event() if pin else None

@@ -122,6 +122,13 @@ class StepTrim:
         promotion is exact, so every path multiplies the same float32 values."""
         return hidden if hidden.dtype in _EXACT_UPCAST else hidden.float()
 
+    @classmethod
+    def kernel_hidden(cls, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`exact_hidden` with unit column stride, as the kernel reads rows (usually
+        ``hidden`` itself; a copy only where a dtype or the column stride needs one)."""
+        hidden = cls.exact_hidden(hidden)
+        return hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+
     def _score(self, params: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # bf16/fp16 × float32 promotes inside the kernel: the same float32 products as hidden.float() * w
         return (self.exact_hidden(hidden) * params[:, _W:]).sum(-1).add_(params[:, _B])
@@ -170,7 +177,7 @@ class StepTrim:
         meta = torch.stack([torch.arange(n, device=self.device), slots.to(self.device, torch.int64),
                             t.to(self.device, torch.int64)])
         if self.needs_hidden:
-            hidden = self.exact_hidden(hidden).contiguous()
+            hidden = self.kernel_hidden(hidden)
             src, dtype = hidden_source(hidden), hidden.dtype
         else:
             src, dtype = meta, torch.float32  # not read

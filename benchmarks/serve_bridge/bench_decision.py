@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{args.steps} timed steps after {args.warmup} warm-up steps; dummy forward {args.forward_ms} ms; "
         f"hidden size {args.hidden}; all times in µs.", "",
         table(results), "",
-        "Decision check (launcher vs StepTrim on the same device, bit for bit, and on the CPU): " + "; ".join(checks), ""])
+        "Decision check (launcher vs StepTrim on the same device, bit for bit, and on the CPU): "
+        + "; ".join(checks), ""])
     print(md)
     (args.out / "bench_decision.md").write_text(md)
     (args.out / "bench_decision.json").write_text(json.dumps({"device": name, "torch": torch.__version__,

@@ -150,7 +150,8 @@ def run_server(work: Path, log: Path) -> None:
     url = f"http://127.0.0.1:{SERVER_PORT}"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", hf["backbone_dir"],
            "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
-           "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
+           "--max-lora-rank", "8",
+           "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
            "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
            "--no-async-scheduling", "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
            "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
@@ -194,7 +195,8 @@ def run_server(work: Path, log: Path) -> None:
                 out[family] = list(pool.map(complete, range(len(hf["prompts"]))))
             out[f"{family}_s"] = time.perf_counter() - t
             release: list = [None] * len(hf["prompts"])
-            for rec in post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})["results"][0]:
+            records = post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})
+            for rec in records["results"][0]:
                 # vLLM's id for prompt 0 of request "cmpl-<X-Request-Id>", plus the engine's own suffix
                 prefix = f"cmpl-lzr-{family}-"
                 if rec["req_id"].startswith(prefix):

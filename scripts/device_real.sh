@@ -19,7 +19,8 @@ export PYTHONPATH="$PYTHONPATH:/tmp/pydeps" LORAZOR_CACHE=/tmp/lorazor PYTHONUNB
 res=/tmp/res
 mkdir -p "$res"
 echo "[$SECONDS s] learned release: hf vs vLLM"
-timeout 480 python3 benchmarks/serve_bridge/check_learned_real.py --run runs/arith-smollm2-arith-demo \
-    --gguf-dir /tmp/smollm2 --out "$res/real" 2>&1 | tail -30
+timeout 530 python3 benchmarks/serve_bridge/check_learned_real.py --run runs/arith-smollm2-arith-demo \
+    --gguf-dir /tmp/smollm2 --out "$res/real" "$@" 2>&1 | tail -30
+cp /tmp/lorazor_real/*.json "$res/real/" 2>/dev/null  # the engines' raw results, for later reading
 tar -cf "${OUT:-/tmp}/real.tar" -C "$res" .
 echo "[$SECONDS s] done"

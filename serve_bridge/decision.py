@@ -168,6 +168,25 @@ class DecisionLauncher:
         b, n = self._last
         return b.score[:n]
 
+    def warm_up(self, hidden: torch.Tensor) -> int:
+        """Compile the decision kernel and capture each preallocated bucket's CUDA graph for
+        hidden states of ``hidden``'s dtype (any [N ≥ 1, H] tensor: vLLM's dummy batch at
+        start-up), so that the first served steps pay neither (a Triton compile took ~0.3 s in
+        the first decision of a fresh ``vllm serve``). Decides nothing: call it before serving,
+        with nothing in flight; it leaves every bucket's rows as padding. Returns the number of
+        buckets warmed (0 off CUDA, where nothing is compiled)."""
+        if not self.on_cuda:
+            return 0
+        if self._inflight is not None or self._last is not None:
+            raise RuntimeError("DecisionLauncher.warm_up: call it before the first decision")
+        hidden = StepTrim.kernel_hidden(hidden)
+        self._hidden_source(hidden, self._src_np)
+        for b in self._buckets.values():
+            if not (self.use_graphs and self._graph(b, hidden.dtype) is not None):
+                self._run(b, hidden.dtype)
+        torch.cuda.synchronize(self.device)
+        return len(self._buckets)
+
     # -- CUDA ------------------------------------------------------------------------------
     def _run(self, b: _Bucket, dtype: torch.dtype) -> None:
         ev0, ev1 = self._events

@@ -375,6 +375,14 @@ class ReleaseRuntime:
         self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
         self._pending = _Pending(plan.states, plan.forwards, (time.perf_counter() - start) * 1e3)
 
+    def warm_up(self, hidden: torch.Tensor) -> None:
+        """Compile and capture the decision launcher's work for hidden states like ``hidden``
+        before serving (:meth:`DecisionLauncher.warm_up`; nothing to do off CUDA)."""
+        start = time.perf_counter()
+        if n := self._launcher.warm_up(hidden):
+            logger.info("LoRazor StepTrim decisions warmed up: %d row buckets, %s, %.2f s.", n, self._launcher.mode,
+                        time.perf_counter() - start)
+
     def resolve(self) -> None:
         """Apply the last launched decision (waits for it); idempotent."""
         p, self._pending = self._pending, None

@@ -79,6 +79,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
@@ -156,6 +157,15 @@ class LoRazorGPUModelRunner(_BaseRunner):
                 and self.compilation_config.cudagraph_specialize_lora):
             kwargs["force_num_active_loras"] = groups
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _dummy_sampler_run(self, hidden_states: Any) -> Any:
+        # vLLM's worker runs the sampler on a dummy batch of max_num_reqs rows at the end of its
+        # warm-up, after CUDA graph capture (v1/worker/gpu_worker.py:876-884; also in profile_run,
+        # gpu_model_runner.py:6431): the decision kernel and its graphs are prepared there too.
+        out = super()._dummy_sampler_run(hidden_states)
+        with torch.inference_mode():
+            self.lorazor.warm_up(hidden_states)
+        return out
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         out = super().execute_model(scheduler_output, intermediate_tensors)

@@ -49,6 +49,7 @@ ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
 VLLM_MODES = ("vllm", "gridtrim", "server")
 SERVER_PORT = 8765
+READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
 
 
 def _task():
@@ -136,7 +137,7 @@ def run_vllm(mode: str, run: Path, work: Path) -> None:
     (work / f"{mode}.json").write_text(json.dumps(out))
 
 
-def run_server(work: Path, log: Path) -> None:
+def run_server(gguf_dir: str, work: Path, log: Path) -> None:
     """The gridtrim engine's configuration behind ``vllm serve`` → work/server.json (module doc).
 
     The server is this process's child, started with this process's environment plus
@@ -146,9 +147,11 @@ def run_server(work: Path, log: Path) -> None:
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
+    from labeling.backbone import resolve_backbone_dir
+
     hf = json.loads((work / "hf.json").read_text())
     url = f"http://127.0.0.1:{SERVER_PORT}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", hf["backbone_dir"],
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", resolve_backbone_dir(_spec(gguf_dir)),
            "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
@@ -167,7 +170,7 @@ def run_server(work: Path, log: Path) -> None:
     with open(log, "w") as log_file:
         server = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 420
+        deadline = time.time() + READY_S
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready (see {log})")
@@ -178,7 +181,7 @@ def run_server(work: Path, log: Path) -> None:
             except OSError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"vllm serve was not ready after 420 s (see {log})")
+                raise RuntimeError(f"vllm serve was not ready after {READY_S} s (see {log})")
             time.sleep(2)
         counters = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
         out: dict = {"runner": "LoRazorGPUModelRunner" if "decision_steps" in counters else str(counters)}
@@ -281,32 +284,40 @@ def compare(work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
     return rows, notes
 
 
+PHASES = ("hf", *VLLM_MODES)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
     ap.add_argument("--gguf-dir", required=True, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_real"))
-    ap.add_argument("--phase", choices=["all", "hf", *VLLM_MODES], default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                    help="engines to run now, each in its own process; the others' results are read from "
+                         "--work (an earlier run's); the vLLM phases need hf's")
+    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # one engine, in this process
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "hf":
         return run_hf(args.run, args.gguf_dir, args.work)
     if args.phase == "server":
-        return run_server(args.work, args.out / "server_vllm_serve.log")
-    if args.phase in VLLM_MODES:
+        return run_server(args.gguf_dir, args.work, args.out / "server_vllm_serve.log")
+    if args.phase is not None:
         return run_vllm(args.phase, args.run, args.work)
     me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
           "--work", str(args.work)]
     base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     bundle = {"LORAZOR_BUNDLE": str(args.run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}
-    timings = []
     gridtrim = base | bundle | {"LORAZOR_GRIDTRIM": "1"}
-    for phase, env in (("hf", base), ("vllm", base | bundle), ("gridtrim", gridtrim), ("server", gridtrim)):
+    envs = {"hf": base, "vllm": base | bundle, "gridtrim": gridtrim, "server": gridtrim}
+    timings = []
+    for phase in (p for p in PHASES if p in args.phases):
         t = time.time()
         with open(args.out / f"real_{phase}.log", "w") as log:
-            code = subprocess.run(me + ["--phase", phase], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            code = subprocess.run(me + ["--phase", phase], env=envs[phase], stdout=log,
+                                  stderr=subprocess.STDOUT).returncode
         timings.append(f"{phase}: rc {code}, {time.time() - t:.0f} s")
         print(timings[-1], flush=True)
         if code != 0 and phase == "hf":

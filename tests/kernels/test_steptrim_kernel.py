@@ -147,3 +147,31 @@ def test_serving_launcher_matches_steptrim_bit_for_bit(gen: torch.Generator, cud
         assert torch.equal(launcher.last_scores(), same.scores(slots.cuda(), h))
     assert outcomes == {True, False}  # both outcomes were compared
     assert launcher.mode == ("cuda-graph" if cuda_graphs else "cuda-eager")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned buffers and CUDA graphs need a GPU")
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_launcher_warm_up_prepares_buckets_and_decides_nothing(gen: torch.Generator, cuda_graphs: bool) -> None:
+    """warm_up (vLLM's dummy batch at start-up) captures a graph per bucket for the dummy's dtype,
+    leaves every bucket's rows as padding, may repeat, and the decisions after it are StepTrim's;
+    after a decision it is refused."""
+    hidden_size, n = 576, 6
+    policies = _policies(gen, n, hidden_size)
+    launcher = DecisionLauncher(StepTrim(policies, hidden_size, "cuda"), max_rows=32, cuda_graphs=cuda_graphs)
+    dummy = torch.randn(32, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    assert launcher.warm_up(dummy) == 3 and launcher.warm_up(dummy[:5]) == 3  # buckets 8, 16, 32
+    for b in launcher._buckets.values():
+        assert list(b.graphs) == ([torch.bfloat16] if cuda_graphs else [])
+        assert b.filled == 0 and (b.meta_np[1] == NO_SLOT).all() and (b.meta_np[0] == 0).all()
+    same = StepTrim(policies, hidden_size, "cuda")
+    hidden = torch.randn(20, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    rows = list(range(0, 20, 2))
+    slots = torch.randint(0, n, (len(rows),), generator=gen)
+    t = torch.randint(0, 7, (len(rows),), generator=gen)
+    launcher.launch(rows, slots.tolist(), t.tolist(), hidden)
+    fired, _ = launcher.result()
+    h = hidden[torch.tensor(rows, device="cuda")]
+    assert (fired == same.fires(slots.cuda(), t.cuda(), h).cpu().numpy()).all()
+    assert torch.equal(launcher.last_scores(), same.scores(slots.cuda(), h))
+    with pytest.raises(RuntimeError, match="before the first decision"):
+        launcher.warm_up(dummy)

@@ -162,6 +162,19 @@ def test_bucket_sizes():
     assert [bucket_size(n) for n in (0, 1, 8, 9, 16, 17, 256, 257)] == [MIN_BUCKET, 8, 8, 16, 16, 32, 256, 512]
 
 
+def test_warm_up_off_cuda_compiles_nothing_and_keeps_decisions():
+    """Off CUDA there is no kernel or graph to prepare: warm_up reports 0 buckets, at any time."""
+    g = torch.Generator().manual_seed(11)
+    st = StepTrim(_policies(g, 4), H)
+    launcher = DecisionLauncher(st, max_rows=16)
+    hidden = torch.randn(12, H, generator=g)
+    assert launcher.warm_up(hidden) == 0
+    slots, t = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 3, 5, 1])
+    launcher.launch([1, 4, 7, 9], slots.tolist(), t.tolist(), hidden)
+    assert launcher.result()[0].tolist() == st.fires(slots, t, hidden[[1, 4, 7, 9]]).tolist()
+    assert launcher.warm_up(hidden) == 0
+
+
 def test_profiled_only_launcher_decides_on_the_host():
     """Without a learned policy no hidden state is needed: StepTrim runs on a CPU copy."""
     st = StepTrim([ProfiledPolicy(1)], 4)

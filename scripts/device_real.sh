@@ -10,7 +10,11 @@
 #       command: source .devcarry/setup.sh && bash scripts/device_real.sh
 # runs/arith-smollm2-arith-demo is a finished `make demo` run; .whl holds the pure-Python wheels
 # the device image lacks (hydra-core, omegaconf, antlr4-python3-runtime, datasets, multiprocess,
-# gguf: `pip wheel --no-deps -w .whl ...`, multiprocess for Python 3.12). Output: $OUT/real.tar.
+# gguf: `pip wheel --no-deps -w .whl ...`, multiprocess for Python 3.12; and, for vLLM's OpenAI
+# server, model-hosting-container-standards, jmespath, supervisor, httpx, httpcore, h11:
+# `pip download --no-deps -d .whl ...`). Output: $OUT/real.tar.
+# Arguments go to check_learned_real.py, e.g. `--phases server` with an earlier call's hf, vllm and
+# gridtrim results copied to /tmp/lorazor_real first (carried as build/real_work).
 set -uo pipefail
 source "$(dirname "$0")/device_plugin_env.sh"
 cd "$root"

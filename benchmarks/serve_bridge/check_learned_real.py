@@ -1,6 +1,6 @@
 """Learned release on the real embedded backbone: hf engine vs the vLLM runtime (issue 7, check 3).
 
-    python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR
+    python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR [--phases ...]
 
 (``scripts/device_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
 (``make demo``: task arith, backbone smollm2, adapter arith-a) whose ``bundle/`` holds the
@@ -65,6 +65,13 @@ def _spec(gguf_dir: str):
                         dtype="bfloat16", extra_stop_tokens=SMOLLM2.extra_stop_tokens)
 
 
+def _backbone_dir(gguf_dir: str) -> str:
+    """The converted backbone (converted now if this machine has no copy yet)."""
+    from labeling.backbone import resolve_backbone_dir
+
+    return resolve_backbone_dir(_spec(gguf_dir))
+
+
 def _adapter_path() -> str:
     return str(ROOT / "labeling" / "data" / "adapters" / ADAPTER)
 
@@ -74,7 +81,7 @@ def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
     import torch
 
     from labeling.adapters import AdapterSpec
-    from labeling.backbone import load_backbone, resolve_backbone_dir, stop_token_ids
+    from labeling.backbone import load_backbone, stop_token_ids
     from labeling.engines.hf import HFEngine
     from labeling.labels import build_requests
     from serve_bridge.bundle import load_bundle
@@ -90,7 +97,7 @@ def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
     examples = [ex for split in SPLITS for ex in task.load_split(split)]
     pairs = build_requests(engine, task, examples, [0])
     reqs = [r for _, r in pairs]
-    out: dict = {"backbone_dir": resolve_backbone_dir(spec), "stop_ids": sorted(stops), "tau": policy.tau,
+    out: dict = {"stop_ids": sorted(stops), "tau": policy.tau,
                  "prompts": [r.prompt_ids for r in reqs], "uids": [ex.uid for ex, _ in pairs]}
     for name, kwargs in (("full", {}), ("trim", {"steptrim": steptrim}), ("scored", {"scorer": steptrim})):
         torch.cuda.synchronize()
@@ -106,7 +113,7 @@ def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
     (work / "hf.json").write_text(json.dumps(out))
 
 
-def run_vllm(mode: str, run: Path, work: Path) -> None:
+def run_vllm(mode: str, gguf_dir: str, work: Path) -> None:
     """One vLLM engine (this process): learned and full-LoRA families → work/<mode>.json."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -114,7 +121,7 @@ def run_vllm(mode: str, run: Path, work: Path) -> None:
     from serve_bridge.rpc import lorazor_requests
 
     hf = json.loads((work / "hf.json").read_text())
-    llm = LLM(model=hf["backbone_dir"], dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+    llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
               max_num_seqs=256, max_model_len=1024, enable_prefix_caching=False, async_scheduling=False,
               gpu_memory_utilization=0.3, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
     params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
@@ -147,11 +154,9 @@ def run_server(gguf_dir: str, work: Path, log: Path) -> None:
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    from labeling.backbone import resolve_backbone_dir
-
     hf = json.loads((work / "hf.json").read_text())
     url = f"http://127.0.0.1:{SERVER_PORT}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", resolve_backbone_dir(_spec(gguf_dir)),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", _backbone_dir(gguf_dir),
            "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
@@ -220,14 +225,14 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
 
 
-def compare(work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
+def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
     """Check rows and notes (one per release mismatch)."""
     from transformers import AutoTokenizer
 
     hf = json.loads((work / "hf.json").read_text())
     task = _task()
     examples = [ex for split in SPLITS for ex in task.load_split(split)]
-    tok = AutoTokenizer.from_pretrained(hf["backbone_dir"])
+    tok = AutoTokenizer.from_pretrained(_backbone_dir(gguf_dir))
     stops, tau, n = set(hf["stop_ids"]), hf["tau"], len(hf["prompts"])
 
     def accuracy(tokens: list[list[int]]) -> float:
@@ -305,7 +310,7 @@ def main() -> None:
     if args.phase == "server":
         return run_server(args.gguf_dir, args.work, args.out / "server_vllm_serve.log")
     if args.phase is not None:
-        return run_vllm(args.phase, args.run, args.work)
+        return run_vllm(args.phase, args.gguf_dir, args.work)
     me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
           "--work", str(args.work)]
     base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
@@ -322,7 +327,7 @@ def main() -> None:
         print(timings[-1], flush=True)
         if code != 0 and phase == "hf":
             break
-    rows, notes = compare(args.work)
+    rows, notes = compare(args.gguf_dir, args.work)
     text = "\n".join([table(rows), "", *timings, "", *notes]) + "\n"
     (args.out / "real.md").write_text(text)
     print(text)

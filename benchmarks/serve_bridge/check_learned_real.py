@@ -48,6 +48,7 @@ from serve_bridge.steptrim import skip_fraction  # noqa: E402
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
 VLLM_MODES = ("vllm", "gridtrim", "server")
+PHASES = ("hf", *VLLM_MODES)
 SERVER_PORT = 8765
 READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
 
@@ -287,9 +288,6 @@ def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], lis
                      f"{released} released, skip {c.get('skip_fraction', float('nan')):.3f}, decision p95 "
                      f"{1e3 * c.get('decision_gpu_ms_p95', float('nan')):.1f} µs"))
     return rows, notes
-
-
-PHASES = ("hf", *VLLM_MODES)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ engine injected: on the hf engine, the realized side must equal what the sweep a
 stage predicted, exactly (same engine, greedy decoding, exact one-pass sweep)."""
 from __future__ import annotations
 
+import json
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -14,6 +15,7 @@ from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.pipeline import STAGES, run_pipeline
 from calibrate.rundir import RunDir
+from tests.calibrate.conftest import copy_run
 from tests.calibrate.test_pipeline import TINY, compose_cfg
 
 
@@ -39,9 +41,11 @@ def test_vllm_engine_config_composes() -> None:
     assert cfg.agreement is False and "agreement" in STAGES
 
 
-def test_agreement_stage_on_injected_engine(tmp_path: Path, capsys) -> None:
+def test_agreement_stage_on_injected_engine(tmp_path: Path, tiny_run: tuple[Path, dict], capsys) -> None:
+    tmp_path = copy_run(tiny_run[0], tmp_path / "run")  # data … test cached: only agreement runs
     summaries = run_pipeline(HFAgreement(compose_cfg([*TINY, "agreement=true"]), RunDir(tmp_path)))
     assert list(summaries) == ["data", "labels", "heads", "sweep", "export", "test", "agreement"]
+    assert {k: v for k, v in summaries.items() if k != "agreement"} == json.loads(json.dumps(tiny_run[1]))
     df = pd.read_csv(tmp_path / "agreement" / "agreement.csv")
     assert sorted(zip(df["adapter"], df["split"])) == [("arith-a", "test"), ("arith-a", "validation")]
     for col in ("skip_diff_points", "accuracy_diff_points", "loss_diff_points"):
@@ -54,6 +58,7 @@ def test_agreement_stage_on_injected_engine(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "plots" / "agreement.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "agreement: the bundle realized on HFEngine" in out and "2/2 agree within ±3 points" in out
+    assert "[test] cached" in out  # the copied run's earlier stages were not re-run
     again = run_pipeline(HFAgreement(compose_cfg([*TINY, "agreement=true"]), RunDir(tmp_path)))
     assert again["agreement"] == summaries["agreement"]
     assert "[agreement] cached" in capsys.readouterr().out

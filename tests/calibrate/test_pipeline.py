@@ -47,8 +47,8 @@ def cli(run_dir: Path, *overrides: str, **kw) -> subprocess.Popen:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_end_to_end_tiny(tmp_path: Path) -> None:
-    summaries = run(tmp_path, TINY)
+def test_end_to_end_tiny(tiny_run: tuple[Path, dict]) -> None:
+    tmp_path, summaries = tiny_run
     assert set(summaries) == {"data", "labels", "heads", "sweep", "export", "test"}
     bundle = load_bundle(tmp_path / "bundle", expected_hidden_size=576, expected_backbone="smollm2",
                          known_adapters=["arith-a"])
@@ -96,10 +96,9 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert changed["labels"] != hf["labels"] and changed["data"] == hf["data"]
 
 
-def test_resume_after_kill_yields_identical_labels(tmp_path: Path) -> None:
+def test_resume_after_kill_yields_identical_labels(tmp_path: Path, tiny_run: tuple[Path, dict]) -> None:
     labels_only = [*TINY, "stages=[data,labels]"]
-    reference = tmp_path / "reference"
-    run(reference, labels_only)
+    reference = tiny_run[0]  # the same labels config, run in one go
     killed = tmp_path / "killed"
     proc = cli(killed, *labels_only)
     first_shard = killed / "labels" / "shards" / "00000.done"

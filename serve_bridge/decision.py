@@ -182,7 +182,9 @@ class DecisionLauncher:
         hidden = StepTrim.kernel_hidden(hidden)
         self._hidden_source(hidden, self._src_np)
         for b in self._buckets.values():
-            if not (self.use_graphs and self._graph(b, hidden.dtype) is not None):
+            if self.use_graphs:
+                self._graph(b, hidden.dtype)  # a direct launch (the compile), then the capture
+            else:
                 self._run(b, hidden.dtype)
         torch.cuda.synchronize(self.device)
         return len(self._buckets)

@@ -245,8 +245,8 @@ def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], lis
 
     rows: list[tuple[str, bool, str]] = []
     notes: list[str] = []
-    rows.append(("hf: full LoRA / learned policy accuracy", True,
-                 f"{accuracy(hf['full']):.1f}% / {accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))
+    rows.append(("hf: full LoRA / learned policy accuracy", True, f"{accuracy(hf['full']):.1f}% / "
+                 f"{accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))
     for mode in VLLM_MODES:
         path = work / f"{mode}.json"
         if not path.exists():

@@ -199,8 +199,9 @@ def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping
     scheduling off. Prefix caching follows ``prefix_caching`` (default off): the bridge keys the
     blocks of forced releases (:mod:`serve_bridge.prefix_cache`), so OFF branches reuse their ON
     request's prefix blocks, and passes with a release policy are refused.
-    ``max_lora_rank: auto`` → the adapters' largest rank, rounded up to a rank vLLM supports. ``max_cudagraph_capture_size`` (null: vLLM's
-    ``min(2 · max_num_seqs, 512)``) goes into ``compilation_config``. ``data_parallel_size`` is not
+    ``max_lora_rank: auto`` → the adapters' largest rank, rounded up to a rank vLLM supports.
+    ``max_cudagraph_capture_size`` (null: vLLM's ``min(2 · max_num_seqs, 512)``) goes into
+    ``compilation_config``. ``data_parallel_size`` is not
     an ``LLM`` argument (vLLM 0.26 refuses it in one process, ``entrypoints/llm.py:280-292``): see
     :class:`DataParallelBackend`.
     """

@@ -2,7 +2,6 @@
 (each stage is cached in the run directory, so a test that needs a later stage runs only that)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,6 @@ from tests.calibrate.test_pipeline import TINY, run
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(run directory, stage summaries) of `python -m calibrate` with TINY's overrides. Read it,
-    or copy it with :func:`copy_run` before running more stages in it."""
+    or copy it (``shutil.copytree``) before running more stages in it."""
     run_dir = tmp_path_factory.mktemp("tiny_run")
     return run_dir, run(run_dir, TINY)
-
-
-def copy_run(src: Path, dst: Path) -> Path:
-    """A copy of a run directory that later stages may write to."""
-    shutil.copytree(src, dst)
-    return dst

@@ -4,6 +4,7 @@ stage predicted, exactly (same engine, greedy decoding, exact one-pass sweep).""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +16,6 @@ from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.pipeline import STAGES, run_pipeline
 from calibrate.rundir import RunDir
-from tests.calibrate.conftest import copy_run
 from tests.calibrate.test_pipeline import TINY, compose_cfg
 
 
@@ -42,7 +42,7 @@ def test_vllm_engine_config_composes() -> None:
 
 
 def test_agreement_stage_on_injected_engine(tmp_path: Path, tiny_run: tuple[Path, dict], capsys) -> None:
-    tmp_path = copy_run(tiny_run[0], tmp_path / "run")  # data … test cached: only agreement runs
+    tmp_path = Path(shutil.copytree(tiny_run[0], tmp_path / "run"))  # data … test cached: only agreement runs
     summaries = run_pipeline(HFAgreement(compose_cfg([*TINY, "agreement=true"]), RunDir(tmp_path)))
     assert list(summaries) == ["data", "labels", "heads", "sweep", "export", "test", "agreement"]
     assert {k: v for k, v in summaries.items() if k != "agreement"} == json.loads(json.dumps(tiny_run[1]))

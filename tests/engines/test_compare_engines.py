@@ -35,5 +35,5 @@ def test_results_without_a_recorded_limit(tmp_path: Path) -> None:
     _write(tmp_path, "hf", 128, None)  # written before the limit was recorded
     with pytest.raises(SystemExit, match="holds 128 requests"):
         compare_engines.check_earlier(tmp_path, ["vllm"], 512)
-    compare_engines.check_earlier(tmp_path, ["vllm"], 128)
-    compare_engines.check_earlier(tmp_path, ["vllm"], 0)  # all requests: the count cannot be checked up front
+    assert compare_engines.check_earlier(tmp_path, ["vllm"], 128)
+    assert compare_engines.check_earlier(tmp_path, ["vllm"], 0)  # all requests: the count cannot be checked up front

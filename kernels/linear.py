@@ -11,6 +11,7 @@ from kernels.fused import FusedConfig, lora_fused
 from kernels.gridtrim import GridTrimPlan
 from kernels.layout import K_CHUNK
 from kernels.metadata import LoRABatchMeta
+from kernels.shrink import NUM_WARPS as SHRINK_WARPS
 from kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
 from kernels.worklist import RowTileWorklist
 
@@ -28,10 +29,10 @@ class LinearConfig:
 
 def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                   *, offset_start: int = 0, block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
-                  k_chunk: int = K_CHUNK) -> LinearConfig:
+                  k_chunk: int = K_CHUNK, k_groups: int = 1, shrink_warps: int = SHRINK_WARPS) -> LinearConfig:
     """Validate and precompute `add_lora_linear`'s unfused launches for this layer and these x/y
     layouts (the values of x and y are not read)."""
-    return LinearConfig(shrink_config(x, lora_a, k_chunk),
+    return LinearConfig(shrink_config(x, lora_a, k_chunk, k_groups=k_groups, num_warps=shrink_warps),
                         expand_config(lora_b, y, offset_start, block_n, chunk_tiles))
 
 
@@ -49,8 +50,8 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
                     scale: float = 1.0, *, offset_start: int = 0, add_inputs: bool = True,
                     block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
-                    k_chunk: int = K_CHUNK, num_programs: int | None = None,
-                    fused: bool | FusedConfig = False) -> None:
+                    k_chunk: int = K_CHUNK, k_groups: int = 1, shrink_warps: int = SHRINK_WARPS,
+                    num_programs: int | None = None, fused: bool | FusedConfig = False) -> None:
     """`y[m, slice s cols] (+)= bf(scale · x[m] @ A_s[id_m]ᵀ) @ B_s[id_m]ᵀ` for tokens with an
     adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear` (punica_gpu.py:203-264).
 
@@ -58,7 +59,8 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     `layout.partials_buffer(len(lora_a), M, rank, K, k_chunk=k_chunk)`. `fused=True` (or a
     `FusedConfig`) runs `fused.lora_fused` instead: one launch, `partials` is not used (may be
     None), `schedule` must be a `RowTileWorklist`, and `block_n`, `chunk_tiles`, `k_chunk` are
-    replaced by the config's knobs.
+    replaced by the config's knobs. `k_groups` and `shrink_warps` shape the unfused shrink
+    (`shrink.shrink_config`).
     """
     if fused:
         config = fused if isinstance(fused, FusedConfig) else FusedConfig()
@@ -68,5 +70,6 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     if partials is None:
         raise ValueError("the unfused launch needs a partials buffer (layout.partials_buffer)")
     config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start, block_n=block_n,
-                           chunk_tiles=chunk_tiles, k_chunk=k_chunk)
+                           chunk_tiles=chunk_tiles, k_chunk=k_chunk, k_groups=k_groups,
+                           shrink_warps=shrink_warps)
     launch_linear(config, y, x, partials, meta, schedule, scale, add_inputs=add_inputs, num_programs=num_programs)

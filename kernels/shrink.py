@@ -37,7 +37,7 @@ def _shrink_worklist_kernel(
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_ps, stride_pc, stride_pm, stride_pr,
         SLICES: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr):
     per_tile = SLICES * N_SPLITS
     total = tl.load(num_tiles_ptr) * per_tile
     item = tl.program_id(0)
@@ -52,7 +52,7 @@ def _shrink_worklist_kernel(
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                     stride_ps, stride_pc, stride_pm, stride_pr,
-                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
+                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, K_GROUPS)
         item += tl.num_programs(0)
 
 
@@ -64,7 +64,7 @@ def _shrink_grid_kernel(
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_ps, stride_pc, stride_pm, stride_pr,
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr):
     row0 = (tl.program_id(0) // N_SPLITS) * BLOCK_M
     split = tl.program_id(0) % N_SPLITS
     slice_id = tl.program_id(1)
@@ -78,7 +78,7 @@ def _shrink_grid_kernel(
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                     stride_ps, stride_pc, stride_pm, stride_pr,
-                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
+                    BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, K_GROUPS)
 
 
 def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -123,28 +123,34 @@ class ShrinkConfig:
     splits: int
 
 
-def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK) -> ShrinkConfig:
+def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK, *,
+                  k_groups: int = 1, num_warps: int = NUM_WARPS) -> ShrinkConfig:
     """Validate x `[M, K]` against 1–3 A slices `[max_loras, (1,) rank, K]` (see `check_a`) and
-    compute the launch arguments that do not change between batches."""
+    compute the launch arguments that do not change between batches. `k_groups` splits each
+    hidden step into that many batched dots (`tiles.shrink_acc`); `num_warps` per program."""
     a3 = check_a(x, lora_a)
     rank, hidden = a3[0].shape[1:]
-    args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=min(BLOCK_K, k_chunk), K_CHUNK=k_chunk,
-                N_SPLITS=num_splits(hidden, k_chunk), num_warps=NUM_WARPS)
+    block_k = min(BLOCK_K, k_chunk)
+    if k_groups < 1 or k_groups & (k_groups - 1) or block_k < 16 * k_groups:
+        raise ValueError(f"k_groups={k_groups}: use a power of two with 16·k_groups ≤ {block_k}")
+    args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=block_k, K_CHUNK=k_chunk,
+                N_SPLITS=num_splits(hidden, k_chunk), K_GROUPS=k_groups, num_warps=num_warps)
     return ShrinkConfig(args, len(a3), rank, args["N_SPLITS"])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,
                 meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
-                scale: float = 1.0, *, k_chunk: int = K_CHUNK,
+                scale: float = 1.0, *, k_chunk: int = K_CHUNK, k_groups: int = 1,
                 num_programs: int | None = None) -> None:
     """Write `partials[split, s, m] = scale · x[m, chunk] @ A_s[id_m, :, chunk]ᵀ` (fp32).
 
     x: `[M, K]`; lora_a: 1–3 slices, each `[max_loras, (1,) rank, K]` of x's dtype (bf16/fp16);
     partials: `[cdiv(K, k_chunk), slices, ≥M, rank]` fp32 (see `layout.partials_buffer`); only
     rows of tokens with an adapter are written. `schedule` picks the launch design;
-    `num_programs` sizes the persistent grid (default: `persistent_programs`).
+    `num_programs` sizes the persistent grid (default: `persistent_programs`); `k_groups` as in
+    `shrink_config`.
     """
-    launch_shrink(shrink_config(x, lora_a, k_chunk), x, partials, meta, schedule, scale, num_programs=num_programs)
+    launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups), x, partials, meta, schedule, scale, num_programs=num_programs)
 
 
 def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor, meta: LoRABatchMeta,

@@ -94,11 +94,12 @@ def shrink_tile(x_ptr, a_ptr, part_ptr, rows, row_mask, lora, slice_id, split, K
                 stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                 stride_ps, stride_pc, stride_pm, stride_pr,
                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_CHUNK: tl.constexpr):
-    """partials[split, slice, rows] = scale · x[rows, chunk] @ A[lora, :, chunk]ᵀ (fp32)."""
+                K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr = 1):
+    """partials[split, slice, rows] = scale · x[rows, chunk] @ A[lora, :, chunk]ᵀ (fp32);
+    K_GROUPS as in `shrink_acc`."""
     acc = shrink_acc(x_ptr, a_ptr, rows, row_mask, lora, split * K_CHUNK, K, rank,
                      stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
-                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK)
+                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, K_GROUPS)
     offs_r = tl.arange(0, BLOCK_R)
     out = (part_ptr + split * stride_ps + slice_id * stride_pc
            + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr)
@@ -115,6 +116,26 @@ def column_chunk(j, chunks0, chunks1, CHUNK_N: tl.constexpr):
 
 
 @triton.jit
+def load_b_tile(b_ptr, lora, offs_n, n_mask, rank, stride_bl, stride_bn, stride_br,
+                BLOCK_R: tl.constexpr):
+    """`B[lora, offs_n, :rank]ᵀ` as a `[BLOCK_R, BLOCK_N]` tile (masked ranks and columns 0)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + lora * stride_bl + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                   mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
+
+
+@triton.jit
+def store_y_tile(acc, y_ptr, rows, row_mask, offs_out, n_mask, stride_ym, stride_yn,
+                 ADD_INPUTS: tl.constexpr):
+    """`y[rows, offs_out] (+)= acc` (fp32 `[BLOCK_M, BLOCK_N]`, the sum in fp32, then cast)."""
+    y = y_ptr + rows[:, None] * stride_ym + offs_out[None, :] * stride_yn
+    y_mask = row_mask[:, None] & n_mask[None, :]
+    if ADD_INPUTS:
+        acc += tl.load(y, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
 def expand_columns(inter, b_ptr, y_ptr, rows, row_mask, lora, col0, n_cols, out_col0, rank,
                    stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
@@ -122,21 +143,27 @@ def expand_columns(inter, b_ptr, y_ptr, rows, row_mask, lora, col0, n_cols, out_
     """y[rows, out_col0 + cols] (+)= inter @ B[lora, cols]ᵀ, inter `[BLOCK_M, BLOCK_R]` already in
     B's dtype; cols = `[col0, col0 + CHUNK_N)` ∩ `[0, n_cols)` of the slice, in steps of BLOCK_N.
     Products and the sum are fp32, then cast to y's dtype."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    b_rows = b_ptr + lora * stride_bl + offs_r[:, None] * stride_br
-    y_rows = y_ptr + rows[:, None] * stride_ym
     for c in range(0, CHUNK_N, BLOCK_N):
         offs_n = col0 + c + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_cols
-        b = tl.load(b_rows + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        acc = tl.dot(inter, b)
-        y = y_rows + (out_col0 + offs_n)[None, :] * stride_yn
-        y_mask = row_mask[:, None] & n_mask[None, :]
-        if ADD_INPUTS:
-            acc += tl.load(y, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        b = load_b_tile(b_ptr, lora, offs_n, n_mask, rank, stride_bl, stride_bn, stride_br, BLOCK_R)
+        store_y_tile(tl.dot(inter, b), y_ptr, rows, row_mask, out_col0 + offs_n, n_mask,
+                     stride_ym, stride_yn, ADD_INPUTS)
+
+
+@triton.jit
+def sum_partials(part_ptr, rows, row_mask, slice_id, rank, stride_ps, stride_pc, stride_pm, stride_pr,
+                 N_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+    """fp32 `Σ_split partials[split, slice, rows]`, `[BLOCK_M, BLOCK_R]` (masked entries 0);
+    CACHE is the loads' cache modifier: "" (default caching), or ".cg" to read partials that
+    other programs of the same launch wrote, past the SM's L1."""
+    offs_r = tl.arange(0, BLOCK_R)
+    p = part_ptr + slice_id * stride_pc + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr
+    p_mask = row_mask[:, None] & (offs_r < rank)[None, :]
+    inter = tl.load(p, mask=p_mask, other=0.0, cache_modifier=CACHE)
+    for sp in tl.static_range(1, N_SPLITS):
+        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0, cache_modifier=CACHE)
+    return inter
 
 
 @triton.jit
@@ -149,12 +176,8 @@ def expand_tile(part_ptr, b_ptr, y_ptr, rows, row_mask, lora, slice_id, col0, n_
 
     cols as in `expand_columns`; bf casts to B's dtype.
     """
-    offs_r = tl.arange(0, BLOCK_R)
-    p = part_ptr + slice_id * stride_pc + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr
-    p_mask = row_mask[:, None] & (offs_r < rank)[None, :]
-    inter = tl.load(p, mask=p_mask, other=0.0)
-    for sp in tl.static_range(1, N_SPLITS):
-        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0)
+    inter = sum_partials(part_ptr, rows, row_mask, slice_id, rank, stride_ps, stride_pc, stride_pm, stride_pr,
+                         N_SPLITS, BLOCK_R, "")
     expand_columns(inter.to(b_ptr.dtype.element_ty), b_ptr, y_ptr, rows, row_mask, lora, col0,
                    n_cols, out_col0, rank, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
                    BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)

@@ -4,8 +4,10 @@
 # /tmp/devcarry; this call carries .devcarry/c3 and .devcarry/setup.sh. Logs go to $OUT.
 #   run carry=[".devcarry/c3", ".devcarry/setup.sh"]  command: bash scripts/device_kernels.sh
 # The benchmark runs with --quick (the work-list sweep of 2026-11-29 is in RESULTS.md; the fused
-# launch's sweep and the main table of all four designs still run); BENCH_ARGS overrides that,
-# e.g. BENCH_ARGS="" for the full sweep. About 2-2.5 minutes in all on a fresh machine.
+# and joined launches' sweeps and the main table of all designs still run); BENCH_ARGS overrides
+# that, e.g. BENCH_ARGS="" for the full sweep. About 2-2.5 minutes in all on a fresh machine.
+# Each Python process runs under `timeout` (BENCH_TIMEOUT_S, CHECK_TIMEOUT_S): the joined launch
+# spins on device counters, so a synchronization bug would hang rather than fail.
 set -uo pipefail
 source .devcarry/setup.sh
 export PYTHONUNBUFFERED=1
@@ -16,14 +18,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 # The benchmark first, alone on the GPU.
-python3 $B/bench_lora_ops.py ${BENCH_ARGS---quick} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_TIMEOUT_S:-330}" python3 $B/bench_lora_ops.py ${BENCH_ARGS---quick} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? (${SECONDS} s)"
 grep -v "WARNING\|INFO" "$OUT/bench.log" | tail -n 45
 
 # Correctness of all three of our designs: one process per model; their Triton compiles overlap.
 pids=()
 for model in llama-3.2-3b mistral-7b-v0.3 smollm2-135m; do
-  python3 $B/check_lora_ops.py --models "$model" > "$OUT/check_$model.md" 2>&1 &
+  timeout "${CHECK_TIMEOUT_S:-150}" python3 $B/check_lora_ops.py --models "$model" > "$OUT/check_$model.md" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; echo "check pid $pid rc=$?"; done

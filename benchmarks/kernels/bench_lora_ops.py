@@ -1,4 +1,4 @@
-"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs the work list vs fused.
+"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs our three persistent launches.
 
 Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o, gate_up
 (2 slices) and down at rank 8 with 128 adapter slots, for:
@@ -11,19 +11,21 @@ Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o,
   after refreshing the metadata and the work list in place (the refresh is timed on its own: it
   runs once per step, not per layer);
 - fused (ours): one launch per op walking the same work list (`kernels.fused`), graphs as for
-  the work list.
+  the work list;
+- joined (ours): one launch per op, the work list's split-K shrink items then its expand items,
+  joined by per-tile counters in device memory (`kernels.joined`), graphs as for the work list.
 All read the very same metadata tensors (vLLM's; without `vllm` in --designs, static buffers
 refreshed by `kernels.metadata.build_metadata`). Each design's first replay per scenario and
 config is checked against the torch reference. The floor is the bytes that must move (A and B
 of the active adapters, x of the rows with an adapter, and y read + written for them) at the
 measured device-to-device copy bandwidth.
 
-Sweeps: the work list's tile knobs (skipped by --quick, which uses the chosen row of the
-2026-11-29 run) and the fused launch's knobs, on the 128 × 2 and mixed scenarios; the main table
-uses the best of each.
+Sweeps: the work list's tile and shrink knobs (skipped by --quick, which uses the chosen row of
+the 2026-11-29 run), and the fused and joined launches' knobs, on the 128 × 2 and mixed scenarios;
+the main table uses the best of each.
 
     python3 benchmarks/kernels/bench_lora_ops.py [--out results.md] [--quick]
-        [--designs vllm gridtrim worklist fused]
+        [--designs vllm gridtrim worklist fused joined]
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, relea
 
 from kernels.fused import FusedConfig
 from kernels.gridtrim import plan_gridtrim
+from kernels.joined import JoinedConfig, join_counters, lora_joined
 from kernels.layout import partials_buffer
 from kernels.linear import add_lora_linear
 from kernels.metadata import LoRABatchMeta, build_metadata
@@ -56,33 +59,39 @@ DTYPE = torch.bfloat16
 OPS = MODELS["llama-3.2-3b"]
 TOLERANCE = 1e-2
 SWEEP_SCENARIOS = ("256 rows, 128 adapters x 2", "2048 rows, mixed 1792 + 127 x 2")
-DESIGNS = ("vllm", "gridtrim", "worklist", "fused")
-DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list", "fused": "fused"}
+DESIGNS = ("vllm", "gridtrim", "worklist", "fused", "joined")
+OURS = ("gridtrim", "worklist", "fused", "joined")
+PERSISTENT = ("worklist", "fused", "joined")
+DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list", "fused": "fused",
+                "joined": "joined"}
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile knobs: expand tile width, tiles per expand item, shrink hidden chunk, and (work
-    list only) persistent programs per SM."""
+    """Tile knobs: expand tile width, tiles per expand item, shrink hidden chunk, (work list
+    only) persistent programs per SM, and the shrink's batched dots per hidden step and warps."""
 
     block_n: int
     chunk_tiles: int
     k_chunk: int
     programs_per_sm: int
+    k_groups: int = 1
+    shrink_warps: int = 4
 
     def __str__(self) -> str:
         return (f"block_n={self.block_n} chunk_tiles={self.chunk_tiles} k_chunk={self.k_chunk} "
-                f"per_sm={self.programs_per_sm}")
+                f"per_sm={self.programs_per_sm} shrink k_groups={self.k_groups} warps={self.shrink_warps}")
 
 
-# The first run of this script (2026-11-29) swept block_n 64..256, chunk_tiles 1..8 and 2..8
-# programs per SM at k_chunk 1024; (256, 2, ·, 1024) at 4 per SM was best. This sweep starts
-# there and tries more programs per SM and longer hidden chunks (fewer, longer shrink items).
+# The runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
+# k_chunk 1024..4096 (RESULTS.md); (256, 2, 1024, 8) was best. This sweep keeps those tile knobs
+# and tries the shrink's shape: 2 warps with batched dots over 2 hidden groups measured 118 µs vs
+# 127 µs at 128 × 2 in one exploration run (second session), and shorter hidden chunks.
 WORKLIST_CHOSEN = LaunchConfig(256, 2, 1024, 8)  # the 2026-11-29 sweep's best (RESULTS.md)
-CONFIGS = [LaunchConfig(256, 2, 1024, 4), LaunchConfig(256, 2, 1024, 8),
-           LaunchConfig(256, 2, 2048, 8), LaunchConfig(256, 2, 4096, 8),
-           LaunchConfig(256, 4, 2048, 8), LaunchConfig(256, 8, 4096, 8),
-           LaunchConfig(128, 4, 2048, 8)]
+CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(256, 2, 1024, 8, k_groups=2, shrink_warps=2),
+           LaunchConfig(256, 2, 1024, 8, k_groups=2), LaunchConfig(256, 2, 1024, 8, shrink_warps=2),
+           LaunchConfig(256, 2, 512, 8, k_groups=2, shrink_warps=2),
+           LaunchConfig(256, 2, 1024, 4, k_groups=2, shrink_warps=2)]
 
 # Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
 # than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
@@ -97,6 +106,18 @@ FUSED_CONFIGS = [
     FusedConfig(col_chunks=2, k_groups=8, num_warps=8, num_stages=3),
     FusedConfig(block_n=256, col_chunks=4, k_groups=1, num_warps=2, num_stages=3),
     FusedConfig(programs_per_sm=4),
+]
+
+# Joined launch: the first row is the default JoinedConfig(); then the shrink shape of the
+# work-list lead (2 warps, 2 hidden groups), wider expand items, shorter hidden chunks (more,
+# shorter shrink items) and a smaller grid.
+JOINED_CONFIGS = [
+    JoinedConfig(),
+    JoinedConfig(k_groups=2, num_warps=2),
+    JoinedConfig(k_groups=2),
+    JoinedConfig(block_n=512),
+    JoinedConfig(k_chunk=512, k_groups=2),
+    JoinedConfig(programs_per_sm=4),
 ]
 
 
@@ -169,13 +190,14 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int = 100) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-Config = LaunchConfig | FusedConfig
+Config = LaunchConfig | FusedConfig | JoinedConfig
 
 
 class Layer:
     """The four ops' weights, inputs and outputs (y is reset before each checked replay)."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self, gen: torch.Generator, counters: torch.Tensor) -> None:
+        self.counters = counters  # the joined launches' (every op's, in stream order)
         self.ops: list[OpTensors] = [
             random_op(op, MAX_LORAS, RANK, MAX_TOKENS, DTYPE, DEVICE, gen) for op in OPS]
         self.y0 = [t.y.clone() for t in self.ops]
@@ -216,8 +238,14 @@ class Layer:
             lora_expand(buf, t.lora_b, t.y[:m], *args, offset_start=0, add_inputs=True)
 
     def run_op(self, i: int, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
-        """Op i through our kernels: fused (FusedConfig) or shrink + expand (LaunchConfig)."""
+        """Op i through our kernels: fused (FusedConfig), joined (JoinedConfig) or shrink + expand
+        (LaunchConfig)."""
         t = self.ops[i]
+        if isinstance(cfg, JoinedConfig):
+            part = self.partials_for(cfg.k_chunk)[i]
+            lora_joined(t.x[:m], t.lora_a, t.lora_b, t.y[:m], part[:, :, :m], meta, schedule, self.counters,
+                        config=cfg, num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
+            return
         if isinstance(cfg, FusedConfig):
             add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, None, meta, schedule,
                             fused=cfg, num_programs=persistent_programs(DEVICE,
@@ -226,7 +254,7 @@ class Layer:
         part = self.partials_for(cfg.k_chunk)[i]
         add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, part[:, :, :m], meta, schedule,
                         block_n=cfg.block_n, chunk_tiles=cfg.chunk_tiles, k_chunk=cfg.k_chunk,
-                        num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
+                        k_groups=cfg.k_groups, shrink_warps=cfg.shrink_warps, num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
 
     def run_kernels(self, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
         for i in range(len(self.ops)):
@@ -255,13 +283,13 @@ class Bench:
     """Holds the static metadata buffers, the work list and the per-M graphs of our launches."""
 
     def __init__(self, gen: torch.Generator, with_vllm: bool) -> None:
-        self.layer = Layer(gen)
+        self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+        self.layer = Layer(gen, join_counters(self.worklist))
         if with_vllm:
             from vllm.lora.ops.triton_ops import LoRAKernelMeta
             self.vmeta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, device=DEVICE)
         else:
             self.vmeta, self.static_meta = None, StaticMeta()
-        self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
         self.ours: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.worklist_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -386,13 +414,14 @@ def main() -> None:
         elif {"worklist", "gridtrim"} & set(designs):
             emit(f"Work list / GridTrim tile knobs (no sweep, --quick): {best}")
             emit()
-        fused_best = None
-        if "fused" in designs:
-            fused_best = fused_sweep(bench, batches, refs, floors, emit)
+        configs: dict[str, Config | None] = {"gridtrim": best, "worklist": best}
+        for design, candidates in (("fused", FUSED_CONFIGS), ("joined", JOINED_CONFIGS)):
+            if design in designs:
+                configs[design] = launch_sweep(bench, batches, refs, floors, emit, design, candidates)
         emit(f"Main table ({time.time() - start:.0f} s so far): µs per layer, graph replay; "
              "× = speedup over vLLM; / floor = ratio to the bytes floor.")
         emit()
-        results = main_table(bench, batches, designs, best, fused_best, floors, emit)
+        results = main_table(bench, batches, designs, configs, floors, emit)
         emit()
         targets(results, floors, emit)
         emit()
@@ -402,19 +431,21 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
 
 
-def fused_sweep(bench: Bench, batches: dict[str, torch.Tensor],
-                refs: dict[str, list[torch.Tensor]], floors: dict[str, float],
-                emit: Callable[[str], None]) -> FusedConfig | None:
-    """Time FUSED_CONFIGS on the sweep scenarios (the layer, and each op alone); return the config
-    with the smallest Σ layer µs / floor µs over them (each scenario counts as much)."""
-    emit("Fused launch sweep (µs per layer, graph replay, [qkv / o / gate_up / down alone]; "
-         "max rel err):")
+def launch_sweep(bench: Bench, batches: dict[str, torch.Tensor],
+                 refs: dict[str, list[torch.Tensor]], floors: dict[str, float],
+                 emit: Callable[[str], None], design: str,
+                 candidates: list[Config]) -> Config | None:
+    """Time one design's `candidates` on the sweep scenarios (the layer, and each op alone);
+    return the config with the smallest Σ layer µs / floor µs over them (each scenario counts as
+    much), None if none passed the check."""
+    emit(f"{DESIGN_NAMES[design].capitalize()} launch sweep (µs per layer, graph replay, "
+         "[qkv / o / gate_up / down alone]; max rel err):")
     emit()
     emit("| config | " + " | ".join(SWEEP_SCENARIOS) + " | Σ µs / floor µs |")
     emit("|---|" + "---|" * (len(SWEEP_SCENARIOS) + 1))
-    scores: dict[FusedConfig, float] = {}
+    scores: dict[Config, float] = {}
     per_op: dict[str, list[list[float]]] = {name: [] for name in SWEEP_SCENARIOS}
-    for cfg in FUSED_CONFIGS:
+    for cfg in candidates:
         row, score = [], 0.0
         for name in SWEEP_SCENARIOS:
             mapping = batches[name]
@@ -430,7 +461,7 @@ def fused_sweep(bench: Bench, batches: dict[str, torch.Tensor],
     emit()
     finite = {cfg: v for cfg, v in scores.items() if v < float("inf")}
     if not finite:
-        emit("Fused: no config passed the check.")
+        emit(f"{DESIGN_NAMES[design].capitalize()}: no config passed the check.")
         emit()
         return None
     chosen = min(finite, key=finite.get)
@@ -445,12 +476,14 @@ def fused_sweep(bench: Bench, batches: dict[str, torch.Tensor],
 
 
 def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str],
-               worklist_cfg: LaunchConfig, fused_cfg: FusedConfig | None,
-               floors: dict[str, float], emit: Callable[[str], None]) -> dict[str, dict]:
-    """Every scenario × design; returns {scenario: {design: µs}} (designs not run are absent)."""
-    timed = [d for d in DESIGNS if d in designs and not (d == "fused" and fused_cfg is None)]
-    ours = ("gridtrim", "worklist", "fused")
-    emit(f"Designs: work list and GridTrim with {worklist_cfg}; fused with {fused_cfg}.")
+               configs: dict[str, Config | None], floors: dict[str, float],
+               emit: Callable[[str], None]) -> dict[str, dict]:
+    """Every scenario × design, each of ours with its config in `configs` (a design whose sweep
+    found no passing config is skipped); returns {scenario: {design: µs}} (designs not run are
+    absent)."""
+    timed = [d for d in DESIGNS if d in designs and (d == "vllm" or configs.get(d) is not None)]
+    ours = OURS
+    emit("Designs: " + "; ".join(f"{DESIGN_NAMES[d]} with {configs.get(d)}" for d in ours) + ".")
     emit()
     emit("| scenario | adapters | rows | R | " + " | ".join(
         f"{DESIGN_NAMES[d]} µs" for d in DESIGNS) + " | " + " | ".join(
@@ -474,11 +507,10 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
                     capture(lambda: bench.layer.run_vllm(vargs, vbufs)), mapping, ref)
             elif design == "gridtrim":
                 fn = lambda: bench.check_and_time(  # noqa: E731
-                    capture(lambda: bench.layer.run_kernels(meta, plan, m, worklist_cfg)),
+                    capture(lambda: bench.layer.run_kernels(meta, plan, m, configs["gridtrim"])),
                     mapping, ref)
             else:
-                cfg = worklist_cfg if design == "worklist" else fused_cfg
-                fn = lambda cfg=cfg: bench.time_ours(mapping, meta, cfg, ref)  # noqa: E731
+                fn = lambda cfg=configs[design]: bench.time_ours(mapping, meta, cfg, ref)  # noqa: E731
             us[design], err[design] = measured(fn)
         wl_us, _ = measured(lambda: (bench.worklist_us(meta, m), 0.0))
         floor = floors[name]
@@ -498,7 +530,7 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
 
 def targets(results: dict[str, dict], floors: dict[str, float],
             emit: Callable[[str], None]) -> None:
-    """The issue's targets for our two persistent designs (– where a design was not run)."""
+    """The issue's targets for our persistent designs (– where a design was not run)."""
     full, mixed = "256 rows, 128 adapters x 2", "2048 rows, mixed 1792 + 127 x 2"
     half_rows, half_ads = ("256 rows, 128 x 2, half rows released",
                            "256 rows, 128 x 2, half adapters released")
@@ -523,10 +555,10 @@ def targets(results: dict[str, dict], floors: dict[str, float],
         ("never slower than vLLM: smallest × over scenarios",
          lambda d: min(r["vllm"] / r[d] for r in results.values()), ".1f"),
     ]
-    emit("| target | work list | fused |")
-    emit("|---|---|---|")
+    emit("| target | " + " | ".join(DESIGN_NAMES[d] for d in PERSISTENT) + " |")
+    emit("|---|" + "---|" * len(PERSISTENT))
     for label, value, spec in rows:
-        emit(f"| {label} | {cell('worklist', value, spec)} | {cell('fused', value, spec)} |")
+        emit(f"| {label} | " + " | ".join(cell(d, value, spec) for d in PERSISTENT) + " |")
 
 
 if __name__ == "__main__":

@@ -97,13 +97,13 @@ def _fused_worklist_kernel(
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         K_LEN: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
         ADD_INPUTS: tl.constexpr, K_GROUPS: tl.constexpr):
-    total = tl.load(num_tiles_ptr) * col_chunks
+    n_tiles = tl.load(num_tiles_ptr)
+    total = n_tiles * col_chunks
     item = tl.program_id(0)
     while item < total:
-        tile = item // col_chunks
         # The tile's record and token indices, loaded once per item for shrink and expand.
         lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, tile, BLOCK_M)
+                                                  sorted_idx_ptr, item // col_chunks, n_tiles, BLOCK_M)
         slice_id, col0 = column_chunk(item % col_chunks, chunks0, chunks1, CHUNK_N)
         acc = shrink_acc(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), rows, row_mask,
                          lora, 0, K, rank, stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

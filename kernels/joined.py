@@ -102,7 +102,7 @@ def _joined_worklist_kernel(
             tile = item // per_tile
             sub = item % per_tile
             lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                      sorted_idx_ptr, tile, BLOCK_M)
+                                                      sorted_idx_ptr, tile, n_tiles, BLOCK_M)
             shrink_tile(x_ptr, pick_slice(sub // N_SPLITS, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                         lora, sub // N_SPLITS, sub % N_SPLITS, K, rank, scale,
                         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
@@ -113,7 +113,7 @@ def _joined_worklist_kernel(
         else:
             tile = (item - n_shrink) // col_chunks
             lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                      sorted_idx_ptr, tile, BLOCK_M)
+                                                      sorted_idx_ptr, tile, n_tiles, BLOCK_M)
             slice_id, col0 = column_chunk((item - n_shrink) % col_chunks, chunks0, chunks1, CHUNK_N)
             b_ptr = pick_slice(slice_id, b0_ptr, b1_ptr, b2_ptr)
             offs_n = col0 + tl.arange(0, BLOCK_N)

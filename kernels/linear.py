@@ -7,13 +7,43 @@ from dataclasses import dataclass
 import torch
 
 from kernels.expand import CHUNK_TILES, ExpandConfig, expand_config, launch_expand
+from kernels.expand import NUM_WARPS as EXPAND_WARPS
 from kernels.fused import FusedConfig, lora_fused
 from kernels.gridtrim import GridTrimPlan
 from kernels.layout import K_CHUNK
 from kernels.metadata import LoRABatchMeta
+from kernels.shrink import NUM_STAGES as SHRINK_STAGES
 from kernels.shrink import NUM_WARPS as SHRINK_WARPS
 from kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
 from kernels.worklist import RowTileWorklist
+
+
+@dataclass(frozen=True)
+class LinearKnobs:
+    """Tile and launch knobs of the unfused shrink + expand; the defaults are the H200 choice
+    (benchmarks/kernels/RESULTS.md).
+
+    block_n: output columns per expand tile (None: `expand.default_block_n(rank)`); chunk_tiles:
+    expand tiles per item; k_chunk: hidden columns per shrink item (one fp32 partial each);
+    k_groups: batched dots per shrink hidden step (`tiles.shrink_acc`); shrink_warps and
+    expand_warps: warps per program; shrink_stages: software-pipelining stages of the shrink's
+    hidden loop; pdl: programmatic dependent launch of both kernels (sm_90+, see
+    `shrink.shrink_config` for its contract).
+    """
+
+    block_n: int | None = None
+    chunk_tiles: int = CHUNK_TILES
+    k_chunk: int = K_CHUNK
+    k_groups: int = 1
+    shrink_warps: int = SHRINK_WARPS
+    shrink_stages: int = SHRINK_STAGES
+    expand_warps: int = EXPAND_WARPS
+    pdl: bool = False
+
+    def __str__(self) -> str:
+        return (f"block_n={self.block_n or 'default'} chunk_tiles={self.chunk_tiles} k_chunk={self.k_chunk} "
+                f"k_groups={self.k_groups} warps={self.shrink_warps}/{self.expand_warps} "
+                f"stages={self.shrink_stages} pdl={int(self.pdl)}")
 
 
 @dataclass(frozen=True)
@@ -28,12 +58,13 @@ class LinearConfig:
 
 
 def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                  *, offset_start: int = 0, block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
-                  k_chunk: int = K_CHUNK, k_groups: int = 1, shrink_warps: int = SHRINK_WARPS) -> LinearConfig:
+                  *, offset_start: int = 0, knobs: LinearKnobs = LinearKnobs()) -> LinearConfig:
     """Validate and precompute `add_lora_linear`'s unfused launches for this layer and these x/y
     layouts (the values of x and y are not read)."""
-    return LinearConfig(shrink_config(x, lora_a, k_chunk, k_groups=k_groups, num_warps=shrink_warps),
-                        expand_config(lora_b, y, offset_start, block_n, chunk_tiles))
+    return LinearConfig(shrink_config(x, lora_a, knobs.k_chunk, k_groups=knobs.k_groups, num_warps=knobs.shrink_warps,
+                                      num_stages=knobs.shrink_stages, pdl=knobs.pdl),
+                        expand_config(lora_b, y, offset_start, knobs.block_n, knobs.chunk_tiles,
+                                      num_warps=knobs.expand_warps, pdl=knobs.pdl))
 
 
 def launch_linear(config: LinearConfig, y: torch.Tensor, x: torch.Tensor, partials: torch.Tensor,
@@ -49,18 +80,15 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     lora_b: Sequence[torch.Tensor], partials: torch.Tensor | None,
                     meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
                     scale: float = 1.0, *, offset_start: int = 0, add_inputs: bool = True,
-                    block_n: int | None = None, chunk_tiles: int = CHUNK_TILES,
-                    k_chunk: int = K_CHUNK, k_groups: int = 1, shrink_warps: int = SHRINK_WARPS,
-                    num_programs: int | None = None, fused: bool | FusedConfig = False) -> None:
+                    knobs: LinearKnobs = LinearKnobs(), num_programs: int | None = None,
+                    fused: bool | FusedConfig = False) -> None:
     """`y[m, slice s cols] (+)= bf(scale · x[m] @ A_s[id_m]ᵀ) @ B_s[id_m]ᵀ` for tokens with an
     adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear` (punica_gpu.py:203-264).
 
-    Unfused (default): shrink then expand, through `partials` from
-    `layout.partials_buffer(len(lora_a), M, rank, K, k_chunk=k_chunk)`. `fused=True` (or a
+    Unfused (default): shrink then expand with `knobs`, through `partials` from
+    `layout.partials_buffer(len(lora_a), M, rank, K, k_chunk=knobs.k_chunk)`. `fused=True` (or a
     `FusedConfig`) runs `fused.lora_fused` instead: one launch, `partials` is not used (may be
-    None), `schedule` must be a `RowTileWorklist`, and `block_n`, `chunk_tiles`, `k_chunk` are
-    replaced by the config's knobs. `k_groups` and `shrink_warps` shape the unfused shrink
-    (`shrink.shrink_config`).
+    None), `schedule` must be a `RowTileWorklist`, and `knobs` are replaced by the config's.
     """
     if fused:
         config = fused if isinstance(fused, FusedConfig) else FusedConfig()
@@ -69,7 +97,5 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
         return
     if partials is None:
         raise ValueError("the unfused launch needs a partials buffer (layout.partials_buffer)")
-    config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start, block_n=block_n,
-                           chunk_tiles=chunk_tiles, k_chunk=k_chunk, k_groups=k_groups,
-                           shrink_warps=shrink_warps)
+    config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start, knobs=knobs)
     launch_linear(config, y, x, partials, meta, schedule, scale, add_inputs=add_inputs, num_programs=num_programs)

@@ -35,13 +35,16 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile,
+def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile, n_tiles,
                        BLOCK_M: tl.constexpr):
-    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token
-    indices with their mask, as :func:`load_tile_rows` gives them."""
-    lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile), tl.load(tile_rows_ptr + tile),
-                                BLOCK_M)
+    """Work-list tile `tile` of `n_tiles` (kernels/worklist.py): its adapter id (int64) and its
+    token indices with their mask, as :func:`load_tile_rows` gives them. A tile past the list
+    has no rows (an all-False mask) and reads only in-bounds list entries, so a persistent loop
+    may fetch its next item's tile before knowing whether there is one."""
+    safe = tl.maximum(tl.minimum(tile, n_tiles - 1), 0)
+    lora = tl.load(tile_lora_ptr + safe).to(tl.int64)
+    n_rows = tl.where(tile < n_tiles, tl.load(tile_rows_ptr + safe), 0)
+    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + safe), n_rows, BLOCK_M)
     return lora, rows, mask
 
 

@@ -46,10 +46,10 @@ from kernels.fused import FusedConfig
 from kernels.gridtrim import plan_gridtrim
 from kernels.joined import JoinedConfig, join_counters, lora_joined
 from kernels.layout import partials_buffer
-from kernels.linear import add_lora_linear
+from kernels.linear import LinearKnobs, add_lora_linear
 from kernels.metadata import LoRABatchMeta, build_metadata
 from kernels.reference import expand_reference, shrink_reference
-from kernels.worklist import RowTileWorklist, persistent_programs
+from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
 
 DEVICE = "cuda"
 MAX_LORAS = 128
@@ -68,30 +68,34 @@ DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list",
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile knobs: expand tile width, tiles per expand item, shrink hidden chunk, (work list
-    only) persistent programs per SM, and the shrink's batched dots per hidden step and warps."""
+    """The unfused launches' knobs and (work list only) persistent programs per SM."""
 
-    block_n: int
-    chunk_tiles: int
-    k_chunk: int
-    programs_per_sm: int
-    k_groups: int = 1
-    shrink_warps: int = 4
+    knobs: LinearKnobs
+    programs_per_sm: int = PROGRAMS_PER_SM
 
     def __str__(self) -> str:
-        return (f"block_n={self.block_n} chunk_tiles={self.chunk_tiles} k_chunk={self.k_chunk} "
-                f"per_sm={self.programs_per_sm} shrink k_groups={self.k_groups} warps={self.shrink_warps}")
+        return f"{self.knobs} per_sm={self.programs_per_sm}"
+
+
+def _knobs(**changes: int | bool) -> LinearKnobs:
+    """The 2026-11-29 tile choice (256-column expand tiles, 2 per item, hidden chunks of 1024)
+    with `changes`."""
+    return dataclasses.replace(LinearKnobs(block_n=256, chunk_tiles=2, k_chunk=1024, shrink_warps=4), **changes)
 
 
 # The runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
-# k_chunk 1024..4096 (RESULTS.md); (256, 2, 1024, 8) was best. This sweep keeps those tile knobs
-# and tries the shrink's shape: 2 warps with batched dots over 2 hidden groups measured 118 µs vs
-# 127 µs at 128 × 2 in one exploration run (second session), and shorter hidden chunks.
-WORKLIST_CHOSEN = LaunchConfig(256, 2, 1024, 8)  # the 2026-11-29 sweep's best (RESULTS.md)
-CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(256, 2, 1024, 8, k_groups=2, shrink_warps=2),
-           LaunchConfig(256, 2, 1024, 8, k_groups=2), LaunchConfig(256, 2, 1024, 8, shrink_warps=2),
-           LaunchConfig(256, 2, 512, 8, k_groups=2, shrink_warps=2),
-           LaunchConfig(256, 2, 1024, 4, k_groups=2, shrink_warps=2)]
+# k_chunk 1024..4096 (RESULTS.md); (256, 2, 1024, 8) was best. The ninth session's sweep found
+# the shrink with 2 warps best (118.4 vs 123.6 µs at 128 × 2; batched dots over 2 hidden groups,
+# shorter chunks and 4 programs per SM did not help: joined_s9/bench.md). This sweep adds
+# programmatic dependent launch (pdl), which lets each kernel start during the one before.
+WORKLIST_CHOSEN = LaunchConfig(_knobs())  # the 2026-11-29 sweep's best (RESULTS.md)
+CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(_knobs(shrink_warps=2)),
+           LaunchConfig(_knobs(shrink_warps=2, pdl=True)), LaunchConfig(_knobs(pdl=True)),
+           LaunchConfig(_knobs(shrink_warps=2, k_groups=2, pdl=True)),
+           LaunchConfig(_knobs(shrink_warps=2, expand_warps=2, pdl=True)),
+           LaunchConfig(_knobs(shrink_warps=2, shrink_stages=2, pdl=True)),
+           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4, pdl=True)),
+           LaunchConfig(_knobs(shrink_warps=2, pdl=True), programs_per_sm=4)]
 
 # Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
 # than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
@@ -251,10 +255,9 @@ class Layer:
                             fused=cfg, num_programs=persistent_programs(DEVICE,
                                                                         cfg.programs_per_sm))
             return
-        part = self.partials_for(cfg.k_chunk)[i]
-        add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, part[:, :, :m], meta, schedule,
-                        block_n=cfg.block_n, chunk_tiles=cfg.chunk_tiles, k_chunk=cfg.k_chunk,
-                        k_groups=cfg.k_groups, shrink_warps=cfg.shrink_warps, num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
+        part = self.partials_for(cfg.knobs.k_chunk)[i]
+        add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, part[:, :, :m], meta, schedule, knobs=cfg.knobs,
+                        num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
 
     def run_kernels(self, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
         for i in range(len(self.ops)):

@@ -6,10 +6,11 @@ design with its default knobs (`FusedConfig()`, `JoinedConfig()`). Each case che
 update's relative error (< 1e-2), that rows without an adapter are left bit-for-bit untouched,
 and (add_inputs=False, output poisoned with NaN) that every element the reference writes is
 written. The joined launch reuses one counters buffer for every case, so each case also checks
-that the launch before it left the counters zeroed.
+that the launch before it left the counters zeroed. `--pdl` launches the work list and GridTrim
+with programmatic dependent launch.
 
     python3 benchmarks/kernels/check_lora_ops.py [--models llama-3.2-3b ...]
-        [--designs worklist gridtrim fused joined]
+        [--designs worklist gridtrim fused joined] [--pdl]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release,
 from kernels.gridtrim import plan_gridtrim
 from kernels.joined import join_counters, lora_joined
 from kernels.layout import partials_buffer
-from kernels.linear import add_lora_linear
+from kernels.linear import LinearKnobs, add_lora_linear
 from kernels.metadata import build_metadata
 from kernels.reference import expand_reference, shrink_reference
 from kernels.worklist import RowTileWorklist
@@ -72,7 +73,7 @@ def cases(models: list[str]) -> list[tuple[str, LoRAOp, int, torch.dtype, bool, 
 
 def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: bool,
           mapping: torch.Tensor, worklist: RowTileWorklist, counters: torch.Tensor, gen: torch.Generator,
-          designs: list[str]) -> dict[str, float]:
+          designs: list[str], knobs: LinearKnobs) -> dict[str, float]:
     """Relative update error of each design; NaN if an untouched-element check fails (or, for
     the joined launch, if its counters are not zero before and after)."""
     tensors = random_op(op, MAX_LORAS, rank, mapping.numel(), dtype, DEVICE, gen)
@@ -99,7 +100,7 @@ def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: boo
             zeroed &= not counters.any()
         else:
             add_lora_linear(y, tensors.x, tensors.lora_a, tensors.lora_b, partials, meta,
-                            schedules[name], add_inputs=add_inputs, fused=fused)
+                            schedules[name], add_inputs=add_inputs, knobs=knobs, fused=fused)
         untouched = zeroed and torch.equal(y[~mapped].nan_to_num(7.0), y0[~mapped].nan_to_num(7.0))
         written = torch.equal(torch.isnan(y), torch.isnan(ref))
         if not (untouched and written):
@@ -117,6 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sm_90+)")
     args = parser.parse_args()
     designs = [d for d in DESIGNS if d in args.designs]
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +136,7 @@ def main() -> int:
             for name in names:
                 try:
                     errors = check(model, op, rank, dtype, add_inputs, mappings[name], worklist,
-                                   counters, dev_gen, designs)
+                                   counters, dev_gen, designs, LinearKnobs(pdl=args.pdl))
                 except Exception:  # noqa: BLE001 - counted as a failure, traceback printed
                     traceback.print_exc()
                     errors = {d: float("nan") for d in designs}

@@ -56,7 +56,8 @@ def _compile(fn: triton.JITFunction, kwargs: dict[str, Any]) -> Any:
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": kwargs["num_warps"],
-                                   "num_stages": kwargs.get("num_stages", 3)})
+                                   "num_stages": kwargs.get("num_stages", 3),
+                                   "launch_pdl": kwargs.get("launch_pdl", False)})
 
 
 def main() -> None:
@@ -81,8 +82,10 @@ def main() -> None:
         y = torch.zeros(m, sum(widths), dtype=dtype)
         part = partials_buffer(len(widths), m, rank, hidden, "cpu")
         for schedule in (worklist, plan_gridtrim(meta, m, meta.num_slots)):
-            shrink.lora_shrink(x, a, part, meta, schedule, k_groups=2, num_programs=8)
-            expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, num_programs=8)
+            # Programmatic dependent launch on for the work list, off for GridTrim.
+            pdl = schedule is worklist
+            shrink.lora_shrink(x, a, part, meta, schedule, k_groups=2, pdl=pdl, num_programs=8)
+            expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, pdl=pdl, num_programs=8)
         fused.lora_fused(x, a, b, y, meta, worklist, num_programs=8)
         joined.lora_joined(x, a, b, y, part, meta, worklist, joined.join_counters(worklist), num_programs=8)
     # StepTrim at Llama-3.2-3B's hidden size (bf16 and fp16 hidden states; learned and profiled

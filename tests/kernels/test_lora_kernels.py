@@ -200,4 +200,4 @@ def test_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 18  # 14 LoRA launches, 4 StepTrim
+    assert done.stdout.count("cubin") == 18  # 14 LoRA launches (work list with pdl), 4 StepTrim

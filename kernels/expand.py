@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from kernels.gridtrim import SMALL_ROWS, GridTrimPlan
@@ -49,34 +48,32 @@ def _expand_column_tile(
                 N_SPLITS, BLOCK_M, BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)
 
 
+# `rank` and `stride_bn` are compile-time constants in the expand kernels. B's rows are `rank`
+# elements apart (16 bytes at rank 8); with both as runtime ints Triton can prove neither the rank
+# mask constant over a row nor the rows' 16-byte alignment, and loads B two bytes at a time
+# (32 scalar loads per thread per tile); as constants it issues 16-byte async copies. A server
+# has one LoRA rank and B is contiguous over `[out, rank]`, so this compiles one variant.
 @triton.jit
 def _expand_worklist_kernel(
         part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         sorted_idx_ptr,
         tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
-        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank,
-        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn, stride_br, stride_ym, stride_yn,
+        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank: tl.constexpr,
+        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn: tl.constexpr, stride_br, stride_ym, stride_yn,
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr, PDL: tl.constexpr):
-    n_tiles = tl.load(num_tiles_ptr)
-    total = n_tiles * col_chunks
+        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    total = tl.load(num_tiles_ptr) * col_chunks
     item = tl.program_id(0)
-    # The first item's tile before the wait (see `expand_config`'s pdl), each next one after the
-    # item before it.
-    lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                              sorted_idx_ptr, item // col_chunks, n_tiles, BLOCK_M)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     while item < total:
+        tile = item // col_chunks
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             item % col_chunks, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
                             chunks0, chunks1, rank, stride_ps, stride_pc, stride_pm, stride_pr,
                             stride_bn, stride_br, stride_ym, stride_yn,
                             N_SPLITS, BLOCK_M, BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)
         item += tl.num_programs(0)
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, item // col_chunks, n_tiles, BLOCK_M)
 
 
 @triton.jit
@@ -84,13 +81,10 @@ def _expand_grid_kernel(
         part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         sorted_idx_ptr, counts_ptr, starts_ptr, lora_ids_ptr,
         slot_list_ptr, min_rows, max_rows,
-        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank,
-        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn, stride_br, stride_ym, stride_yn,
+        n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank: tl.constexpr,
+        stride_ps, stride_pc, stride_pm, stride_pr, stride_bn: tl.constexpr, stride_br, stride_ym, stride_yn,
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, ADD_INPUTS: tl.constexpr):
     row0 = (tl.program_id(0) // col_chunks) * BLOCK_M
     slot = tl.load(slot_list_ptr + tl.program_id(2))
     safe_slot = tl.maximum(slot, 0)
@@ -170,33 +164,32 @@ class ExpandConfig:
 
 
 def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start: int = 0,
-                  block_n: int | None = None, chunk_tiles: int = CHUNK_TILES, *, num_warps: int = NUM_WARPS,
-                  pdl: bool = False) -> ExpandConfig:
+                  block_n: int | None = None, chunk_tiles: int = CHUNK_TILES, *,
+                  num_warps: int = NUM_WARPS) -> ExpandConfig:
     """Validate 1–3 B slices against y (see `check_b`) and compute the launch arguments that do
     not change between batches. An item writes `chunk_tiles` tiles of `block_n` columns (default
-    `default_block_n(rank)`), with `num_warps` per program. `pdl`: programmatic dependent launch,
-    as in `shrink.shrink_config` (the wait comes before reading the partials or y)."""
+    `default_block_n(rank)`), with `num_warps` per program."""
     b3 = check_b(lora_b, y, offset_start)
     rank = b3[0].shape[2]
     block_n = block_n or default_block_n(rank)
     args = dict(**_b_static(b3, y, offset_start, block_n * chunk_tiles), rank=rank, BLOCK_R=block_rank(rank),
-                BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
+                BLOCK_N=block_n, num_warps=num_warps)
     return ExpandConfig(args, len(b3), rank)
 
 
 def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor,
                 meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan, *,
                 offset_start: int = 0, add_inputs: bool = True, block_n: int | None = None,
-                chunk_tiles: int = CHUNK_TILES, pdl: bool = False, num_programs: int | None = None) -> None:
+                chunk_tiles: int = CHUNK_TILES, num_programs: int | None = None) -> None:
     """Apply `y[m, c_s:c_s+N_s] (+)= bf(Σ_split partials[:, s, m]) @ B_s[id_m]ᵀ` in place.
 
     partials: shrink's `[splits, slices, ≥M, rank]` fp32; lora_b: 1–3 slices, each
     `[max_loras, (1,) N_s, rank]` (fp16/bf16); y: `[M, ≥ offset_start + ΣN_s]`, slices written
     back to back from `offset_start`. Rows of tokens without an adapter are untouched. The
     semantics are `reference.expand_reference`'s. An item writes `chunk_tiles` tiles of `block_n`
-    columns (default `default_block_n(rank)`); `pdl` as in `expand_config`.
+    columns (default `default_block_n(rank)`).
     """
-    launch_expand(expand_config(lora_b, y, offset_start, block_n, chunk_tiles, pdl=pdl), partials, y, meta, schedule,
+    launch_expand(expand_config(lora_b, y, offset_start, block_n, chunk_tiles), partials, y, meta, schedule,
                   add_inputs=add_inputs, num_programs=num_programs)
 
 

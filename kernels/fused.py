@@ -85,25 +85,26 @@ def chunk_width(widths: Sequence[int], block_n: int, col_chunks: int) -> int:
     return block_n * triton.cdiv(triton.cdiv(n_max, pieces), block_n)
 
 
+# `rank` and `stride_bn` are compile-time constants for B's vectorized loads (see kernels/expand.py).
 @triton.jit
 def _fused_worklist_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         sorted_idx_ptr,
         tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
-        K, rank, scale, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
+        K, rank: tl.constexpr, scale, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
-        stride_bn, stride_br, stride_ym, stride_yn,
+        stride_bn: tl.constexpr, stride_br, stride_ym, stride_yn,
         chunks0: tl.constexpr, chunks1: tl.constexpr, col_chunks: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         K_LEN: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
         ADD_INPUTS: tl.constexpr, K_GROUPS: tl.constexpr):
-    n_tiles = tl.load(num_tiles_ptr)
-    total = n_tiles * col_chunks
+    total = tl.load(num_tiles_ptr) * col_chunks
     item = tl.program_id(0)
     while item < total:
+        tile = item // col_chunks
         # The tile's record and token indices, loaded once per item for shrink and expand.
         lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, item // col_chunks, n_tiles, BLOCK_M)
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         slice_id, col0 = column_chunk(item % col_chunks, chunks0, chunks1, CHUNK_N)
         acc = shrink_acc(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), rows, row_mask,
                          lora, 0, K, rank, stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

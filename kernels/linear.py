@@ -20,15 +20,16 @@ from kernels.worklist import RowTileWorklist
 
 @dataclass(frozen=True)
 class LinearKnobs:
-    """Tile and launch knobs of the unfused shrink + expand; the defaults are the H200 choice
-    (benchmarks/kernels/RESULTS.md).
+    """Tile and launch knobs of the unfused shrink + expand. The defaults are the 2026-11-29 H200
+    choice, which serve_bridge's end-to-end results were measured with; 2 shrink warps (and 12–16
+    programs per SM) measured faster in benchmarks/kernels/RESULTS.md (ninth session) but have not
+    run end to end.
 
     block_n: output columns per expand tile (None: `expand.default_block_n(rank)`); chunk_tiles:
     expand tiles per item; k_chunk: hidden columns per shrink item (one fp32 partial each);
     k_groups: batched dots per shrink hidden step (`tiles.shrink_acc`); shrink_warps and
     expand_warps: warps per program; shrink_stages: software-pipelining stages of the shrink's
-    hidden loop; pdl: programmatic dependent launch of both kernels (sm_90+, see
-    `shrink.shrink_config` for its contract).
+    hidden loop.
     """
 
     block_n: int | None = None
@@ -38,12 +39,11 @@ class LinearKnobs:
     shrink_warps: int = SHRINK_WARPS
     shrink_stages: int = SHRINK_STAGES
     expand_warps: int = EXPAND_WARPS
-    pdl: bool = False
 
     def __str__(self) -> str:
         return (f"block_n={self.block_n or 'default'} chunk_tiles={self.chunk_tiles} k_chunk={self.k_chunk} "
                 f"k_groups={self.k_groups} warps={self.shrink_warps}/{self.expand_warps} "
-                f"stages={self.shrink_stages} pdl={int(self.pdl)}")
+                f"stages={self.shrink_stages}")
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
     """Validate and precompute `add_lora_linear`'s unfused launches for this layer and these x/y
     layouts (the values of x and y are not read)."""
     return LinearConfig(shrink_config(x, lora_a, knobs.k_chunk, k_groups=knobs.k_groups, num_warps=knobs.shrink_warps,
-                                      num_stages=knobs.shrink_stages, pdl=knobs.pdl),
+                                      num_stages=knobs.shrink_stages),
                         expand_config(lora_b, y, offset_start, knobs.block_n, knobs.chunk_tiles,
-                                      num_warps=knobs.expand_warps, pdl=knobs.pdl))
+                                      num_warps=knobs.expand_warps))
 
 
 def launch_linear(config: LinearConfig, y: torch.Tensor, x: torch.Tensor, partials: torch.Tensor,

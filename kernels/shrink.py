@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from kernels.gridtrim import GridTrimPlan
@@ -39,30 +38,23 @@ def _shrink_worklist_kernel(
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_ps, stride_pc, stride_pm, stride_pr,
         SLICES: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr,
-        PDL: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr):
     per_tile = SLICES * N_SPLITS
-    n_tiles = tl.load(num_tiles_ptr)
-    total = n_tiles * per_tile
+    total = tl.load(num_tiles_ptr) * per_tile
     item = tl.program_id(0)
-    # The first item's tile before the wait (see `shrink_config`'s pdl), each next one after the
-    # item before it.
-    lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                              sorted_idx_ptr, item // per_tile, n_tiles, BLOCK_M)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     while item < total:
+        tile = item // per_tile
         sub = item % per_tile
         slice_id = sub // N_SPLITS
+        split = sub % N_SPLITS
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
+                                                  sorted_idx_ptr, tile, BLOCK_M)
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
-                    lora, slice_id, sub % N_SPLITS, K, rank, scale,
+                    lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
                     stride_ps, stride_pc, stride_pm, stride_pr,
                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, K_GROUPS)
         item += tl.num_programs(0)
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, item // per_tile, n_tiles, BLOCK_M)
 
 
 @triton.jit
@@ -73,11 +65,7 @@ def _shrink_grid_kernel(
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_ps, stride_pc, stride_pm, stride_pr,
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr,
-        PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, K_GROUPS: tl.constexpr):
     row0 = (tl.program_id(0) // N_SPLITS) * BLOCK_M
     split = tl.program_id(0) % N_SPLITS
     slice_id = tl.program_id(1)
@@ -137,42 +125,35 @@ class ShrinkConfig:
 
 
 def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK, *,
-                  k_groups: int = 1, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                  pdl: bool = False) -> ShrinkConfig:
+                  k_groups: int = 1, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> ShrinkConfig:
     """Validate x `[M, K]` against 1–3 A slices `[max_loras, (1,) rank, K]` (see `check_a`) and
     compute the launch arguments that do not change between batches. `k_groups` splits each
     hidden step into that many batched dots (`tiles.shrink_acc`); `num_warps` per program and
-    `num_stages` of software pipelining of the hidden loop (shared memory grows with it).
-
-    `pdl` launches with programmatic dependent launch (sm_90+): the kernel may start while the
-    kernel before it on the stream finishes, and waits for it (`griddepcontrol.wait`) before
-    reading x or writing the partials. Before that wait the work-list launch reads its first
-    item's tile, so with pdl the work list and the metadata must not be written by the kernel
-    launched just before this one (they are written once per step, before the layers run)."""
+    `num_stages` of software pipelining of the hidden loop (shared memory grows with it)."""
     a3 = check_a(x, lora_a)
     rank, hidden = a3[0].shape[1:]
     block_k = min(BLOCK_K, k_chunk)
     if k_groups < 1 or k_groups & (k_groups - 1) or block_k < 16 * k_groups:
         raise ValueError(f"k_groups={k_groups}: use a power of two with 16·k_groups ≤ {block_k}")
     args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=block_k, K_CHUNK=k_chunk,
-                N_SPLITS=num_splits(hidden, k_chunk), K_GROUPS=k_groups, PDL=pdl, launch_pdl=pdl,
-                num_warps=num_warps, num_stages=num_stages)
+                N_SPLITS=num_splits(hidden, k_chunk), K_GROUPS=k_groups, num_warps=num_warps,
+                num_stages=num_stages)
     return ShrinkConfig(args, len(a3), rank, args["N_SPLITS"])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch.Tensor,
                 meta: LoRABatchMeta, schedule: RowTileWorklist | GridTrimPlan,
-                scale: float = 1.0, *, k_chunk: int = K_CHUNK, k_groups: int = 1, pdl: bool = False,
+                scale: float = 1.0, *, k_chunk: int = K_CHUNK, k_groups: int = 1,
                 num_programs: int | None = None) -> None:
     """Write `partials[split, s, m] = scale · x[m, chunk] @ A_s[id_m, :, chunk]ᵀ` (fp32).
 
     x: `[M, K]`; lora_a: 1–3 slices, each `[max_loras, (1,) rank, K]` of x's dtype (bf16/fp16);
     partials: `[cdiv(K, k_chunk), slices, ≥M, rank]` fp32 (see `layout.partials_buffer`); only
     rows of tokens with an adapter are written. `schedule` picks the launch design;
-    `num_programs` sizes the persistent grid (default: `persistent_programs`); `k_groups` and `pdl`
-    as in `shrink_config`.
+    `num_programs` sizes the persistent grid (default: `persistent_programs`); `k_groups` as in
+    `shrink_config`.
     """
-    launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups, pdl=pdl), x, partials, meta, schedule, scale, num_programs=num_programs)
+    launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups), x, partials, meta, schedule, scale, num_programs=num_programs)
 
 
 def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor, meta: LoRABatchMeta,

@@ -35,16 +35,13 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile, n_tiles,
+def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile,
                        BLOCK_M: tl.constexpr):
-    """Work-list tile `tile` of `n_tiles` (kernels/worklist.py): its adapter id (int64) and its
-    token indices with their mask, as :func:`load_tile_rows` gives them. A tile past the list
-    has no rows (an all-False mask) and reads only in-bounds list entries, so a persistent loop
-    may fetch its next item's tile before knowing whether there is one."""
-    safe = tl.maximum(tl.minimum(tile, n_tiles - 1), 0)
-    lora = tl.load(tile_lora_ptr + safe).to(tl.int64)
-    n_rows = tl.where(tile < n_tiles, tl.load(tile_rows_ptr + safe), 0)
-    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + safe), n_rows, BLOCK_M)
+    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token
+    indices with their mask, as :func:`load_tile_rows` gives them."""
+    lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile), tl.load(tile_rows_ptr + tile),
+                                BLOCK_M)
     return lora, rows, mask
 
 
@@ -156,16 +153,14 @@ def expand_columns(inter, b_ptr, y_ptr, rows, row_mask, lora, col0, n_cols, out_
 
 @triton.jit
 def sum_partials(part_ptr, rows, row_mask, slice_id, rank, stride_ps, stride_pc, stride_pm, stride_pr,
-                 N_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
-    """fp32 `Σ_split partials[split, slice, rows]`, `[BLOCK_M, BLOCK_R]` (masked entries 0);
-    CACHE is the loads' cache modifier: "" (default caching), or ".cg" to read partials that
-    other programs of the same launch wrote, past the SM's L1."""
+                 N_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 `Σ_split partials[split, slice, rows]`, `[BLOCK_M, BLOCK_R]` (masked entries 0)."""
     offs_r = tl.arange(0, BLOCK_R)
     p = part_ptr + slice_id * stride_pc + rows[:, None] * stride_pm + offs_r[None, :] * stride_pr
     p_mask = row_mask[:, None] & (offs_r < rank)[None, :]
-    inter = tl.load(p, mask=p_mask, other=0.0, cache_modifier=CACHE)
+    inter = tl.load(p, mask=p_mask, other=0.0)
     for sp in tl.static_range(1, N_SPLITS):
-        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0, cache_modifier=CACHE)
+        inter += tl.load(p + sp * stride_ps, mask=p_mask, other=0.0)
     return inter
 
 
@@ -180,7 +175,7 @@ def expand_tile(part_ptr, b_ptr, y_ptr, rows, row_mask, lora, slice_id, col0, n_
     cols as in `expand_columns`; bf casts to B's dtype.
     """
     inter = sum_partials(part_ptr, rows, row_mask, slice_id, rank, stride_ps, stride_pc, stride_pm, stride_pr,
-                         N_SPLITS, BLOCK_R, "")
+                         N_SPLITS, BLOCK_R)
     expand_columns(inter.to(b_ptr.dtype.element_ty), b_ptr, y_ptr, rows, row_mask, lora, col0,
                    n_cols, out_col0, rank, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
                    BLOCK_R, BLOCK_N, CHUNK_N, ADD_INPUTS)

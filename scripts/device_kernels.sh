@@ -4,11 +4,10 @@
 # /tmp/devcarry; this call carries .devcarry/c3 and .devcarry/setup.sh. Logs go to $OUT.
 #   run carry=[".devcarry/c3", ".devcarry/setup.sh"]  command: bash scripts/device_kernels.sh
 # The benchmark runs with --quick (the work-list sweep of 2026-11-29 is in RESULTS.md; the fused
-# and joined launches' sweeps and the main table of all designs still run); BENCH_ARGS overrides
-# that, e.g. BENCH_ARGS="" for the full sweep. About 2-2.5 minutes in all on a fresh machine.
-# CHECK_ARGS adds options to the correctness runs (e.g. "--pdl").
-# Each Python process runs under `timeout` (BENCH_TIMEOUT_S, CHECK_TIMEOUT_S): the joined launch
-# spins on device counters, so a synchronization bug would hang rather than fail.
+# launch's sweep and the main table of all four designs still run); BENCH_ARGS overrides that,
+# e.g. BENCH_ARGS="" for the full sweep. About 2-2.5 minutes in all on a fresh machine. Each
+# Python process runs under `timeout` (BENCH_TIMEOUT_S, CHECK_TIMEOUT_S), so that a hung kernel
+# still leaves the call time to return the logs.
 set -uo pipefail
 source .devcarry/setup.sh
 export PYTHONUNBUFFERED=1
@@ -26,7 +25,7 @@ grep -v "WARNING\|INFO" "$OUT/bench.log" | tail -n 45
 # Correctness of all three of our designs: one process per model; their Triton compiles overlap.
 pids=()
 for model in llama-3.2-3b mistral-7b-v0.3 smollm2-135m; do
-  timeout "${CHECK_TIMEOUT_S:-150}" python3 $B/check_lora_ops.py --models "$model" ${CHECK_ARGS:-} > "$OUT/check_$model.md" 2>&1 &
+  timeout "${CHECK_TIMEOUT_S:-150}" python3 $B/check_lora_ops.py --models "$model" > "$OUT/check_$model.md" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; echo "check pid $pid rc=$?"; done

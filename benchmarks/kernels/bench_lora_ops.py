@@ -1,4 +1,4 @@
-"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs our three persistent launches.
+"""One Llama-3.2-3B layer's LoRA work: vLLM 0.26's ops vs GridTrim vs the work list vs fused.
 
 Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o, gate_up
 (2 slices) and down at rank 8 with 128 adapter slots, for:
@@ -11,9 +11,7 @@ Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o,
   after refreshing the metadata and the work list in place (the refresh is timed on its own: it
   runs once per step, not per layer);
 - fused (ours): one launch per op walking the same work list (`kernels.fused`), graphs as for
-  the work list;
-- joined (ours): one launch per op, the work list's split-K shrink items then its expand items,
-  joined by per-tile counters in device memory (`kernels.joined`), graphs as for the work list.
+  the work list.
 All read the very same metadata tensors (vLLM's; without `vllm` in --designs, static buffers
 refreshed by `kernels.metadata.build_metadata`). Each design's first replay per scenario and
 config is checked against the torch reference. The floor is the bytes that must move (A and B
@@ -21,11 +19,12 @@ of the active adapters, x of the rows with an adapter, and y read + written for 
 measured device-to-device copy bandwidth.
 
 Sweeps: the work list's tile and shrink knobs (skipped by --quick, which uses the chosen row of
-the 2026-11-29 run), and the fused and joined launches' knobs, on the 128 × 2 and mixed scenarios;
-the main table uses the best of each.
+the 2026-11-29 run) and the fused launch's knobs, on the 128 × 2 and mixed scenarios; the main
+table uses the best of each. `--breakdown` also times each kernel of the chosen work-list config
+alone at 128 × 2, against the bytes that kernel must move.
 
     python3 benchmarks/kernels/bench_lora_ops.py [--out results.md] [--quick]
-        [--designs vllm gridtrim worklist fused joined]
+        [--designs vllm gridtrim worklist fused] [--breakdown]
 """
 from __future__ import annotations
 
@@ -44,9 +43,10 @@ from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, relea
 
 from kernels.fused import FusedConfig
 from kernels.gridtrim import plan_gridtrim
-from kernels.joined import JoinedConfig, join_counters, lora_joined
 from kernels.layout import partials_buffer
-from kernels.linear import LinearKnobs, add_lora_linear
+from kernels.expand import launch_expand
+from kernels.linear import LinearKnobs, add_lora_linear, linear_config
+from kernels.shrink import launch_shrink
 from kernels.metadata import LoRABatchMeta, build_metadata
 from kernels.reference import expand_reference, shrink_reference
 from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
@@ -59,11 +59,10 @@ DTYPE = torch.bfloat16
 OPS = MODELS["llama-3.2-3b"]
 TOLERANCE = 1e-2
 SWEEP_SCENARIOS = ("256 rows, 128 adapters x 2", "2048 rows, mixed 1792 + 127 x 2")
-DESIGNS = ("vllm", "gridtrim", "worklist", "fused", "joined")
-OURS = ("gridtrim", "worklist", "fused", "joined")
-PERSISTENT = ("worklist", "fused", "joined")
-DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list", "fused": "fused",
-                "joined": "joined"}
+DESIGNS = ("vllm", "gridtrim", "worklist", "fused")
+OURS = ("gridtrim", "worklist", "fused")
+PERSISTENT = ("worklist", "fused")
+DESIGN_NAMES = {"vllm": "vLLM", "gridtrim": "GridTrim", "worklist": "work list", "fused": "fused"}
 
 
 @dataclass(frozen=True)
@@ -86,16 +85,16 @@ def _knobs(**changes: int | bool) -> LinearKnobs:
 # The runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
 # k_chunk 1024..4096 (RESULTS.md); (256, 2, 1024, 8) was best. The ninth session's sweep found
 # the shrink with 2 warps best (118.4 vs 123.6 µs at 128 × 2; batched dots over 2 hidden groups,
-# shorter chunks and 4 programs per SM did not help: joined_s9/bench.md). This sweep adds
-# programmatic dependent launch (pdl), which lets each kernel start during the one before.
+# shorter chunks, 2 expand warps, 2 pipelining stages and 4 programs per SM did not help, nor
+# did programmatic dependent launch: joined_s9/ and pdl_s9/bench.md). This sweep tries more
+# programs per SM than 8, wider expand items, and deeper pipelining of the shrink.
 WORKLIST_CHOSEN = LaunchConfig(_knobs())  # the 2026-11-29 sweep's best (RESULTS.md)
 CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(_knobs(shrink_warps=2)),
-           LaunchConfig(_knobs(shrink_warps=2, pdl=True)), LaunchConfig(_knobs(pdl=True)),
-           LaunchConfig(_knobs(shrink_warps=2, k_groups=2, pdl=True)),
-           LaunchConfig(_knobs(shrink_warps=2, expand_warps=2, pdl=True)),
-           LaunchConfig(_knobs(shrink_warps=2, shrink_stages=2, pdl=True)),
-           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4, pdl=True)),
-           LaunchConfig(_knobs(shrink_warps=2, pdl=True), programs_per_sm=4)]
+           LaunchConfig(_knobs(shrink_warps=2), programs_per_sm=12),
+           LaunchConfig(_knobs(shrink_warps=2), programs_per_sm=16),
+           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4)),
+           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4), programs_per_sm=16),
+           LaunchConfig(_knobs(shrink_warps=2, shrink_stages=4))]
 
 # Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
 # than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
@@ -110,18 +109,6 @@ FUSED_CONFIGS = [
     FusedConfig(col_chunks=2, k_groups=8, num_warps=8, num_stages=3),
     FusedConfig(block_n=256, col_chunks=4, k_groups=1, num_warps=2, num_stages=3),
     FusedConfig(programs_per_sm=4),
-]
-
-# Joined launch: the first row is the default JoinedConfig(); then the shrink shape of the
-# work-list lead (2 warps, 2 hidden groups), wider expand items, shorter hidden chunks (more,
-# shorter shrink items) and a smaller grid.
-JOINED_CONFIGS = [
-    JoinedConfig(),
-    JoinedConfig(k_groups=2, num_warps=2),
-    JoinedConfig(k_groups=2),
-    JoinedConfig(block_n=512),
-    JoinedConfig(k_chunk=512, k_groups=2),
-    JoinedConfig(programs_per_sm=4),
 ]
 
 
@@ -194,14 +181,13 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int = 100) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-Config = LaunchConfig | FusedConfig | JoinedConfig
+Config = LaunchConfig | FusedConfig
 
 
 class Layer:
     """The four ops' weights, inputs and outputs (y is reset before each checked replay)."""
 
-    def __init__(self, gen: torch.Generator, counters: torch.Tensor) -> None:
-        self.counters = counters  # the joined launches' (every op's, in stream order)
+    def __init__(self, gen: torch.Generator) -> None:
         self.ops: list[OpTensors] = [
             random_op(op, MAX_LORAS, RANK, MAX_TOKENS, DTYPE, DEVICE, gen) for op in OPS]
         self.y0 = [t.y.clone() for t in self.ops]
@@ -242,14 +228,8 @@ class Layer:
             lora_expand(buf, t.lora_b, t.y[:m], *args, offset_start=0, add_inputs=True)
 
     def run_op(self, i: int, meta: LoRABatchMeta, schedule, m: int, cfg: Config) -> None:
-        """Op i through our kernels: fused (FusedConfig), joined (JoinedConfig) or shrink + expand
-        (LaunchConfig)."""
+        """Op i through our kernels: fused (FusedConfig) or shrink + expand (LaunchConfig)."""
         t = self.ops[i]
-        if isinstance(cfg, JoinedConfig):
-            part = self.partials_for(cfg.k_chunk)[i]
-            lora_joined(t.x[:m], t.lora_a, t.lora_b, t.y[:m], part[:, :, :m], meta, schedule, self.counters,
-                        config=cfg, num_programs=persistent_programs(DEVICE, cfg.programs_per_sm))
-            return
         if isinstance(cfg, FusedConfig):
             add_lora_linear(t.y[:m], t.x[:m], t.lora_a, t.lora_b, None, meta, schedule,
                             fused=cfg, num_programs=persistent_programs(DEVICE,
@@ -287,7 +267,7 @@ class Bench:
 
     def __init__(self, gen: torch.Generator, with_vllm: bool) -> None:
         self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-        self.layer = Layer(gen, join_counters(self.worklist))
+        self.layer = Layer(gen)
         if with_vllm:
             from vllm.lora.ops.triton_ops import LoRAKernelMeta
             self.vmeta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, device=DEVICE)
@@ -367,6 +347,8 @@ def main() -> None:
                              "sweep and the main table still run")
     parser.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS),
                         help="designs to time (default: all); without vllm no vLLM import")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each kernel of the chosen work-list config alone at 128 × 2")
     args = parser.parse_args()
     designs = [d for d in DESIGNS if d in args.designs]
     lines: list[str] = []
@@ -418,15 +400,17 @@ def main() -> None:
             emit(f"Work list / GridTrim tile knobs (no sweep, --quick): {best}")
             emit()
         configs: dict[str, Config | None] = {"gridtrim": best, "worklist": best}
-        for design, candidates in (("fused", FUSED_CONFIGS), ("joined", JOINED_CONFIGS)):
-            if design in designs:
-                configs[design] = launch_sweep(bench, batches, refs, floors, emit, design, candidates)
+        if "fused" in designs:
+            configs["fused"] = launch_sweep(bench, batches, refs, floors, emit, "fused", FUSED_CONFIGS)
         emit(f"Main table ({time.time() - start:.0f} s so far): µs per layer, graph replay; "
              "× = speedup over vLLM; / floor = ratio to the bytes floor.")
         emit()
         results = main_table(bench, batches, designs, configs, floors, emit)
         emit()
         targets(results, floors, emit)
+        if args.breakdown and "worklist" in designs:
+            emit()
+            measured(lambda: (breakdown(bench, batches["256 rows, 128 adapters x 2"], best, bandwidth, emit), 0.0))
         emit()
         emit(f"Total {time.time() - start:.0f} s.")
     if args.out:
@@ -562,6 +546,43 @@ def targets(results: dict[str, dict], floors: dict[str, float],
     emit("|---|" + "---|" * len(PERSISTENT))
     for label, value, spec in rows:
         emit(f"| {label} | " + " | ".join(cell(d, value, spec) for d in PERSISTENT) + " |")
+
+
+def breakdown(bench: Bench, mapping: torch.Tensor, cfg: LaunchConfig, bandwidth: float,
+              emit: Callable[[str], None]) -> None:
+    """Each kernel of the layer alone (its own graph) for `mapping` with `cfg`, against the bytes
+    that kernel must move: shrink reads A of the active adapters and x of the mapped rows and
+    writes their fp32 partials; expand reads those partials and B, and reads and writes y."""
+    m = mapping.numel()
+    _, meta, _ = bench.load(mapping)
+    adapters = torch.unique(mapping[mapping >= 0]).numel()
+    rows = int((mapping >= 0).sum())
+    size = DTYPE.itemsize
+    programs = persistent_programs(DEVICE, cfg.programs_per_sm)
+    emit(f"Per kernel, alone (own graph), {adapters} adapters × {rows} rows, {cfg}:")
+    emit()
+    emit("| op | kernel | µs | floor µs | / floor |")
+    emit("|---|---|---|---|---|")
+    total = 0.0
+    for i, (op, t) in enumerate(zip(OPS, bench.layer.ops)):
+        x, y = t.x[:m], t.y[:m]
+        config = linear_config(y, x, t.lora_a, t.lora_b, knobs=cfg.knobs)
+        part = bench.layer.partials_for(cfg.knobs.k_chunk)[i][:, :, :m]
+        out = sum(op.widths)
+        partial_bytes = part.shape[0] * part.shape[1] * rows * RANK * 4
+        kernels = {
+            "shrink": (lambda: launch_shrink(config.shrink, x, part, meta, bench.worklist, num_programs=programs),
+                       adapters * len(op.widths) * RANK * op.hidden * size + rows * op.hidden * size + partial_bytes),
+            "expand": (lambda: launch_expand(config.expand, part, y, meta, bench.worklist, num_programs=programs),
+                       adapters * RANK * out * size + 2 * rows * out * size + partial_bytes),
+        }
+        for kind, (fn, nbytes) in kernels.items():
+            us = replay_us(capture(fn))
+            floor = nbytes / bandwidth * 1e6
+            total += us
+            emit(f"| {op.name} | {kind} | {us:.1f} | {floor:.1f} | {us / floor:.2f} |")
+    emit()
+    emit(f"Sum of the kernels alone: {total:.1f} µs.")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,14 @@
-"""GPU correctness sweep of the launch designs (work list, GridTrim, fused, joined) vs the torch reference.
+"""GPU correctness sweep of the launch designs (work list, GridTrim, fused) vs the torch reference.
 
 Covers adapters 1…128, groups of 1…2048 rows, released (-1) rows, ranks 8/16/64, 1–3 slices,
 bf16 and fp16, on the layer shapes of Llama-3.2-3B, Mistral-7B-v0.3 and SmolLM2-135M, each
-design with its default knobs (`FusedConfig()`, `JoinedConfig()`). Each case checks the LoRA
+design with its default knobs (the fused launch: `FusedConfig()`). Each case checks the LoRA
 update's relative error (< 1e-2), that rows without an adapter are left bit-for-bit untouched,
 and (add_inputs=False, output poisoned with NaN) that every element the reference writes is
-written. The joined launch reuses one counters buffer for every case, so each case also checks
-that the launch before it left the counters zeroed. `--pdl` launches the work list and GridTrim
-with programmatic dependent launch.
+written.
 
     python3 benchmarks/kernels/check_lora_ops.py [--models llama-3.2-3b ...]
-        [--designs worklist gridtrim fused joined] [--pdl]
+        [--designs worklist gridtrim fused]
 """
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ import torch
 from lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
 
 from kernels.gridtrim import plan_gridtrim
-from kernels.joined import join_counters, lora_joined
 from kernels.layout import partials_buffer
-from kernels.linear import LinearKnobs, add_lora_linear
+from kernels.linear import add_lora_linear
 from kernels.metadata import build_metadata
 from kernels.reference import expand_reference, shrink_reference
 from kernels.worklist import RowTileWorklist
@@ -34,8 +31,8 @@ DEVICE = "cuda"
 MAX_LORAS = 128
 MAX_TOKENS = 2048
 TOLERANCE = 1e-2
-DESIGNS = ("worklist", "gridtrim", "fused", "joined")
-HEADERS = {"worklist": "worklist", "gridtrim": "GridTrim", "fused": "fused", "joined": "joined"}
+DESIGNS = ("worklist", "gridtrim", "fused")
+HEADERS = {"worklist": "worklist", "gridtrim": "GridTrim", "fused": "fused"}
 
 
 def batches(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -72,10 +69,9 @@ def cases(models: list[str]) -> list[tuple[str, LoRAOp, int, torch.dtype, bool, 
 
 
 def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: bool,
-          mapping: torch.Tensor, worklist: RowTileWorklist, counters: torch.Tensor, gen: torch.Generator,
-          designs: list[str], knobs: LinearKnobs) -> dict[str, float]:
-    """Relative update error of each design; NaN if an untouched-element check fails (or, for
-    the joined launch, if its counters are not zero before and after)."""
+          mapping: torch.Tensor, worklist: RowTileWorklist, gen: torch.Generator,
+          designs: list[str]) -> dict[str, float]:
+    """Relative update error of each design; NaN if an untouched-element check fails."""
     tensors = random_op(op, MAX_LORAS, rank, mapping.numel(), dtype, DEVICE, gen)
     mapping = mapping.to(DEVICE)
     meta = build_metadata(mapping, MAX_LORAS)
@@ -92,16 +88,9 @@ def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: boo
         partials = None if fused else partials_buffer(
             len(op.widths), mapping.numel(), rank, op.hidden, DEVICE).fill_(float("nan"))
         y = y0.clone()
-        zeroed = True
-        if name == "joined":
-            zeroed = not counters.any()
-            lora_joined(tensors.x, tensors.lora_a, tensors.lora_b, y, partials, meta, worklist, counters,
-                        add_inputs=add_inputs)
-            zeroed &= not counters.any()
-        else:
-            add_lora_linear(y, tensors.x, tensors.lora_a, tensors.lora_b, partials, meta,
-                            schedules[name], add_inputs=add_inputs, knobs=knobs, fused=fused)
-        untouched = zeroed and torch.equal(y[~mapped].nan_to_num(7.0), y0[~mapped].nan_to_num(7.0))
+        add_lora_linear(y, tensors.x, tensors.lora_a, tensors.lora_b, partials, meta,
+                        schedules[name], add_inputs=add_inputs, fused=fused)
+        untouched = torch.equal(y[~mapped].nan_to_num(7.0), y0[~mapped].nan_to_num(7.0))
         written = torch.equal(torch.isnan(y), torch.isnan(ref))
         if not (untouched and written):
             errors[name] = float("nan")
@@ -118,14 +107,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sm_90+)")
     args = parser.parse_args()
     designs = [d for d in DESIGNS if d in args.designs]
     gen = torch.Generator().manual_seed(0)
     dev_gen = torch.Generator(device=DEVICE).manual_seed(0)
     mappings = batches(gen)
     worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    counters = join_counters(worklist)
     failures = total = 0
     start = time.time()
     print("| model | op | rank | dtype | add | batch | "
@@ -136,7 +123,7 @@ def main() -> int:
             for name in names:
                 try:
                     errors = check(model, op, rank, dtype, add_inputs, mappings[name], worklist,
-                                   counters, dev_gen, designs, LinearKnobs(pdl=args.pdl))
+                                   dev_gen, designs)
                 except Exception:  # noqa: BLE001 - counted as a failure, traceback printed
                     traceback.print_exc()
                     errors = {d: float("nan") for d in designs}

@@ -2,7 +2,7 @@
 without a GPU.
 
 Run as a script (`python tests/kernels/sm90_compile.py`, TRITON_INTERPRET unset): it calls the
-host ops (shrink, expand, fused, joined) on CPU tensors with the kernels' launchers replaced by
+host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers replaced by
 recorders, then compiles each recorded launch with Triton's ahead-of-time path for an H100/H200
 target. Catches GPU codegen
 errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see.
@@ -22,7 +22,7 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import expand, fused, joined, shrink, steptrim  # noqa: E402
+from kernels import expand, fused, shrink, steptrim  # noqa: E402
 from kernels.gridtrim import plan_gridtrim  # noqa: E402
 from kernels.layout import partials_buffer  # noqa: E402
 from kernels.metadata import build_metadata  # noqa: E402
@@ -56,16 +56,14 @@ def _compile(fn: triton.JITFunction, kwargs: dict[str, Any]) -> Any:
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": kwargs["num_warps"],
-                                   "num_stages": kwargs.get("num_stages", 3),
-                                   "launch_pdl": kwargs.get("launch_pdl", False)})
+                                   "num_stages": kwargs.get("num_stages", 3)})
 
 
 def main() -> None:
     launches: list = []
     for mod, names in ((shrink, ("_shrink_worklist_kernel", "_shrink_grid_kernel")),
                        (expand, ("_expand_worklist_kernel", "_expand_grid_kernel")),
-                       (fused, ("_fused_worklist_kernel",)), (joined, ("_joined_worklist_kernel",)),
-                       (steptrim, ("_steptrim_kernel",))):
+                       (fused, ("_fused_worklist_kernel",)), (steptrim, ("_steptrim_kernel",))):
         for name in names:
             setattr(mod, name, _Recorder(getattr(mod, name), launches))
     m, loras = 64, 4
@@ -82,12 +80,9 @@ def main() -> None:
         y = torch.zeros(m, sum(widths), dtype=dtype)
         part = partials_buffer(len(widths), m, rank, hidden, "cpu")
         for schedule in (worklist, plan_gridtrim(meta, m, meta.num_slots)):
-            # Programmatic dependent launch on for the work list, off for GridTrim.
-            pdl = schedule is worklist
-            shrink.lora_shrink(x, a, part, meta, schedule, k_groups=2, pdl=pdl, num_programs=8)
-            expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, pdl=pdl, num_programs=8)
+            shrink.lora_shrink(x, a, part, meta, schedule, k_groups=2, num_programs=8)
+            expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, num_programs=8)
         fused.lora_fused(x, a, b, y, meta, worklist, num_programs=8)
-        joined.lora_joined(x, a, b, y, part, meta, worklist, joined.join_counters(worklist), num_programs=8)
     # StepTrim at Llama-3.2-3B's hidden size (bf16 and fp16 hidden states; learned and profiled
     # only) and at SmolLM2-135M's (float32).
     meta = torch.zeros(3, 8, dtype=torch.int64)
@@ -99,6 +94,9 @@ def main() -> None:
         steptrim.launch_steptrim(meta, src, dtype, table, learned, score, fire)
     for fn, kwargs in launches:
         compiled = _compile(fn, kwargs)
+        if "expand" in fn.__name__ or "fused" in fn.__name__:
+            # B must load in 16-byte vectors (kernels/expand.py), not two bytes at a time.
+            assert "ld.global.b16" not in compiled.asm["ptx"], f"{fn.__name__}: B loaded in scalar 2-byte loads"
         block = kwargs.get("BLOCK_R", kwargs.get("BLOCK_H"))
         print(f"{fn.__name__} block {block}: {len(compiled.asm['cubin'])} B cubin, "
               f"{compiled.metadata.shared} B shared memory")

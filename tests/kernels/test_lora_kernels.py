@@ -1,8 +1,7 @@
 """Triton shrink/expand, all three launch designs, against the torch reference.
 
-The designs: GridTrim and the work list (shrink → partials → expand, two launches), the fused
-work-list launch (shrink in registers, then expand, one launch; no partials), and the joined one
-(split-K shrink items, then expand items waiting on per-tile counters, one launch).
+The designs: GridTrim and the work list (shrink → partials → expand, two launches), and the
+fused work-list launch (shrink in registers, then expand, one launch; no partials).
 
 Runs on the GPU when there is one, else in Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py before Triton is imported). The interpreter multiplies bf16 tiles as raw uint16 bits
@@ -30,7 +29,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 from kernels.expand import lora_expand  # noqa: E402
 from kernels.fused import FusedConfig  # noqa: E402
 from kernels.gridtrim import plan_gridtrim  # noqa: E402
-from kernels.joined import JoinedConfig, join_counters, lora_joined  # noqa: E402
 from kernels.layout import partials_buffer  # noqa: E402
 from kernels.linear import add_lora_linear  # noqa: E402
 from kernels.metadata import LoRABatchMeta, build_metadata  # noqa: E402
@@ -46,7 +44,7 @@ FUSED = FusedConfig(block_n=16, col_chunks=3, block_k=128)
 
 
 def _schedule(kind: str, meta: LoRABatchMeta, num_tokens: int, num_slots: int):
-    if kind in ("worklist", "fused", "joined"):
+    if kind in ("worklist", "fused"):
         wl = RowTileWorklist.allocate(num_tokens, meta.num_slots, DEVICE)
         wl.update(meta)
         return wl
@@ -71,7 +69,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["worklist", "gridtrim", "fused", "joined"])
+@pytest.mark.parametrize("kind", ["worklist", "gridtrim", "fused"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
@@ -109,14 +107,6 @@ def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
         add_lora_linear(y, x, lora_a, lora_b, None, meta, schedule, scale=0.5,
                         offset_start=offset, add_inputs=add_inputs, fused=FUSED,
                         num_programs=PROGRAMS)
-    elif kind == "joined":
-        partials = partials_buffer(len(widths), m, rank, hidden, DEVICE, k_chunk).fill_(float("nan"))
-        counters = join_counters(schedule)
-        lora_joined(x, lora_a, lora_b, y, partials, meta, schedule, counters, scale=0.5,
-                    offset_start=offset, add_inputs=add_inputs,
-                    config=JoinedConfig(block_n=16, k_chunk=k_chunk, k_groups=2), num_programs=PROGRAMS)
-        assert torch.isnan(partials[:, :, ~mapped]).all(), "rows without adapter: not written"
-        assert not counters.any(), "a joined launch leaves its counters zeroed"
     else:
         partials = partials_buffer(len(widths), m, rank, hidden, DEVICE, k_chunk)
         partials.fill_(float("nan"))
@@ -135,28 +125,24 @@ def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
         assert _rel_err(y, ref) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["worklist", "fused", "joined"])
-def test_one_worklist_and_grid_serve_successive_batches(gen: torch.Generator, kind: str) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_worklist_and_grid_serve_successive_batches(gen: torch.Generator,
+                                                        fused: bool) -> None:
     """The persistent launches read the batch only from device buffers: the same buffers and
-    grid (as a replayed CUDA graph would use; for the joined launch, the same counters) give
-    right answers for different batches."""
+    grid (as a replayed CUDA graph would use) give right answers for different batches."""
     m, max_loras, hidden, rank, width = 48, 8, 96, 8, 40
     wl = RowTileWorklist.allocate(m, max_loras + 1, DEVICE)
     lora_a = [(torch.randn(max_loras, rank, hidden, generator=gen) / 10).to(DEVICE, torch.float16)]
     lora_b = [(torch.randn(max_loras, width, rank, generator=gen) / 3).to(DEVICE, torch.float16)]
     x = torch.randn(m, hidden, generator=gen).to(DEVICE, torch.float16)
-    partials = None if kind == "fused" else partials_buffer(1, m, rank, hidden, DEVICE)
-    counters = join_counters(wl)
+    partials = None if fused else partials_buffer(1, m, rank, hidden, DEVICE)
     for groups in ({i: 6 for i in range(8)}, {-1: 40, 3: 8}, {0: 1, 1: 47}):
         mapping = mapping_from_groups(groups, gen).to(DEVICE)
         meta = build_metadata(mapping, max_loras)
         wl.update(meta)
         y = torch.zeros(m, width, device=DEVICE, dtype=torch.float16)
-        if kind == "joined":
-            lora_joined(x, lora_a, lora_b, y, partials, meta, wl, counters, num_programs=PROGRAMS)
-        else:
-            add_lora_linear(y, x, lora_a, lora_b, partials, meta, wl, num_programs=PROGRAMS,
-                            fused=FUSED if kind == "fused" else False)
+        add_lora_linear(y, x, lora_a, lora_b, partials, meta, wl, num_programs=PROGRAMS,
+                        fused=FUSED if fused else False)
         ref = expand_reference(shrink_reference(x, lora_a, mapping), lora_b,
                                torch.zeros_like(y), mapping)
         assert _rel_err(y, ref) < 1e-2
@@ -184,13 +170,8 @@ def test_rejects_mismatched_inputs() -> None:
                         None, meta, wl, fused=True)
     with pytest.raises(ValueError, match="partials"):
         add_lora_linear(y, x, a, b, None, meta, wl)
-    partials = partials_buffer(1, 4, 8, 32, DEVICE)
-    with pytest.raises(ValueError, match="join_counters"):
-        lora_joined(x, a, b, y, partials, meta, wl, torch.zeros(3, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="RowTileWorklist"):
-        lora_joined(x, a, b, y, partials, meta, plan_gridtrim(meta, 4, 2), join_counters(wl))
     with pytest.raises(ValueError, match="k_groups"):
-        lora_shrink(x, a, partials, meta, wl, k_chunk=32, k_groups=4)
+        lora_shrink(x, a, partials_buffer(1, 4, 8, 32, DEVICE), meta, wl, k_chunk=32, k_groups=4)
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -200,4 +181,4 @@ def test_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 18  # 14 LoRA launches (work list with pdl), 4 StepTrim
+    assert done.stdout.count("cubin") == 16  # 12 LoRA launches, 4 StepTrim

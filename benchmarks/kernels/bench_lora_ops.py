@@ -41,14 +41,14 @@ import torch
 import triton
 from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
 
+from kernels.expand import launch_expand
 from kernels.fused import FusedConfig
 from kernels.gridtrim import plan_gridtrim
 from kernels.layout import partials_buffer
-from kernels.expand import launch_expand
 from kernels.linear import LinearKnobs, add_lora_linear, linear_config
-from kernels.shrink import launch_shrink
 from kernels.metadata import LoRABatchMeta, build_metadata
 from kernels.reference import expand_reference, shrink_reference
+from kernels.shrink import launch_shrink
 from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
 
 DEVICE = "cuda"
@@ -76,7 +76,7 @@ class LaunchConfig:
         return f"{self.knobs} per_sm={self.programs_per_sm}"
 
 
-def _knobs(**changes: int | bool) -> LinearKnobs:
+def _knobs(**changes: int) -> LinearKnobs:
     """The 2026-11-29 tile choice (256-column expand tiles, 2 per item, hidden chunks of 1024)
     with `changes`."""
     return dataclasses.replace(LinearKnobs(block_n=256, chunk_tiles=2, k_chunk=1024, shrink_warps=4), **changes)
@@ -87,7 +87,8 @@ def _knobs(**changes: int | bool) -> LinearKnobs:
 # the shrink with 2 warps best (118.4 vs 123.6 µs at 128 × 2; batched dots over 2 hidden groups,
 # shorter chunks, 2 expand warps, 2 pipelining stages and 4 programs per SM did not help, nor
 # did programmatic dependent launch: joined_s9/ and pdl_s9/bench.md). This sweep tries more
-# programs per SM than 8, wider expand items, and deeper pipelining of the shrink.
+# programs per SM than 8, wider expand items, and deeper pipelining of the shrink; its last run
+# (vector_b_s9/bench.md) chose 2 shrink warps, chunk_tiles 4 and 16 programs per SM (113.4 µs).
 WORKLIST_CHOSEN = LaunchConfig(_knobs())  # the 2026-11-29 sweep's best (RESULTS.md)
 CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(_knobs(shrink_warps=2)),
            LaunchConfig(_knobs(shrink_warps=2), programs_per_sm=12),
@@ -266,13 +267,13 @@ class Bench:
     """Holds the static metadata buffers, the work list and the per-M graphs of our launches."""
 
     def __init__(self, gen: torch.Generator, with_vllm: bool) -> None:
-        self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
         self.layer = Layer(gen)
         if with_vllm:
             from vllm.lora.ops.triton_ops import LoRAKernelMeta
             self.vmeta = LoRAKernelMeta.make(MAX_LORAS, MAX_TOKENS, device=DEVICE)
         else:
             self.vmeta, self.static_meta = None, StaticMeta()
+        self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
         self.ours: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.worklist_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 

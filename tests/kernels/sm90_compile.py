@@ -5,7 +5,8 @@ Run as a script (`python tests/kernels/sm90_compile.py`, TRITON_INTERPRET unset)
 host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers replaced by
 recorders, then compiles each recorded launch with Triton's ahead-of-time path for an H100/H200
 target. Catches GPU codegen
-errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see.
+errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see, and fails if
+an expand kernel loads B two bytes at a time instead of in 16-byte vectors.
 """
 from __future__ import annotations
 

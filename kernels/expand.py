@@ -88,11 +88,14 @@ def _expand_grid_kernel(
     row0 = (tl.program_id(0) // col_chunks) * BLOCK_M
     slot = tl.load(slot_list_ptr + tl.program_id(2))
     safe_slot = tl.maximum(slot, 0)
+    # The slot's three loads are issued together, none waiting on another: `first >= 0` (always
+    # true) keeps the third ahead of the branch, which the compiler would otherwise sink it into.
     lora = tl.load(lora_ids_ptr + safe_slot).to(tl.int64)
     n_rows = tl.load(counts_ptr + safe_slot)
-    if (slot >= 0) & (lora >= 0) & (row0 < n_rows) & (n_rows >= min_rows) & (n_rows <= max_rows):
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(starts_ptr + safe_slot) + row0,
-                                        n_rows - row0, BLOCK_M)
+    first = tl.load(starts_ptr + safe_slot) + row0
+    if (slot >= 0) & (lora >= 0) & (row0 < n_rows) & (n_rows >= min_rows) & (n_rows <= max_rows) \
+            & (first >= 0):
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, first, n_rows - row0, BLOCK_M)
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             tl.program_id(0) % col_chunks, n0, n1, n2, out0, out1, out2,
                             sbl0, sbl1, sbl2, chunks0, chunks1, rank,

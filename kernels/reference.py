@@ -42,8 +42,10 @@ def expand_reference(inter: torch.Tensor, lora_b: Sequence[torch.Tensor], y: tor
     For slice s with columns `[c_s, c_s + N_s)` (c_0 = offset_start, slices back to back):
     `y[m, c_s:c_s+N_s] = (y[m, ...] if add_inputs else 0) + bf(inter[s, m]) @ B_s[id_m]ᵀ`,
     where bf casts the fp32 intermediate to the weights' dtype (as vLLM's expand does,
-    lora_expand_op.py:231-235); products and the sum are fp32, then cast to y's dtype.
-    Rows of tokens without an adapter are left untouched.
+    lora_expand_op.py:231-235). The products are summed in fp32 and rounded to y's dtype, and
+    that is added to y with one more rounding, which is vLLM's rounding too (kernel_utils.py:
+    215-234 rounds the accumulator, then adds the loaded output). Rows of tokens without an
+    adapter are left untouched.
     """
     out = y.clone()
     col = offset_start
@@ -52,9 +54,9 @@ def expand_reference(inter: torch.Tensor, lora_b: Sequence[torch.Tensor], y: tor
         b3 = as_3d(b)
         n = b3.shape[1]
         for lora, rows in groups:
-            upd = inter[s, rows].to(b3.dtype).float() @ b3[lora].float().T
+            upd = (inter[s, rows].to(b3.dtype).float() @ b3[lora].float().T).to(out.dtype)
             if add_inputs:
-                upd = upd + out[rows, col:col + n].float()
-            out[rows, col:col + n] = upd.to(out.dtype)
+                upd = (upd.float() + out[rows, col:col + n].float()).to(out.dtype)
+            out[rows, col:col + n] = upd
         col += n
     return out

@@ -70,11 +70,13 @@ def _shrink_grid_kernel(
     split = tl.program_id(0) % N_SPLITS
     slice_id = tl.program_id(1)
     slot = tl.program_id(2)
+    # The slot's three loads are issued together, none waiting on another: `first >= 0` (always
+    # true) keeps the third ahead of the branch, which the compiler would otherwise sink it into.
     lora = tl.load(lora_ids_ptr + slot).to(tl.int64)
     n_rows = tl.load(counts_ptr + slot)
-    if (lora >= 0) & (row0 < n_rows):
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, tl.load(starts_ptr + slot) + row0,
-                                        n_rows - row0, BLOCK_M)
+    first = tl.load(starts_ptr + slot) + row0
+    if (lora >= 0) & (row0 < n_rows) & (first >= 0):
+        rows, row_mask = load_tile_rows(sorted_idx_ptr, first, n_rows - row0, BLOCK_M)
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

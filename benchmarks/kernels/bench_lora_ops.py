@@ -89,13 +89,10 @@ def _knobs(**changes: int) -> LinearKnobs:
 # did programmatic dependent launch: joined_s9/ and pdl_s9/bench.md). This sweep tries more
 # programs per SM than 8, wider expand items, and deeper pipelining of the shrink; its last run
 # (vector_b_s9/bench.md) chose 2 shrink warps, chunk_tiles 4 and 16 programs per SM (113.4 µs).
-WORKLIST_CHOSEN = LaunchConfig(_knobs())  # the 2026-11-29 sweep's best (RESULTS.md)
-CONFIGS = [WORKLIST_CHOSEN, LaunchConfig(_knobs(shrink_warps=2)),
-           LaunchConfig(_knobs(shrink_warps=2), programs_per_sm=12),
-           LaunchConfig(_knobs(shrink_warps=2), programs_per_sm=16),
-           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4)),
-           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4), programs_per_sm=16),
-           LaunchConfig(_knobs(shrink_warps=2, shrink_stages=4))]
+WORKLIST_CHOSEN = LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4), programs_per_sm=16)
+CONFIGS = [WORKLIST_CHOSEN,
+           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=2), programs_per_sm=16),
+           LaunchConfig(_knobs(shrink_warps=2, block_n=128, chunk_tiles=8), programs_per_sm=16)]
 
 # Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
 # than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
@@ -300,6 +297,14 @@ class Bench:
                 lambda: self.layer.run_kernels(meta, self.worklist, m, cfg))
         return self.check_and_time(self.ours[m, cfg], mapping, refs)
 
+    def time_gridtrim(self, mapping: torch.Tensor, meta: LoRABatchMeta, active: int, cfg: LaunchConfig,
+                      refs: list[torch.Tensor]) -> tuple[float, float]:
+        """(µs, max error) of the whole layer through GridTrim's launch with `cfg` (one graph per
+        batch: the plan's grid depends on it)."""
+        m = mapping.numel()
+        plan = plan_gridtrim(meta, m, active)
+        return self.check_and_time(capture(lambda: self.layer.run_kernels(meta, plan, m, cfg)), mapping, refs)
+
     def time_ops(self, mapping: torch.Tensor, meta: LoRABatchMeta, cfg: Config) -> list[float]:
         """µs of each op alone (its own graph) through our kernels with `cfg`."""
         m = mapping.numel()
@@ -376,31 +381,14 @@ def main() -> None:
         emit()
         refs = {name: bench.layer.references(batches[name].to(DEVICE)) for name in SWEEP_SCENARIOS}
         floors = {name: floor_bytes(m) / bandwidth * 1e6 for name, m in batches.items()}
-        best = WORKLIST_CHOSEN
-        if not args.quick and {"worklist", "gridtrim"} & set(designs):
-            emit("Work-list launch sweep (µs per layer, graph replay; max rel err):")
+        swept = [d for d in ("worklist", "gridtrim") if d in designs]
+        best = {d: WORKLIST_CHOSEN for d in swept}
+        if not args.quick and swept:
+            best = knob_sweep(bench, batches, refs, swept, emit)
+        elif swept:
+            emit(f"Work list / GridTrim tile knobs (no sweep, --quick): {WORKLIST_CHOSEN}")
             emit()
-            emit("| config | " + " | ".join(SWEEP_SCENARIOS) + " |")
-            emit("|---|" + "---|" * len(SWEEP_SCENARIOS))
-            totals: dict[LaunchConfig, float] = {}
-            for cfg in CONFIGS:
-                row = []
-                for name in SWEEP_SCENARIOS:
-                    mapping = batches[name]
-                    _, meta, _ = bench.load(mapping)
-                    us, err = measured(lambda: bench.time_ours(mapping, meta, cfg, refs[name]))
-                    row.append(f"{us:.1f} ({err:.1e})")
-                    ok = err < TOLERANCE  # NaN (failed) compares False
-                    totals[cfg] = totals.get(cfg, 0.0) + (us if ok else float("inf"))
-                emit(f"| {cfg} | " + " | ".join(row) + " |")
-            best = min(totals, key=totals.get)
-            emit()
-            emit(f"Chosen: {best} (GridTrim uses the same tile knobs; only the launch differs)")
-            emit()
-        elif {"worklist", "gridtrim"} & set(designs):
-            emit(f"Work list / GridTrim tile knobs (no sweep, --quick): {best}")
-            emit()
-        configs: dict[str, Config | None] = {"gridtrim": best, "worklist": best}
+        configs: dict[str, Config | None] = dict(best)
         if "fused" in designs:
             configs["fused"] = launch_sweep(bench, batches, refs, floors, emit, "fused", FUSED_CONFIGS)
         emit(f"Main table ({time.time() - start:.0f} s so far): µs per layer, graph replay; "
@@ -411,12 +399,45 @@ def main() -> None:
         targets(results, floors, emit)
         if args.breakdown and "worklist" in designs:
             emit()
-            measured(lambda: (breakdown(bench, batches["256 rows, 128 adapters x 2"], best, bandwidth, emit), 0.0))
+            measured(lambda: (breakdown(bench, batches["256 rows, 128 adapters x 2"], best["worklist"], bandwidth,
+                                        emit), 0.0))
         emit()
         emit(f"Total {time.time() - start:.0f} s.")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def knob_sweep(bench: Bench, batches: dict[str, torch.Tensor], refs: dict[str, list[torch.Tensor]],
+               designs: list[str], emit: Callable[[str], None]) -> dict[str, LaunchConfig]:
+    """Time every `CONFIGS` entry with each of `designs` (work list, GridTrim) on the sweep
+    scenarios; return each design's config of smallest total µs among those that passed the check."""
+    emit("Knob sweep (µs per layer, graph replay; max rel err):")
+    emit()
+    emit("| config | " + " | ".join(f"{DESIGN_NAMES[d]}: {name}" for d in designs for name in SWEEP_SCENARIOS) + " |")
+    emit("|---|" + "---|" * (len(designs) * len(SWEEP_SCENARIOS)))
+    totals: dict[str, dict[LaunchConfig, float]] = {d: {} for d in designs}
+    for cfg in CONFIGS:
+        row = []
+        for design in designs:
+            for name in SWEEP_SCENARIOS:
+                mapping = batches[name]
+                _, meta, active = bench.load(mapping)
+                if design == "worklist":
+                    fn = lambda: bench.time_ours(mapping, meta, cfg, refs[name])  # noqa: E731
+                else:
+                    fn = lambda: bench.time_gridtrim(mapping, meta, active, cfg, refs[name])  # noqa: E731
+                us, err = measured(fn)
+                row.append(f"{us:.1f} ({err:.1e})")
+                ok = err < TOLERANCE  # NaN (failed) compares False
+                totals[design][cfg] = totals[design].get(cfg, 0.0) + (us if ok else float("inf"))
+        emit(f"| {cfg} | " + " | ".join(row) + " |")
+    emit()
+    best = {d: min(totals[d], key=totals[d].get) for d in designs}
+    for d in designs:
+        emit(f"Chosen for {DESIGN_NAMES[d]}: {best[d]}")
+    emit()
+    return best
 
 
 def launch_sweep(bench: Bench, batches: dict[str, torch.Tensor],
@@ -494,9 +515,7 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
                 fn = lambda: bench.check_and_time(  # noqa: E731
                     capture(lambda: bench.layer.run_vllm(vargs, vbufs)), mapping, ref)
             elif design == "gridtrim":
-                fn = lambda: bench.check_and_time(  # noqa: E731
-                    capture(lambda: bench.layer.run_kernels(meta, plan, m, configs["gridtrim"])),
-                    mapping, ref)
+                fn = lambda: bench.time_gridtrim(mapping, meta, active, configs["gridtrim"], ref)  # noqa: E731
             else:
                 fn = lambda cfg=configs[design]: bench.time_ours(mapping, meta, cfg, ref)  # noqa: E731
             us[design], err[design] = measured(fn)

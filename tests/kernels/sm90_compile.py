@@ -6,10 +6,12 @@ host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers repl
 recorders, then compiles each recorded launch with Triton's ahead-of-time path for an H100/H200
 target. Catches GPU codegen
 errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see, and fails if
-an expand kernel loads B two bytes at a time instead of in 16-byte vectors.
+an expand kernel loads B two bytes at a time instead of in 16-byte vectors or adds to y other than
+in 16-byte atomic adds.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,8 +98,11 @@ def main() -> None:
     for fn, kwargs in launches:
         compiled = _compile(fn, kwargs)
         if "expand" in fn.__name__ or "fused" in fn.__name__:
-            # B must load in 16-byte vectors (kernels/expand.py), not two bytes at a time.
+            # B must load in 16-byte vectors (kernels/expand.py), not two bytes at a time, and y
+            # must be added to with 16-byte atomic adds of 8 halves (tiles.store_y_tile).
             assert "ld.global.b16" not in compiled.asm["ptx"], f"{fn.__name__}: B loaded in scalar 2-byte loads"
+            assert not kwargs["ADD_INPUTS"] or re.search(r"atom\.global\.\w+\.relaxed\.add\.noftz\.v8\.b?f16",
+                                                         compiled.asm["ptx"]), f"{fn.__name__}: y not added in vectors"
         block = kwargs.get("BLOCK_R", kwargs.get("BLOCK_H"))
         print(f"{fn.__name__} block {block}: {len(compiled.asm['cubin'])} B cubin, "
               f"{compiled.metadata.shared} B shared memory")

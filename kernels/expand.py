@@ -26,7 +26,7 @@ from kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
-CHUNK_TILES = 2
+CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/kernels/RESULTS.md)
 MAX_SLICES = 3
 _NO_UPPER_BOUND = 2**31 - 1
 
@@ -56,8 +56,7 @@ def _expand_column_tile(
 @triton.jit
 def _expand_worklist_kernel(
         part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
-        sorted_idx_ptr,
-        tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
+        tile_lora_ptr, tile_tokens_ptr, num_tiles_ptr,
         n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2, chunks0, chunks1, col_chunks, rank: tl.constexpr,
         stride_ps, stride_pc, stride_pm, stride_pr, stride_bn: tl.constexpr, stride_br, stride_ym, stride_yn,
         N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -66,8 +65,7 @@ def _expand_worklist_kernel(
     item = tl.program_id(0)
     while item < total:
         tile = item // col_chunks
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, tile, BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             item % col_chunks, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
                             chunks0, chunks1, rank, stride_ps, stride_pc, stride_pm, stride_pr,
@@ -107,8 +105,8 @@ def _expand_grid_kernel(
 def default_block_n(rank: int) -> int:
     """Output columns per tile: 4096 B-tile elements (256 columns up to rank 16), at least 64.
 
-    256 columns × 2 tiles per item was the fastest of the H200 sweep in
-    benchmarks/kernels/RESULTS.md at rank 8.
+    256 columns (with `CHUNK_TILES` tiles per item) was the fastest tile width of the H200 sweeps
+    in benchmarks/kernels/RESULTS.md at rank 8.
     """
     return max(64, 4096 // block_rank(rank))
 
@@ -205,15 +203,13 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
         raise ValueError(f"partials {tuple(partials.shape)} do not match {config.slices} slices of "
                          f"rank {config.rank} for {y.shape[0]} tokens")
     ps, pc, pm, pr = partials.stride()
-    common = dict(**config.args, part_ptr=partials, y_ptr=y, sorted_idx_ptr=meta.token_indices_sorted,
-                  stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr, N_SPLITS=partials.shape[0],
+    common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr, N_SPLITS=partials.shape[0],
                   ADD_INPUTS=add_inputs)
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(y.device),)
         _expand_worklist_kernel[grid](
-            tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
-            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles,
-            BLOCK_M=schedule.block_m, **common)
+            tile_lora_ptr=schedule.tile_lora, tile_tokens_ptr=schedule.tile_tokens,
+            num_tiles_ptr=schedule.num_tiles, BLOCK_M=schedule.block_m, **common)
         return
     if schedule.num_slots == 0:
         return
@@ -225,7 +221,7 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
                    (schedule.large_slots, schedule.row_bound, SMALL_ROWS + 1, _NO_UPPER_BOUND)]
     for slot_list, bound, min_rows, max_rows in classes:
         grid = (triton.cdiv(bound, GRIDTRIM_BLOCK_M) * col_chunks, 1, slot_list.numel())
-        _expand_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
+        _expand_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted, counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
                                   slot_list_ptr=slot_list, min_rows=min_rows, max_rows=max_rows,
                                   BLOCK_M=GRIDTRIM_BLOCK_M, **common)

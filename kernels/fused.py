@@ -30,11 +30,10 @@ import triton
 import triton.language as tl
 
 from kernels.expand import b_kwargs, check_b
-from kernels.metadata import LoRABatchMeta
 from kernels.shrink import a_kwargs, check_a
 from kernels.tiles import (block_rank, column_chunk, expand_columns, load_worklist_tile, pick_slice,
                            shrink_acc)
-from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
+from kernels.worklist import RowTileWorklist, persistent_programs
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class FusedConfig:
     block_n: int = 512
     col_chunks: int = 2
     block_k: int = 256
-    programs_per_sm: int = PROGRAMS_PER_SM
+    programs_per_sm: int = 8  # the fused launch's own sweep (benchmarks/kernels/RESULTS.md)
     num_warps: int = 4
     num_stages: int = 4
     k_groups: int = 4
@@ -89,8 +88,7 @@ def chunk_width(widths: Sequence[int], block_n: int, col_chunks: int) -> int:
 @triton.jit
 def _fused_worklist_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
-        sorted_idx_ptr,
-        tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
+        tile_lora_ptr, tile_tokens_ptr, num_tiles_ptr,
         K, rank: tl.constexpr, scale, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_bn: tl.constexpr, stride_br, stride_ym, stride_yn,
@@ -103,8 +101,7 @@ def _fused_worklist_kernel(
     while item < total:
         tile = item // col_chunks
         # The tile's record and token indices, loaded once per item for shrink and expand.
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, tile, BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
         slice_id, col0 = column_chunk(item % col_chunks, chunks0, chunks1, CHUNK_N)
         acc = shrink_acc(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), rows, row_mask,
                          lora, 0, K, rank, stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
@@ -119,7 +116,7 @@ def _fused_worklist_kernel(
 
 
 def lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-               y: torch.Tensor, meta: LoRABatchMeta, schedule: RowTileWorklist,
+               y: torch.Tensor, schedule: RowTileWorklist,
                scale: float = 1.0, *, offset_start: int = 0, add_inputs: bool = True,
                config: FusedConfig = FusedConfig(), num_programs: int | None = None) -> None:
     """`y[m, slice s cols] (+)= bf(scale · x[m] @ A_s[id_m]ᵀ) @ B_s[id_m]ᵀ` in one launch.
@@ -143,9 +140,8 @@ def lora_fused(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence
     grid = (num_programs or persistent_programs(x.device, config.programs_per_sm),)
     _fused_worklist_kernel[grid](
         **a_kwargs(x, a3), **b_kwargs(b3, y, offset_start, chunk_n),
-        sorted_idx_ptr=meta.token_indices_sorted,
-        tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
-        tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles, scale=scale,
+        tile_lora_ptr=schedule.tile_lora, tile_tokens_ptr=schedule.tile_tokens,
+        num_tiles_ptr=schedule.num_tiles, scale=scale,
         BLOCK_M=schedule.block_m, BLOCK_R=block_rank(rank), BLOCK_K=block_k,
         K_LEN=block_k * triton.cdiv(hidden, block_k), BLOCK_N=config.block_n,
         ADD_INPUTS=add_inputs, K_GROUPS=config.k_groups, num_warps=config.num_warps,

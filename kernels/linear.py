@@ -12,6 +12,7 @@ from kernels.fused import FusedConfig, lora_fused
 from kernels.gridtrim import GridTrimPlan
 from kernels.layout import K_CHUNK
 from kernels.metadata import LoRABatchMeta
+from kernels.shrink import BLOCK_K as SHRINK_BLOCK_K
 from kernels.shrink import NUM_STAGES as SHRINK_STAGES
 from kernels.shrink import NUM_WARPS as SHRINK_WARPS
 from kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
@@ -20,21 +21,20 @@ from kernels.worklist import RowTileWorklist
 
 @dataclass(frozen=True)
 class LinearKnobs:
-    """Tile and launch knobs of the unfused shrink + expand. The defaults are the 2026-11-29 H200
-    choice, which serve_bridge's end-to-end results were measured with; 2 shrink warps (and 12–16
-    programs per SM) measured faster in benchmarks/kernels/RESULTS.md (ninth session) but have not
-    run end to end.
+    """Tile and launch knobs of the unfused shrink + expand. The defaults are the H200 sweeps'
+    choice (benchmarks/kernels/RESULTS.md, tenth session), which serve_bridge launches with.
 
     block_n: output columns per expand tile (None: `expand.default_block_n(rank)`); chunk_tiles:
     expand tiles per item; k_chunk: hidden columns per shrink item (one fp32 partial each);
-    k_groups: batched dots per shrink hidden step (`tiles.shrink_acc`); shrink_warps and
-    expand_warps: warps per program; shrink_stages: software-pipelining stages of the shrink's
-    hidden loop.
+    block_k: hidden columns per step of a shrink item; k_groups: batched dots per shrink hidden
+    step (`tiles.shrink_acc`); shrink_warps and expand_warps: warps per program; shrink_stages:
+    software-pipelining stages of the shrink's hidden loop.
     """
 
     block_n: int | None = None
     chunk_tiles: int = CHUNK_TILES
     k_chunk: int = K_CHUNK
+    block_k: int = SHRINK_BLOCK_K
     k_groups: int = 1
     shrink_warps: int = SHRINK_WARPS
     shrink_stages: int = SHRINK_STAGES
@@ -42,7 +42,7 @@ class LinearKnobs:
 
     def __str__(self) -> str:
         return (f"block_n={self.block_n or 'default'} chunk_tiles={self.chunk_tiles} k_chunk={self.k_chunk} "
-                f"k_groups={self.k_groups} warps={self.shrink_warps}/{self.expand_warps} "
+                f"block_k={self.block_k} k_groups={self.k_groups} warps={self.shrink_warps}/{self.expand_warps} "
                 f"stages={self.shrink_stages}")
 
 
@@ -61,8 +61,8 @@ def linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
                   *, offset_start: int = 0, knobs: LinearKnobs = LinearKnobs()) -> LinearConfig:
     """Validate and precompute `add_lora_linear`'s unfused launches for this layer and these x/y
     layouts (the values of x and y are not read)."""
-    return LinearConfig(shrink_config(x, lora_a, knobs.k_chunk, k_groups=knobs.k_groups, num_warps=knobs.shrink_warps,
-                                      num_stages=knobs.shrink_stages),
+    return LinearConfig(shrink_config(x, lora_a, knobs.k_chunk, block_k=knobs.block_k, k_groups=knobs.k_groups,
+                                      num_warps=knobs.shrink_warps, num_stages=knobs.shrink_stages),
                         expand_config(lora_b, y, offset_start, knobs.block_n, knobs.chunk_tiles,
                                       num_warps=knobs.expand_warps))
 
@@ -92,7 +92,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     """
     if fused:
         config = fused if isinstance(fused, FusedConfig) else FusedConfig()
-        lora_fused(x, lora_a, lora_b, y, meta, schedule, scale, offset_start=offset_start,
+        lora_fused(x, lora_a, lora_b, y, schedule, scale, offset_start=offset_start,
                    add_inputs=add_inputs, config=config, num_programs=num_programs)
         return
     if partials is None:

@@ -24,7 +24,7 @@ from kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_s
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
-NUM_WARPS = 4
+NUM_WARPS = 2  # faster than 4 in every H200 sweep since the ninth session (benchmarks/kernels/RESULTS.md)
 NUM_STAGES = 3  # Triton's default on sm_90
 MAX_SLICES = 3
 
@@ -32,8 +32,7 @@ MAX_SLICES = 3
 @triton.jit
 def _shrink_worklist_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr,
-        sorted_idx_ptr,
-        tile_lora_ptr, tile_first_ptr, tile_rows_ptr, num_tiles_ptr,
+        tile_lora_ptr, tile_tokens_ptr, num_tiles_ptr,
         K, rank, scale,
         stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
         stride_ps, stride_pc, stride_pm, stride_pr,
@@ -47,8 +46,7 @@ def _shrink_worklist_kernel(
         sub = item % per_tile
         slice_id = sub // N_SPLITS
         split = sub % N_SPLITS
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr,
-                                                  sorted_idx_ptr, tile, BLOCK_M)
+        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,
@@ -127,14 +125,16 @@ class ShrinkConfig:
 
 
 def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK, *,
-                  k_groups: int = 1, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> ShrinkConfig:
+                  block_k: int = BLOCK_K, k_groups: int = 1, num_warps: int = NUM_WARPS,
+                  num_stages: int = NUM_STAGES) -> ShrinkConfig:
     """Validate x `[M, K]` against 1–3 A slices `[max_loras, (1,) rank, K]` (see `check_a`) and
-    compute the launch arguments that do not change between batches. `k_groups` splits each
-    hidden step into that many batched dots (`tiles.shrink_acc`); `num_warps` per program and
-    `num_stages` of software pipelining of the hidden loop (shared memory grows with it)."""
+    compute the launch arguments that do not change between batches. An item's hidden chunk of
+    `k_chunk` is walked in steps of `block_k` (at most `k_chunk`); `k_groups` splits each step into
+    that many batched dots (`tiles.shrink_acc`); `num_warps` per program and `num_stages` of
+    software pipelining of the hidden loop (shared memory grows with it)."""
     a3 = check_a(x, lora_a)
     rank, hidden = a3[0].shape[1:]
-    block_k = min(BLOCK_K, k_chunk)
+    block_k = min(block_k, k_chunk)
     if k_groups < 1 or k_groups & (k_groups - 1) or block_k < 16 * k_groups:
         raise ValueError(f"k_groups={k_groups}: use a power of two with 16·k_groups ≤ {block_k}")
     args = dict(**_a_static(x, a3), BLOCK_R=block_rank(rank), BLOCK_K=block_k, K_CHUNK=k_chunk,
@@ -168,19 +168,19 @@ def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor,
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
                          f"[{config.splits}, {config.slices}, ≥{x.shape[0]}, {config.rank}] float32")
     ps, pc, pm, pr = partials.stride()
-    common = dict(**config.args, x_ptr=x, part_ptr=partials, sorted_idx_ptr=meta.token_indices_sorted,
-                  scale=scale, stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)
+    common = dict(**config.args, x_ptr=x, part_ptr=partials, scale=scale,
+                  stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(x.device),)
         _shrink_worklist_kernel[grid](
-            tile_lora_ptr=schedule.tile_lora, tile_first_ptr=schedule.tile_first,
-            tile_rows_ptr=schedule.tile_rows, num_tiles_ptr=schedule.num_tiles, SLICES=config.slices,
+            tile_lora_ptr=schedule.tile_lora, tile_tokens_ptr=schedule.tile_tokens,
+            num_tiles_ptr=schedule.num_tiles, SLICES=config.slices,
             BLOCK_M=schedule.block_m, **common)
     else:
         if schedule.num_slots == 0:
             return
         grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * config.splits, config.slices,
                 schedule.num_slots)
-        _shrink_grid_kernel[grid](counts_ptr=meta.num_tokens_per_slot,
+        _shrink_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted, counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
                                   BLOCK_M=GRIDTRIM_BLOCK_M, **common)

@@ -35,14 +35,13 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_worklist_tile(tile_lora_ptr, tile_first_ptr, tile_rows_ptr, sorted_idx_ptr, tile,
-                       BLOCK_M: tl.constexpr):
-    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token
-    indices with their mask, as :func:`load_tile_rows` gives them."""
+def load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M: tl.constexpr):
+    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token indices
+    with their mask, as :func:`load_tile_rows` gives them. The two loads are independent, so
+    they are in flight together."""
     lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-    rows, mask = load_tile_rows(sorted_idx_ptr, tl.load(tile_first_ptr + tile), tl.load(tile_rows_ptr + tile),
-                                BLOCK_M)
-    return lora, rows, mask
+    tokens = tl.load(tile_tokens_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    return lora, tl.maximum(tokens, 0).to(tl.int64), tokens >= 0
 
 
 @triton.jit

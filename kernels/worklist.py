@@ -3,9 +3,10 @@
 A row tile is `block_m` consecutive tokens of one slot's group. The list holds only tiles of
 slots with an adapter and at least one token, so a kernel that walks it launches no idle work:
 item i of a kernel is (tile i // inner, sub-item i % inner), where `inner` enumerates slices and
-hidden chunks (shrink) or output column chunks (expand). Each tile is stored resolved (adapter
-id, first position in `token_indices_sorted`, row count), so a kernel reaches its token indices
-in two dependent loads.
+hidden chunks (shrink) or output column chunks (expand). Each tile is stored resolved: its
+adapter id and its token indices themselves (padded with -1), so a kernel has everything it needs
+to start streaming weights and activations after one round of independent loads, not a chain of
+two (record, then `token_indices_sorted`).
 
 `RowTileWorklist.update` is a few torch ops on the metadata's device, with no host sync and
 static buffers, so it can be captured in the same CUDA graph as the step: one graph per batch
@@ -23,19 +24,18 @@ import torch
 
 from kernels.metadata import LoRABatchMeta
 
-PROGRAMS_PER_SM = 8  # fastest of 2/4/8 on the H200 (benchmarks/kernels/RESULTS.md)
+PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/kernels/RESULTS.md, ninth and tenth sessions)
 
 
 @dataclass(frozen=True)
 class RowTileWorklist:
-    """Static buffers: for i < num_tiles[0], tile i is the tokens
-    `token_indices_sorted[tile_first[i] : tile_first[i] + tile_rows[i]]` (1 ≤ tile_rows ≤
-    block_m), all mapped to adapter `tile_lora[i]`. Entries past `num_tiles` are garbage."""
+    """Static buffers: for i < num_tiles[0], tile i is the tokens `tile_tokens[i, :r]` (1 ≤ r ≤
+    block_m; the rest of the row is -1), consecutive entries of `token_indices_sorted`, all mapped
+    to adapter `tile_lora[i]`. Entries past `num_tiles` are garbage."""
 
     block_m: int
     tile_lora: torch.Tensor
-    tile_first: torch.Tensor
-    tile_rows: torch.Tensor
+    tile_tokens: torch.Tensor
     num_tiles: torch.Tensor
     positions: torch.Tensor
 
@@ -48,7 +48,7 @@ class RowTileWorklist:
         `max_tokens // block_m + max_slots` entries always suffice.
         """
         capacity = cls.capacity_for(max_tokens, max_slots, block_m)
-        block = torch.zeros(cls.block_size(capacity), dtype=torch.int32, device=device)
+        block = torch.zeros(cls.block_size(capacity, block_m), dtype=torch.int32, device=device)
         return cls.in_block(block, capacity, block_m)
 
     @staticmethod
@@ -58,17 +58,17 @@ class RowTileWorklist:
 
     @classmethod
     def in_block(cls, block: torch.Tensor, capacity: int, block_m: int = 16) -> RowTileWorklist:
-        """Buffers that are views of `block` (int32, `block_size(capacity)` entries, laid out as
-        `host_tiles` writes them: tile_lora, tile_first, tile_rows, then num_tiles)."""
-        assert block.dtype == torch.int32 and block.numel() == cls.block_size(capacity)
-        tile_lora, tile_first, tile_rows, num_tiles = block.split([capacity, capacity, capacity, 1])
-        return cls(block_m=block_m, tile_lora=tile_lora, tile_first=tile_first, tile_rows=tile_rows,
+        """Buffers that are views of `block` (int32, `block_size(capacity, block_m)` entries, laid
+        out as `host_tiles` writes them: tile_lora, tile_tokens row by row, then num_tiles)."""
+        assert block.dtype == torch.int32 and block.numel() == cls.block_size(capacity, block_m)
+        tile_lora, tile_tokens, num_tiles = block.split([capacity, capacity * block_m, 1])
+        return cls(block_m=block_m, tile_lora=tile_lora, tile_tokens=tile_tokens.view(capacity, block_m),
                    num_tiles=num_tiles, positions=torch.arange(capacity, dtype=torch.int64, device=block.device))
 
     @staticmethod
-    def block_size(capacity: int) -> int:
-        """Entries of an `in_block` block for `capacity` tiles."""
-        return 3 * capacity + 1
+    def block_size(capacity: int, block_m: int = 16) -> int:
+        """Entries of an `in_block` block for `capacity` tiles of `block_m` tokens."""
+        return capacity * (1 + block_m) + 1
 
     @property
     def capacity(self) -> int:
@@ -87,18 +87,24 @@ class RowTileWorklist:
         slot = torch.searchsorted(ends, self.positions, right=True).clamp_(max=ends.numel() - 1)
         row0 = (self.positions - (ends[slot] - tiles[slot])) * self.block_m
         self.tile_lora.copy_(meta.slot_lora_ids[slot])
-        self.tile_first.copy_(meta.slot_start_loc[slot] + row0)
-        self.tile_rows.copy_(torch.clamp(counts[slot] - row0, max=self.block_m))
+        lanes = torch.arange(self.block_m, device=row0.device)
+        order = meta.token_indices_sorted
+        if order.numel() == 0:
+            self.tile_tokens.fill_(-1)
+        else:
+            at = (meta.slot_start_loc[slot] + row0)[:, None] + lanes
+            tokens = order[at.clamp_(0, order.numel() - 1)]
+            self.tile_tokens.copy_(torch.where(lanes < (counts[slot] - row0)[:, None], tokens, -1))
         self.num_tiles.copy_(ends[-1:])
 
 
 def host_tiles(num_tokens_per_slot: np.ndarray, slot_lora_ids: np.ndarray, slot_start_loc: np.ndarray,
-               block_m: int, out: np.ndarray) -> int:
+               token_indices_sorted: np.ndarray, block_m: int, out: np.ndarray) -> int:
     """`RowTileWorklist.update` on the host: write the list for this metadata (numpy arrays, as in
     `LoRABatchMeta`) into `out`, an int32 array laid out as `RowTileWorklist.in_block`'s block.
     Tiles are ordered by slot, then by row offset; entries past the count keep old values (garbage,
     as on the device). Returns the number of tiles."""
-    capacity = (out.size - 1) // 3
+    capacity = (out.size - 1) // (1 + block_m)
     counts = num_tokens_per_slot.astype(np.int64)
     tiles = np.where(slot_lora_ids >= 0, -(-counts // block_m), 0)
     total = int(tiles.sum())
@@ -106,9 +112,12 @@ def host_tiles(num_tokens_per_slot: np.ndarray, slot_lora_ids: np.ndarray, slot_
     slot = np.repeat(np.arange(tiles.size), tiles)
     row0 = (np.arange(total) - (np.cumsum(tiles) - tiles)[slot]) * block_m
     out[:total] = slot_lora_ids[slot]
-    out[capacity:capacity + total] = slot_start_loc[slot] + row0
-    out[2 * capacity:2 * capacity + total] = np.minimum(counts[slot] - row0, block_m)
-    out[3 * capacity] = total
+    lanes = np.arange(block_m)
+    at = (slot_start_loc[slot] + row0)[:, None] + lanes
+    valid = lanes < (counts[slot] - row0)[:, None]
+    tokens = out[capacity:capacity * (1 + block_m)].reshape(capacity, block_m)
+    tokens[:total] = np.where(valid, token_indices_sorted[np.where(valid, at, 0)], -1)
+    out[-1] = total
     return total
 
 

@@ -3,7 +3,7 @@
 # vLLM is carried as in ../shared/device/README.md: earlier calls copied .devcarry/c0..c2 to
 # /tmp/devcarry; this call carries .devcarry/c3 and .devcarry/setup.sh. Logs go to $OUT.
 #   run carry=[".devcarry/c3", ".devcarry/setup.sh"]  command: bash scripts/device_kernels.sh
-# The benchmark runs with --quick (the work-list sweep of 2026-11-29 is in RESULTS.md; the fused
+# The benchmark runs with --quick (the knob sweeps are in RESULTS.md; the fused
 # launch's sweep and the main table of all four designs still run); BENCH_ARGS overrides that,
 # e.g. BENCH_ARGS="" for the full sweep. About 2-2.5 minutes in all on a fresh machine. Each
 # Python process runs under `timeout` (BENCH_TIMEOUT_S, CHECK_TIMEOUT_S), so that a hung kernel

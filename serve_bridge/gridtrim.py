@@ -307,7 +307,7 @@ def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: R
     if torch.compiler.is_compiling():
         _op(name)(*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
                   meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
-                  worklist.tile_first, worklist.tile_rows, worklist.num_tiles, worklist.positions,
+                  worklist.tile_tokens, worklist.num_tiles, worklist.positions,
                   worklist.block_m, *tail)
     else:
         _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
@@ -411,7 +411,7 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
 _LIB: torch.library.Library | None = None
 _OPS: dict[str, object] = {}
 _META = ("Tensor token_lora_mapping, Tensor token_indices_sorted, Tensor num_tokens_per_slot, Tensor slot_start_loc, "
-         "Tensor slot_lora_ids, Tensor tile_lora, Tensor tile_first, Tensor tile_rows, Tensor num_tiles, "
+         "Tensor slot_lora_ids, Tensor tile_lora, Tensor tile_tokens, Tensor num_tiles, "
          "Tensor positions, int block_m")
 _SCHEMAS = {
     OP_NAME: (f"{OP_NAME}(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, {_META}, float scale, "
@@ -470,7 +470,7 @@ def _expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], meta: 
 # op name → (implementation, number of leading arguments before the metadata)
 _DIRECT: dict[str, tuple[Callable[..., None], int]] = {OP_NAME: (_linear, 4), SHRINK_OP: (_shrink, 3),
                                                          EXPAND_OP: (_expand, 3)}
-_N_META = 10  # metadata and work-list tensors in each schema, then block_m
+_N_META = 9  # metadata and work-list tensors in each schema, then block_m
 
 
 def _op_impl(name: str) -> Callable[..., None]:

@@ -100,7 +100,7 @@ class _KernelMetaBlock:
         """Entries of each part of the block: mapping and order [T], slot ids and counts [S], start
         offsets [S+1], then the work list (T tokens, S slots: ``LoRAKernelMeta.make``'s sizes)."""
         t, s = meta.token_lora_mapping.numel(), meta.active_lora_ids.numel()
-        return [t, t, s, s, s + 1, RowTileWorklist.block_size(RowTileWorklist.capacity_for(t, s, block_m))]
+        return [t, t, s, s, s + 1, RowTileWorklist.block_size(RowTileWorklist.capacity_for(t, s, block_m), block_m)]
 
     def write(self, indices: np.ndarray) -> None:
         """``prepare_tensors(indices)`` (slot index per token, -1 = none) into the host block, and the
@@ -126,7 +126,7 @@ class _KernelMetaBlock:
             self.starts[1:1 + u] = np.cumsum(per_slot[present])
             at = bisect.bisect_left(self.captured, u)  # rounded up to a captured count (:153-159)
             self.num_active[0] = self.captured[at] if self.captured and at < len(self.captured) else u
-        host_tiles(self.counts, self.active, self.starts, self.block_m, self.tiles)
+        host_tiles(self.counts, self.active, self.starts, self.order, self.block_m, self.tiles)
 
 
 class HostPunicaMetadata:

@@ -18,9 +18,9 @@ config is checked against the torch reference. The floor is the bytes that must 
 of the active adapters, x of the rows with an adapter, and y read + written for them) at the
 measured device-to-device copy bandwidth.
 
-Sweeps: the work list's tile and shrink knobs (skipped by --quick, which uses the chosen row of
-the 2026-11-29 run) and the fused launch's knobs, on the 128 × 2 and mixed scenarios; the main
-table uses the best of each. `--breakdown` also times each kernel of the chosen work-list config
+Sweeps: the tile and shrink knobs, for the work list and GridTrim each (skipped by --quick, which
+uses the defaults), and the fused launch's knobs, on the 128 × 2 and mixed scenarios; the main
+table uses each design's best. `--breakdown` also times each kernel of the chosen work-list config
 alone at 128 × 2, against the bytes that kernel must move.
 
     python3 benchmarks/kernels/bench_lora_ops.py [--out results.md] [--quick]
@@ -77,22 +77,23 @@ class LaunchConfig:
 
 
 def _knobs(**changes: int) -> LinearKnobs:
-    """The 2026-11-29 tile choice (256-column expand tiles, 2 per item, hidden chunks of 1024)
-    with `changes`."""
-    return dataclasses.replace(LinearKnobs(block_n=256, chunk_tiles=2, k_chunk=1024, shrink_warps=4), **changes)
+    """The default knobs (`LinearKnobs()`, 256-column expand tiles at rank 8) with `changes`."""
+    return dataclasses.replace(LinearKnobs(block_n=256), **changes)
 
 
 # The runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
-# k_chunk 1024..4096 (RESULTS.md); (256, 2, 1024, 8) was best. The ninth session's sweep found
-# the shrink with 2 warps best (118.4 vs 123.6 µs at 128 × 2; batched dots over 2 hidden groups,
-# shorter chunks, 2 expand warps, 2 pipelining stages and 4 programs per SM did not help, nor
-# did programmatic dependent launch: joined_s9/ and pdl_s9/bench.md). This sweep tries more
-# programs per SM than 8, wider expand items, and deeper pipelining of the shrink; its last run
-# (vector_b_s9/bench.md) chose 2 shrink warps, chunk_tiles 4 and 16 programs per SM (113.4 µs).
-WORKLIST_CHOSEN = LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=4), programs_per_sm=16)
+# k_chunk 1024..4096; the ninth session's, shrink warps, hidden groups, pipelining stages and up to
+# 16 programs per SM; the tenth session's (atomic_s10/, tokens_s10/), hidden steps of 128 and 1
+# shrink warp (RESULTS.md). The defaults are the work list's best: 2 shrink warps, 4 tiles of 256
+# columns per expand item, hidden chunks of 1024 in steps of 256, 16 programs per SM. This sweep
+# re-checks the nearest alternatives.
+WORKLIST_CHOSEN = LaunchConfig(_knobs())
 CONFIGS = [WORKLIST_CHOSEN,
-           LaunchConfig(_knobs(shrink_warps=2, chunk_tiles=2), programs_per_sm=16),
-           LaunchConfig(_knobs(shrink_warps=2, block_n=128, chunk_tiles=8), programs_per_sm=16)]
+           LaunchConfig(_knobs(block_k=128)),
+           LaunchConfig(_knobs(block_k=128, shrink_stages=4)),
+           LaunchConfig(_knobs(chunk_tiles=2)),
+           LaunchConfig(_knobs(), programs_per_sm=8),
+           LaunchConfig(_knobs(), programs_per_sm=24)]
 
 # Fused launch. An exploration on the H200 (2026-11-29, per-op graphs, rank 8) found it no faster
 # than the work list: at 128 × 2 rows 124-190 µs per layer vs 127 µs, mixed 255-390 µs vs
@@ -349,8 +350,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     parser.add_argument("--quick", action="store_true",
-                        help="skip the work-list sweep (use its 2026-11-29 choice); the fused "
-                             "sweep and the main table still run")
+                        help="skip the knob sweep (use the defaults); the fused sweep and the "
+                             "main table still run")
     parser.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS),
                         help="designs to time (default: all); without vllm no vLLM import")
     parser.add_argument("--breakdown", action="store_true",

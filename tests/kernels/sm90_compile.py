@@ -85,7 +85,7 @@ def main() -> None:
         for schedule in (worklist, plan_gridtrim(meta, m, meta.num_slots)):
             shrink.lora_shrink(x, a, part, meta, schedule, k_groups=2, num_programs=8)
             expand.lora_expand(part, b, y, meta, schedule, chunk_tiles=3, num_programs=8)
-        fused.lora_fused(x, a, b, y, meta, worklist, num_programs=8)
+        fused.lora_fused(x, a, b, y, worklist, num_programs=8)
     # StepTrim at Llama-3.2-3B's hidden size (bf16 and fp16 hidden states; learned and profiled
     # only) and at SmolLM2-135M's (float32).
     meta = torch.zeros(3, 8, dtype=torch.int64)

@@ -9,22 +9,29 @@ from kernels.metadata import LoRABatchMeta, build_metadata
 from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, host_tiles, persistent_programs
 
 
-def _expected_tiles(meta: LoRABatchMeta, block_m: int) -> list[tuple[int, int, int]]:
-    """(adapter, first sorted position, rows) of every useful tile, slot by slot."""
+def _expected_tiles(meta: LoRABatchMeta, block_m: int) -> list[tuple[int, list[int]]]:
+    """(adapter, token indices) of every useful tile, slot by slot."""
     tiles = []
+    order = meta.token_indices_sorted.tolist()
     for slot in range(meta.num_slots):
         lora, count = int(meta.slot_lora_ids[slot]), int(meta.num_tokens_per_slot[slot])
         if lora < 0:
             continue
         for row0 in range(0, count, block_m):
-            tiles.append((lora, int(meta.slot_start_loc[slot]) + row0, min(block_m, count - row0)))
+            first = int(meta.slot_start_loc[slot]) + row0
+            tiles.append((lora, order[first:first + min(block_m, count - row0)]))
     return tiles
 
 
-def _listed(wl: RowTileWorklist) -> list[tuple[int, int, int]]:
+def _listed(wl: RowTileWorklist) -> list[tuple[int, list[int]]]:
+    """The list's tiles; also checks that each tile's tokens are a prefix padded with -1."""
     n = int(wl.num_tiles)
-    return list(zip(wl.tile_lora[:n].tolist(), wl.tile_first[:n].tolist(),
-                    wl.tile_rows[:n].tolist()))
+    tiles = []
+    for lora, tokens in zip(wl.tile_lora[:n].tolist(), wl.tile_tokens[:n].tolist()):
+        rows = sum(t >= 0 for t in tokens)
+        assert rows >= 1 and tokens[rows:] == [-1] * (len(tokens) - rows), tokens
+        tiles.append((lora, tokens[:rows]))
+    return tiles
 
 
 @pytest.mark.parametrize("block_m", [1, 16, 64])
@@ -38,7 +45,7 @@ def test_lists_only_useful_tiles(gen: torch.Generator, block_m: int) -> None:
 
 def test_vllm_layout_and_reuse_of_buffers(gen: torch.Generator) -> None:
     wl = RowTileWorklist.allocate(512, 33, "cpu")
-    buffers = (wl.tile_lora, wl.tile_first, wl.tile_rows, wl.num_tiles)
+    buffers = (wl.tile_lora, wl.tile_tokens, wl.num_tiles)
     ptrs = tuple(b.data_ptr() for b in buffers)
     for _ in range(30):
         m = int(torch.randint(1, 513, (1,), generator=gen))
@@ -73,7 +80,7 @@ def test_persistent_grid_off_cuda() -> None:
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_host_tiles_write_the_device_list(gen: torch.Generator, block_m: int) -> None:
     capacity = RowTileWorklist.capacity_for(512, 33, block_m)
-    block = torch.full((RowTileWorklist.block_size(capacity),), -7, dtype=torch.int32)  # poisoned
+    block = torch.full((RowTileWorklist.block_size(capacity, block_m),), -7, dtype=torch.int32)  # poisoned
     host = RowTileWorklist.in_block(block, capacity, block_m)
     device = RowTileWorklist.allocate(512, 33, "cpu", block_m)
     for _ in range(20):
@@ -82,6 +89,6 @@ def test_host_tiles_write_the_device_list(gen: torch.Generator, block_m: int) ->
         meta, _ = vllm_style_metadata(mapping, 32)
         device.update(meta)
         n = host_tiles(meta.num_tokens_per_slot.numpy(), meta.slot_lora_ids.numpy(), meta.slot_start_loc.numpy(),
-                       block_m, block.numpy())
+                       meta.token_indices_sorted.numpy(), block_m, block.numpy())
         assert n == int(host.num_tiles) == int(device.num_tiles)
         assert _listed(host) == _listed(device) == _expected_tiles(meta, block_m)

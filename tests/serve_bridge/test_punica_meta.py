@@ -60,7 +60,7 @@ def assert_kernel_meta(meta: VllmKernelMeta, mapping: torch.Tensor, captured: li
     ref.update(LoRABatchMeta.from_vllm_meta_args(want.meta_args(n)))
     k = int(ref.num_tiles)
     assert int(worklist.num_tiles) == k
-    for name in ("tile_lora", "tile_first", "tile_rows"):
+    for name in ("tile_lora", "tile_tokens"):
         assert torch.equal(getattr(worklist, name)[:k], getattr(ref, name)[:k]), name
 
 
@@ -104,7 +104,7 @@ def test_buffers_keep_their_storage_across_steps():
     host = HostPunicaMetadata(w)
     lora_index_to_id = list(range(1, SLOTS + 1))
     fields = lambda: [w._token_lora_indices, w._embeddings_indices, w.token_mapping_meta.token_lora_mapping,  # noqa: E731
-                      w.prompt_mapping_meta.lora_token_start_loc, host.worklists[0].tile_first]
+                      w.prompt_mapping_meta.lora_token_start_loc, host.worklists[0].tile_tokens]
     ptrs = [t.data_ptr() for t in fields()]
     for n in (T, 3, 100):
         host.update(*random_step(gen, lora_index_to_id, n, 4, 0.2), lora_index_to_id, SLOTS + 1, VOCAB)

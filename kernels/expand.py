@@ -203,8 +203,8 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
         raise ValueError(f"partials {tuple(partials.shape)} do not match {config.slices} slices of "
                          f"rank {config.rank} for {y.shape[0]} tokens")
     ps, pc, pm, pr = partials.stride()
-    common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr, N_SPLITS=partials.shape[0],
-                  ADD_INPUTS=add_inputs)
+    common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm,
+                  stride_pr=pr, N_SPLITS=partials.shape[0], ADD_INPUTS=add_inputs)
     if isinstance(schedule, RowTileWorklist):
         grid = (num_programs or persistent_programs(y.device),)
         _expand_worklist_kernel[grid](
@@ -221,7 +221,8 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
                    (schedule.large_slots, schedule.row_bound, SMALL_ROWS + 1, _NO_UPPER_BOUND)]
     for slot_list, bound, min_rows, max_rows in classes:
         grid = (triton.cdiv(bound, GRIDTRIM_BLOCK_M) * col_chunks, 1, slot_list.numel())
-        _expand_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted, counts_ptr=meta.num_tokens_per_slot,
+        _expand_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted,
+                                  counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
                                   slot_list_ptr=slot_list, min_rows=min_rows, max_rows=max_rows,
                                   BLOCK_M=GRIDTRIM_BLOCK_M, **common)

@@ -155,7 +155,8 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch
     `num_programs` sizes the persistent grid (default: `persistent_programs`); `k_groups` as in
     `shrink_config`.
     """
-    launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups), x, partials, meta, schedule, scale, num_programs=num_programs)
+    launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups), x, partials, meta, schedule, scale,
+                  num_programs=num_programs)
 
 
 def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor, meta: LoRABatchMeta,
@@ -181,6 +182,7 @@ def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor,
             return
         grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * config.splits, config.slices,
                 schedule.num_slots)
-        _shrink_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted, counts_ptr=meta.num_tokens_per_slot,
+        _shrink_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted,
+                                  counts_ptr=meta.num_tokens_per_slot,
                                   starts_ptr=meta.slot_start_loc, lora_ids_ptr=meta.slot_lora_ids,
                                   BLOCK_M=GRIDTRIM_BLOCK_M, **common)

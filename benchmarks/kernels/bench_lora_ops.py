@@ -43,7 +43,7 @@ from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, relea
 
 from kernels.expand import launch_expand
 from kernels.fused import FusedConfig
-from kernels.gridtrim import plan_gridtrim
+from kernels.gridtrim import GridTrimPlan, plan_gridtrim
 from kernels.layout import partials_buffer
 from kernels.linear import LinearKnobs, add_lora_linear, linear_config
 from kernels.metadata import LoRABatchMeta, build_metadata
@@ -298,12 +298,11 @@ class Bench:
                 lambda: self.layer.run_kernels(meta, self.worklist, m, cfg))
         return self.check_and_time(self.ours[m, cfg], mapping, refs)
 
-    def time_gridtrim(self, mapping: torch.Tensor, meta: LoRABatchMeta, active: int, cfg: LaunchConfig,
+    def time_gridtrim(self, mapping: torch.Tensor, meta: LoRABatchMeta, plan: GridTrimPlan, cfg: LaunchConfig,
                       refs: list[torch.Tensor]) -> tuple[float, float]:
-        """(µs, max error) of the whole layer through GridTrim's launch with `cfg` (one graph per
-        batch: the plan's grid depends on it)."""
+        """(µs, max error) of the whole layer through GridTrim's launch with `cfg` and the batch's
+        `plan` (one graph per batch: the plan's grid depends on it)."""
         m = mapping.numel()
-        plan = plan_gridtrim(meta, m, active)
         return self.check_and_time(capture(lambda: self.layer.run_kernels(meta, plan, m, cfg)), mapping, refs)
 
     def time_ops(self, mapping: torch.Tensor, meta: LoRABatchMeta, cfg: Config) -> list[float]:
@@ -427,7 +426,8 @@ def knob_sweep(bench: Bench, batches: dict[str, torch.Tensor], refs: dict[str, l
                 if design == "worklist":
                     fn = lambda: bench.time_ours(mapping, meta, cfg, refs[name])  # noqa: E731
                 else:
-                    fn = lambda: bench.time_gridtrim(mapping, meta, active, cfg, refs[name])  # noqa: E731
+                    plan = plan_gridtrim(meta, mapping.numel(), active)
+                    fn = lambda: bench.time_gridtrim(mapping, meta, plan, cfg, refs[name])  # noqa: E731
                 us, err = measured(fn)
                 row.append(f"{us:.1f} ({err:.1e})")
                 ok = err < TOLERANCE  # NaN (failed) compares False
@@ -492,15 +492,14 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
     found no passing config is skipped); returns {scenario: {design: µs}} (designs not run are
     absent)."""
     timed = [d for d in DESIGNS if d in designs and (d == "vllm" or configs.get(d) is not None)]
-    ours = OURS
-    emit("Designs: " + "; ".join(f"{DESIGN_NAMES[d]} with {configs.get(d)}" for d in ours) + ".")
+    emit("Designs: " + "; ".join(f"{DESIGN_NAMES[d]} with {configs.get(d)}" for d in OURS) + ".")
     emit()
     emit("| scenario | adapters | rows | R | " + " | ".join(
         f"{DESIGN_NAMES[d]} µs" for d in DESIGNS) + " | " + " | ".join(
-        f"{DESIGN_NAMES[d]} ×" for d in ours) + " | floor µs | " + " | ".join(
-        f"{DESIGN_NAMES[d]} / floor" for d in ours) + " | work list build µs | max rel err "
+        f"{DESIGN_NAMES[d]} ×" for d in OURS) + " | floor µs | " + " | ".join(
+        f"{DESIGN_NAMES[d]} / floor" for d in OURS) + " | work list build µs | max rel err "
         + " / ".join(DESIGN_NAMES[d] for d in DESIGNS) + " |")
-    emit("|---|" + "---|" * (4 + len(DESIGNS) + 2 * len(ours) + 2))
+    emit("|---|" + "---|" * (4 + len(DESIGNS) + 2 * len(OURS) + 2))
     results: dict[str, dict] = {}
     for name, mapping in batches.items():
         m = mapping.numel()
@@ -516,7 +515,7 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
                 fn = lambda: bench.check_and_time(  # noqa: E731
                     capture(lambda: bench.layer.run_vllm(vargs, vbufs)), mapping, ref)
             elif design == "gridtrim":
-                fn = lambda: bench.time_gridtrim(mapping, meta, active, configs["gridtrim"], ref)  # noqa: E731
+                fn = lambda: bench.time_gridtrim(mapping, meta, plan, configs["gridtrim"], ref)  # noqa: E731
             else:
                 fn = lambda cfg=configs[design]: bench.time_ours(mapping, meta, cfg, ref)  # noqa: E731
             us[design], err[design] = measured(fn)
@@ -528,9 +527,9 @@ def main_table(bench: Bench, batches: dict[str, torch.Tensor], designs: list[str
              f"{'' if plan.large_slots is None else ' (2-class)'} | "
              + " | ".join(fmt(us.get(d), ".1f") for d in DESIGNS) + " | "
              + " | ".join(fmt(None if vllm_us is None or d not in us else vllm_us / us[d], ".1f")
-                          for d in ours)
+                          for d in OURS)
              + f" | {floor:.1f} | "
-             + " | ".join(fmt(us[d] / floor if d in us else None, ".2f") for d in ours)
+             + " | ".join(fmt(us[d] / floor if d in us else None, ".2f") for d in OURS)
              + f" | {wl_us:.1f} | " + " / ".join(fmt(err.get(d), ".1e") for d in DESIGNS) + " |")
         results[name] = us
     return results

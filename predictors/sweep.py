@@ -26,13 +26,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from predictors.candidates import Candidates
+from predictors.intervals import CONFIDENCE, loss_bounds
 from serve_bridge.steptrim import release_point_learned, release_point_profiled, skip_fraction
 
 TREE_SCHEMA = pa.schema([
     ("adapter", pa.string()), ("uid", pa.string()), ("on_length", pa.int32()), ("on_correct", pa.int8()),
     ("scores", pa.list_(pa.float32())), ("r", pa.int32()), ("off_correct", pa.int8()), ("off_length", pa.int32()),
 ])
-PRICE_COLUMNS = ("adapter", "policy", "param", "accuracy", "loss_points", "skip", "n_requests", "full_accuracy")
+PRICE_COLUMNS = ("adapter", "policy", "param", "accuracy", "loss_points", "skip", "n_requests", "full_accuracy",
+                 "broken", "fixed", "loss_low", "loss_high")
 
 
 class SweepError(ValueError):
@@ -146,11 +148,13 @@ def _by_adapter(trees: Sequence[RequestTree]) -> dict[str, list[RequestTree]]:
     return dict(sorted(groups.items()))
 
 
-def price(trees: Sequence[RequestTree], candidates: Candidates) -> pd.DataFrame:
+def price(trees: Sequence[RequestTree], candidates: Candidates, confidence: float = CONFIDENCE) -> pd.DataFrame:
     """Accuracy (%), loss vs full LoRA (points), skip fraction (0–1) of every candidate, per adapter.
 
     Columns: :data:`PRICE_COLUMNS`; ``param`` is τ (learned) or k (profiled);
-    ``full_accuracy`` is the adapter's full-LoRA accuracy (%).
+    ``full_accuracy`` is the adapter's full-LoRA accuracy (%); ``broken`` / ``fixed`` count
+    the requests the candidate turns right→wrong / wrong→right; ``loss_low`` / ``loss_high``
+    are exact bounds on the expected loss at ``confidence`` (:mod:`predictors.intervals`).
     """
     rows = []
     for adapter, group in _by_adapter(trees).items():
@@ -158,10 +162,14 @@ def price(trees: Sequence[RequestTree], candidates: Candidates) -> pd.DataFrame:
         for policy, param in candidates.for_adapter(adapter):
             outs = [outcome(t, release_point(t, policy, param)) for t in group]
             correct = sum(q for q, _, _ in outs)
+            broken = sum(t.on_correct and not q for t, (q, _, _) in zip(group, outs))
+            fixed = sum(q and not t.on_correct for t, (q, _, _) in zip(group, outs))
+            low, high = loss_bounds(broken, fixed, n, confidence)
             rows.append({"adapter": adapter, "policy": policy, "param": param, "accuracy": 100 * correct / n,
                          "loss_points": 100 * (full - correct) / n,
                          "skip": skip_fraction([m for _, m, _ in outs], [r for _, _, r in outs]),
-                         "n_requests": n, "full_accuracy": 100 * full / n})
+                         "n_requests": n, "full_accuracy": 100 * full / n, "broken": broken, "fixed": fixed,
+                         "loss_low": low, "loss_high": high})
     return pd.DataFrame(rows, columns=list(PRICE_COLUMNS))
 
 

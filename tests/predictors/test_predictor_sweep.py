@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from predictors.candidates import Candidates
+from predictors.intervals import loss_bounds
 from predictors.sweep import (ForkPlanner, RequestTree, SweepError, load_trees, price, release_points,
                               save_trees, sweep_cost)
 from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim, release_point_learned
@@ -104,7 +105,11 @@ def test_price_equals_naive_regeneration_and_costs_less():
         acc, skip = _naive(reqs, row.adapter, row.policy, row.param)
         assert row.accuracy == pytest.approx(acc) and row.skip == pytest.approx(skip)
         assert row.loss_points == pytest.approx(row.full_accuracy - acc)
-    assert priced.skip.max() > 0.3  # the toy sweep is not degenerate
+        assert row.loss_points == pytest.approx(100 * (row.broken - row.fixed) / row.n_requests)
+        assert (row.loss_low, row.loss_high) == loss_bounds(row.broken, row.fixed, row.n_requests)
+    assert priced.skip.max() > 0.3 and priced.broken.max() > 0 and priced.fixed.max() > 0  # not degenerate
+    wider = price(trees, cands, confidence=0.99)
+    assert (wider.loss_high >= priced.loss_high).all() and (wider.loss_high > priced.loss_high).any()
     cost = sweep_cost(trees, cands)
     assert cost.tree_tokens < cost.naive_tokens / 2
 

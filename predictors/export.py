@@ -36,7 +36,8 @@ def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier:
         row = rows.iloc[0]
         head = heads.get(adapter)
         stats = {"rule": rule, "policy_considered": policy, "val_skip": float(row["skip"]),
-                 "val_loss_points": float(row["loss_points"]), "val_accuracy": float(row["accuracy"]),
+                 "val_loss_points": float(row["loss_points"]), "val_loss_low": float(row["loss_low"]),
+                 "val_loss_high": float(row["loss_high"]), "val_accuracy": float(row["accuracy"]),
                  "full_accuracy": float(row["full_accuracy"]), "note": row["note"],
                  "head_status": head.status if head else "missing", "head_message": head.message if head else "",
                  "frontier": frontier_summary(frontier, adapter, policy)}

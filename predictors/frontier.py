@@ -5,9 +5,12 @@ adapter, policy, param, accuracy %, loss_points, skip ∈ [0, 1], n_requests, fu
 
 Rules (the same for learned τ and profiled k):
 - ``P<p>`` (P25, P50, P75…): the smallest loss with skip ≥ p%; ties → larger skip.
-- ``budget=<B>``: the largest skip with loss ≤ B points; ties → smaller loss.
+- ``budget=<B>``: the largest skip whose loss *upper bound* ``loss_high`` is ≤ B points
+  (:mod:`predictors.intervals`: exact, one-sided, at the sweep's confidence), so sampling
+  error on a small validation set cannot pass a candidate that likely loses more than B;
+  ties → smaller loss. A table without bounds (hand-made) is taken at its point estimates.
 Remaining ties go to the smaller param. If no candidate qualifies, the rule falls back to
-the never-release point (skip 0, loss 0: full LoRA), flagged in ``fallback`` and ``note``.
+the never-release point (skip 0, loss 0: full LoRA, exact), flagged in ``fallback`` and ``note``.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import pandas as pd
 
 POLICIES = ("learned", "profiled")
 DEFAULT_RULES = ("P25", "P50", "P75")
-SELECTION_COLUMNS = ("adapter", "policy", "rule", "param", "accuracy", "loss_points", "skip",
-                     "full_accuracy", "fallback", "note")
+SELECTION_COLUMNS = ("adapter", "policy", "rule", "param", "accuracy", "loss_points", "loss_low", "loss_high",
+                     "skip", "full_accuracy", "fallback", "note")
 _EPS = 1e-9  # skip/loss are ratios of counts; absorb float noise at rule thresholds
 
 
@@ -65,11 +68,18 @@ def pareto(priced: pd.DataFrame) -> pd.DataFrame:
     return priced.loc[keep].sort_values(["adapter", "policy", "skip"]).reset_index(drop=True)
 
 
+def with_bounds(priced: pd.DataFrame) -> pd.DataFrame:
+    """``priced`` with ``loss_low``/``loss_high``; a table without them gets its point losses."""
+    if {"loss_low", "loss_high"} <= set(priced.columns):
+        return priced
+    return priced.assign(loss_low=priced["loss_points"], loss_high=priced["loss_points"])
+
+
 def _pick(g: pd.DataFrame, rule: Rule) -> pd.DataFrame:
     if rule.min_skip is not None:
         q = g[g["skip"] >= rule.min_skip - _EPS]
         return q.sort_values(["loss_points", "skip", "param"], ascending=[True, False, True])
-    q = g[g["loss_points"] <= rule.max_loss + _EPS]
+    q = g[g["loss_high"] <= rule.max_loss + _EPS]
     return q.sort_values(["skip", "loss_points", "param"], ascending=[False, True, True])
 
 
@@ -84,7 +94,7 @@ def select(priced: pd.DataFrame, rules: Sequence[str] = DEFAULT_RULES) -> pd.Dat
 
 def _select(priced: pd.DataFrame, parsed: Sequence[Rule]) -> pd.DataFrame:
     rows = []
-    for adapter, a in priced.groupby("adapter", sort=True):
+    for adapter, a in with_bounds(priced).groupby("adapter", sort=True):
         full = float(a["full_accuracy"].iloc[0])
         for policy in POLICIES:
             g = a[a["policy"] == policy]
@@ -93,23 +103,26 @@ def _select(priced: pd.DataFrame, parsed: Sequence[Rule]) -> pd.DataFrame:
                 if len(chosen):
                     c = chosen.iloc[0]
                     rows.append({"adapter": adapter, "policy": policy, "rule": rule.name, "param": c["param"],
-                                 "accuracy": c["accuracy"], "loss_points": c["loss_points"], "skip": c["skip"],
+                                 "accuracy": c["accuracy"], "loss_points": c["loss_points"],
+                                 "loss_low": c["loss_low"], "loss_high": c["loss_high"], "skip": c["skip"],
                                  "full_accuracy": full, "fallback": False, "note": ""})
                     continue
                 why = (f"no {policy} candidates" if g.empty else
                        f"no {policy} candidate with skip ≥ {100 * rule.min_skip:g}%" if rule.min_skip is not None
-                       else f"no {policy} candidate with loss ≤ {rule.max_loss:g} points")
+                       else f"no {policy} candidate with loss upper bound ≤ {rule.max_loss:g} points")
                 rows.append({"adapter": adapter, "policy": policy, "rule": rule.name, "param": math.nan,
-                             "accuracy": full, "loss_points": 0.0, "skip": 0.0, "full_accuracy": full,
-                             "fallback": True, "note": f"{why}: never release (full LoRA)"})
+                             "accuracy": full, "loss_points": 0.0, "loss_low": 0.0, "loss_high": 0.0, "skip": 0.0,
+                             "full_accuracy": full, "fallback": True, "note": f"{why}: never release (full LoRA)"})
     return pd.DataFrame(rows, columns=list(SELECTION_COLUMNS))
 
 
 def compare_at_budget(priced: pd.DataFrame, budget: float) -> pd.DataFrame:
     """Learned vs profiled under the same loss budget, per adapter (the paper's Table 4).
 
-    Columns: adapter, budget, learned_tau, learned_skip, learned_loss, profiled_k,
-    profiled_skip, profiled_loss, note (fallback notes, ``; ``-joined).
+    Columns: adapter, budget, learned_tau, learned_skip, learned_loss, learned_loss_high,
+    profiled_k, profiled_skip, profiled_loss, profiled_loss_high, skip_ratio (learned skip /
+    profiled skip; inf when only learned releases, NaN when neither does), note (fallback
+    notes, ``; ``-joined).
     """
     if not budget >= 0:
         raise ValueError(f"budget must be ≥ 0 loss points, got {budget}.")
@@ -117,10 +130,13 @@ def compare_at_budget(priced: pd.DataFrame, budget: float) -> pd.DataFrame:
     rows = []
     for adapter, g in sel.groupby("adapter", sort=True):
         lr, pr = (g[g["policy"] == p].iloc[0] for p in POLICIES)
+        ratio = (lr["skip"] / pr["skip"] if pr["skip"] > 0 else math.inf if lr["skip"] > 0 else math.nan)
         rows.append({"adapter": adapter, "budget": float(budget), "learned_tau": lr["param"],
                      "learned_skip": lr["skip"], "learned_loss": lr["loss_points"],
+                     "learned_loss_high": lr["loss_high"],
                      "profiled_k": pd.NA if pr["fallback"] else int(pr["param"]),
                      "profiled_skip": pr["skip"], "profiled_loss": pr["loss_points"],
+                     "profiled_loss_high": pr["loss_high"], "skip_ratio": ratio,
                      "note": "; ".join(n for n in (lr["note"], pr["note"]) if n)})
     out = pd.DataFrame(rows)
     if len(out):

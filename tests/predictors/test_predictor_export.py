@@ -47,7 +47,7 @@ def test_profiled_export_and_errors(tmp_path):
     heads, sel, front, weights = _setup(tmp_path)
     a, b = bundle_entries(heads, sel, front, "budget=1", "profiled", weights)
     assert (a.policy, b.policy, b.k) == ("none", "profiled", 8)  # a: k=4 costs 3 points > budget
-    assert "loss ≤ 1 points" in a.stats["note"]
+    assert "loss upper bound ≤ 1 points" in a.stats["note"]
     assert isinstance(a.to_policy(), type(None)) and isinstance(b.to_policy(), ProfiledPolicy)
     with pytest.raises(ValueError, match="no selection for adapter 'a', policy 'profiled', rule 'P75'"):
         bundle_entries(heads, sel, front, "P75", "profiled", weights)

@@ -73,3 +73,22 @@ def test_compare_at_budget_and_k_table(tmp_path):
     back = pd.read_csv(paths["k_table"])
     assert list(back.columns) == list(kt.columns) and len(back) == len(kt)
     assert paths["budget"].read_text().startswith("adapter,budget,learned_tau")
+
+
+def test_budget_rule_selects_on_the_loss_upper_bound():
+    """A candidate whose point loss is within budget but whose bound is not is passed over; P rules
+    keep using the point estimate; the comparison reports both bounds and the skip ratio."""
+    df = _priced()
+    df = df.assign(loss_low=df.loss_points - 1, loss_high=df.loss_points + 0.6)
+    sel = select(df, ["budget=1", "P50"])
+    # point losses ≤ 1: τ .9 (0.40 skip); bounds ≤ 1: only τ .1 (0.0 + 0.6) → skip 0.10
+    assert _choice(sel, "a", "learned", "budget=1").param == 0.1
+    assert _choice(sel, "a", "learned", "budget=1").loss_high == pytest.approx(0.6)
+    assert _choice(sel, "a", "learned", "P50").param == 0.4  # unchanged by the bounds
+    assert _choice(sel, "a", "profiled", "budget=1").param == 64.0  # k=16's bound is 1.6
+    cmp = compare_at_budget(df, 1.0).set_index("adapter")
+    assert cmp.loc["a", "learned_loss_high"] == pytest.approx(0.6) and cmp.loc["a", "profiled_k"] == 64
+    assert cmp.loc["a", "skip_ratio"] == math.inf  # learned releases, profiled cannot
+    plain = compare_at_budget(_priced(), 1.0).set_index("adapter")  # no bounds: point estimates
+    assert plain.loc["a", "skip_ratio"] == pytest.approx(0.4 / 0.2)
+    assert plain.loc["b", "skip_ratio"] == 0.0  # b: no learned candidates, profiled k=16 skips 20%

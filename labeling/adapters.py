@@ -19,10 +19,12 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """name: the adapter's serving name; path: its peft directory."""
+    """name: the adapter's serving name; path: its peft directory; task: the part of a mix
+    task whose requests it serves (None: every request of the run's task)."""
 
     name: str
     path: str
+    task: str | None = None
 
 
 def weights_file(spec: AdapterSpec) -> Path:

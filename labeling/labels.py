@@ -14,7 +14,7 @@ an interrupted run resumes at the first unfinished shard and yields identical la
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from labeling.tasks import Example, Task
+from labeling.tasks.mix import PART_KEY
 
 if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and readers need neither
     from labeling.engines.hf import GenRequest, GenResult, HFEngine
@@ -29,15 +30,26 @@ if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and reader
 POINT_COLUMNS = ["uid", "adapter", "t", "y", "q_on", "q_off", "on_length", "off_length"]
 
 
-def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example],
-                   slots: Sequence[int]) -> list[tuple[Example, GenRequest]]:
-    """Every example once per adapter slot (adapters interleaved so batches mix adapters)."""
+def serves(part: str | None, ex: Example) -> bool:
+    """Whether an adapter serving task part ``part`` (None: every example) gets ``ex``."""
+    return part is None or ex.meta.get(PART_KEY) == part
+
+
+def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example], slots: Sequence[int],
+                   parts: Mapping[int, str | None] | None = None) -> list[tuple[Example, GenRequest]]:
+    """Every example once per adapter slot that serves it (adapters interleaved so batches mix
+    adapters). ``parts``: slot → the task part its adapter serves (a slot without an entry,
+    e.g. the backbone's NO_SLOT, serves every example)."""
     from labeling.engines.hf import GenRequest
 
+    parts = parts or {}
     out = []
     for ex in examples:
+        mine = [s for s in slots if serves(parts.get(s), ex)]
+        if not mine:
+            continue
         ids = engine.encode(task.messages(ex))
-        out.extend((ex, GenRequest(uid=f"{ex.uid}@{s}", prompt_ids=ids, slot=s)) for s in slots)
+        out.extend((ex, GenRequest(uid=f"{ex.uid}@{s}", prompt_ids=ids, slot=s)) for s in mine)
     return out
 
 
@@ -60,14 +72,14 @@ def label_results(engine: HFEngine, task: Task, pairs: Sequence[tuple[Example, G
 
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
                  points: Sequence[int], out_dir: Path, shard_requests: int,
-                 shard_key: str = "") -> tuple[pd.DataFrame, np.ndarray]:
+                 shard_key: str = "", parts: Mapping[int, str | None] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
     """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
 
     Finished shards are reused only by a run with the same ``shard_key`` (the caller's config
     fingerprint) and the same ``shard_requests``, which fix each shard's composition; any other
-    run starts the shards afresh."""
+    run starts the shards afresh. ``parts``: slot → task part, as in :func:`build_requests`."""
     t_set = frozenset(int(t) for t in points)
-    pairs = build_requests(engine, task, examples, range(len(adapter_names)))
+    pairs = build_requests(engine, task, examples, range(len(adapter_names)), parts)
     shard_dir = out_dir / "shards"
     layout = f"{shard_key}\nshard_requests={shard_requests}\nrequests={len(pairs)}\n"
     stamp = shard_dir / "LAYOUT"

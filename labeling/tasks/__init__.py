@@ -10,12 +10,15 @@ from typing import Any
 from labeling.tasks.arith import ArithTask
 from labeling.tasks.base import SPLITS, Example, SplitSizes, Task, TaskError
 from labeling.tasks.gsm8k import GSM8KTask
+from labeling.tasks.counter import CounterTask
 from labeling.tasks.medqa4 import MedQA4Task
+from labeling.tasks.mix import MixTask
 from labeling.tasks.scienceqa import ScienceQATask
 from labeling.tasks.spider import SpiderTask
 
 REGISTRY: dict[str, type] = {
     ArithTask.name: ArithTask,
+    CounterTask.name: CounterTask,
     GSM8KTask.name: GSM8KTask,
     SpiderTask.name: SpiderTask,
     MedQA4Task.name: MedQA4Task,
@@ -24,11 +27,29 @@ REGISTRY: dict[str, type] = {
 
 
 def build_task(name: str, sizes: dict[str, int | None] | None = None, **options: Any) -> Task:
-    """Instantiate the registered task ``name``; raise TaskError for an unknown name."""
+    """Instantiate the registered task ``name``; raise TaskError for an unknown name.
+
+    ``mix`` builds each of ``options["parts"]`` (part name → ``{options, sizes}``, as a task's
+    own config) and combines them (:class:`labeling.tasks.mix.MixTask`); sizes go per part.
+    """
+    if name == MixTask.name:
+        return _build_mix(sizes, options)
     if name not in REGISTRY:
         raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(REGISTRY))}. "
                         f"Add conf/task/{name}.yaml and register the class in labeling/tasks/__init__.py.")
     return REGISTRY[name](sizes=SplitSizes(**(sizes or {})), **options)
 
 
-__all__ = ["SPLITS", "Example", "REGISTRY", "SplitSizes", "Task", "TaskError", "build_task"]
+def _build_mix(sizes: dict[str, int | None] | None, options: dict[str, Any]) -> MixTask:
+    if any(v is not None for v in (sizes or {}).values()):
+        raise TaskError("task 'mix': set sizes per part (task.options.parts.<part>.sizes), not task.sizes.")
+    parts = options.pop("parts", None) or {}
+    if options:
+        raise TaskError(f"task 'mix': unknown option(s) {sorted(options)}; it takes only `parts`.")
+    if MixTask.name in parts:
+        raise TaskError("task 'mix': a part cannot itself be a mix.")
+    return MixTask({p: build_task(p, sizes=(spec or {}).get("sizes"), **((spec or {}).get("options") or {}))
+                    for p, spec in parts.items()})
+
+
+__all__ = ["SPLITS", "Example", "MixTask", "REGISTRY", "SplitSizes", "Task", "TaskError", "build_task"]

@@ -11,16 +11,16 @@ from labeling.tasks.gsm8k import GSM8KTask
 
 
 def test_registry_holds_all_paper_tasks() -> None:
-    assert set(REGISTRY) == {"arith", "gsm8k", "spider", "medqa4", "scienceqa"}
+    assert set(REGISTRY) == {"arith", "counter", "gsm8k", "spider", "medqa4", "scienceqa"}
     for name, cls in REGISTRY.items():
         assert cls.name == name
 
 
-@pytest.mark.parametrize("name", sorted({"arith", "gsm8k", "spider", "medqa4", "scienceqa"}))
+@pytest.mark.parametrize("name", sorted({"arith", "counter", "gsm8k", "spider", "medqa4", "scienceqa"}))
 def test_every_registered_task_satisfies_the_protocol(name: str) -> None:
     task = build_task(name)
     assert isinstance(task, Task)
-    assert task.max_new_tokens == {"arith": 48, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}[name]
+    assert task.max_new_tokens == {"arith": 48, "counter": 32, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}[name]
 
 
 def test_unknown_task_lists_known_tasks() -> None:

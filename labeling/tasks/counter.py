@@ -1,0 +1,93 @@
+"""The second embedded demo task: a counter moved up and down a variable number of times.
+
+A question gives a start value and 1…``max_moves`` moves (``up d`` / ``down d``, the value
+stays in 0–9). The trained response writes the value after each move, one per line, then
+commits with ``#### N`` and ends with the restatement ``The answer is N.``::
+
+    7
+    5
+    #### 5
+    The answer is 5.
+
+The moves need the adapter: SmolLM2-135M alone does not keep the running value (nor the
+format). Once ``####`` is written, the rest copies the last value and restates it, which
+the backbone does by itself and then ends the turn. So the point after which the adapter
+can be dropped is the commit, and it moves with the number of moves: two tokens per move
+(digit, newline), while the committed tail (`` N``, the restatement, the end of turn) is
+about ten tokens for every request. A fixed release step k must wait for the longest chain;
+a per-request release can stop right after the commit.
+
+Scored by :func:`labeling.evaluators.restated.restated_match` (``#### N`` and the exact
+final line). Splits come from disjoint seeds (train: seed, validation: seed+1, test:
+seed+2); validation and test drop questions that also occur in train. Pure Python
+``random.Random``, so every machine yields the same rows.
+"""
+from __future__ import annotations
+
+import random
+
+from labeling.evaluators.restated import restated_match, restatement
+from labeling.tasks.base import SPLITS, BaseTask, Example, SplitSizes, require_nonempty
+
+NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
+THINGS = ("counter", "dial", "score", "lift")
+INSTRUCTION = ("Solve it step by step, writing the value after each move on its own line, give the final answer "
+               "as '#### <number>', then say the answer in a sentence.")
+
+
+def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
+    """One problem: (question, worked solution, answer); 1…max_moves moves, values in 0–9."""
+    value = rng.randint(0, 9)
+    start, moves, values = value, [], []
+    for _ in range(rng.randint(1, max_moves)):
+        ups = range(1, 10 - value)
+        downs = range(1, value + 1)
+        if downs and (not ups or rng.random() < 0.5):
+            d = rng.choice(downs)
+            moves.append(f"down {d}")
+            value -= d
+        else:
+            d = rng.choice(ups)
+            moves.append(f"up {d}")
+            value += d
+        values.append(str(value))
+    owner = f"{rng.choice(NAMES)}'s {rng.choice(THINGS)}"
+    question = f"{owner} starts at {start}. It moves {', then '.join(moves)}. What is the value of {owner} now?"
+    solution = "\n".join(values) + f"\n#### {value}\n" + restatement(str(value))
+    return question, solution, str(value)
+
+
+class CounterTask(BaseTask):
+    """Running value over 1…``max_moves`` moves, ``#### N`` then ``The answer is N.``"""
+
+    name = "counter"
+
+    def __init__(self, max_new_tokens: int = 32, seed: int = 0, max_moves: int = 6,
+                 sizes: SplitSizes | None = None, n_generate: dict[str, int] | None = None) -> None:
+        super().__init__(max_new_tokens, sizes)
+        if not 1 <= int(max_moves) <= 12:
+            raise ValueError(f"counter task: max_moves must be in 1…12, got {max_moves}")
+        self.seed = int(seed)
+        self.max_moves = int(max_moves)
+        self.n_generate = {"train": 4000, "validation": 600, "test": 600, **(n_generate or {})}
+
+    def _generate(self, split: str) -> list[tuple[str, str, str]]:
+        rng = random.Random(self.seed * 1000 + 500 + SPLITS.index(split))
+        return [make_problem(rng, self.max_moves) for _ in range(self.n_generate[split])]
+
+    def load_split(self, split: str) -> list[Example]:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+        rows = self._generate(split)
+        if split != "train":
+            seen = {q for q, _, _ in self._generate("train")}
+            rows = [r for r in rows if r[0] not in seen]
+        examples = [Example(uid=f"counter-{split}-{i}", question=q, reference=a, meta={"solution": s})
+                    for i, (q, s, a) in enumerate(rows)]
+        return require_nonempty(self.name, split, self.sizes.cap(split, examples), f"generated, seed={self.seed}")
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{INSTRUCTION}\n{ex.question}"}]
+
+    def score(self, ex: Example, response: str) -> int:
+        return restated_match(response, ex.reference)

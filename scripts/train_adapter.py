@@ -9,7 +9,9 @@ Two steps, so the GPU box needs neither `datasets` nor the task code's data sour
       --rank 8 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --seed 0
 
 `train` ends by printing greedy accuracy of full LoRA vs the backbone alone on the
-eval rows (numeric match), and saves the adapter in fp16 safetensors (peft format).
+eval rows, scored by the evaluator that `prepare --evaluator` recorded in each row (numeric
+match by default; `restated` for the counter task), and saves the adapter in fp16
+safetensors (peft format). Generation stops at the backbone's stop tokens, as calibration's.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _evaluators() -> dict:
+    """Evaluator name (recorded per row by ``prepare``) → Q(response, reference)."""
+    from labeling.evaluators.numeric import numeric_match
+    from labeling.evaluators.restated import restated_match
+
+    return {"numeric": numeric_match, "restated": restated_match}
+
+
 def prepare(args: argparse.Namespace) -> None:
     from labeling.tasks import build_task
 
@@ -35,8 +45,8 @@ def prepare(args: argparse.Namespace) -> None:
         for split, n in (("train", None), (args.eval_split, args.n_eval)):
             rows = task.load_split(split)
             for ex in rows[:n]:
-                f.write(json.dumps({"split": split, "messages": task.messages(ex),
-                                    "target": ex.meta["solution"], "reference": ex.reference}) + "\n")
+                f.write(json.dumps({"split": split, "messages": task.messages(ex), "target": ex.meta["solution"],
+                                    "reference": ex.reference, "evaluator": args.evaluator}) + "\n")
     print(f"wrote {out}")
 
 
@@ -45,14 +55,15 @@ def train(args: argparse.Namespace) -> None:
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
 
-    from labeling.backbone import SMOLLM2, BackboneSpec, load_backbone
-    from labeling.evaluators.numeric import numeric_match
+    from labeling.backbone import SMOLLM2, BackboneSpec, load_backbone, stop_token_ids
 
+    evaluators = _evaluators()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = SMOLLM2 if not args.gguf_dir else BackboneSpec(**{**SMOLLM2.__dict__, "gguf_dir": args.gguf_dir})
     model, tok = load_backbone(spec, device=dev)
+    stops = sorted(stop_token_ids(model.generation_config, tok, spec))
     rows = [json.loads(line) for line in open(args.data)]
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] != "train"][: args.n_eval]
@@ -81,9 +92,10 @@ def train(args: argparse.Namespace) -> None:
             batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
             with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                 out = m.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+                                 pad_token_id=tok.pad_token_id, eos_token_id=stops)
             for r, o in zip(chunk, out[:, batch["input_ids"].shape[1]:]):
-                correct += numeric_match(tok.decode(o, skip_special_tokens=True), r["reference"])
+                score = evaluators[r.get("evaluator", "numeric")]
+                correct += score(tok.decode(o, skip_special_tokens=True), r["reference"])
         acc = 100.0 * correct / max(1, len(eval_rows))
         print(f"[{tag}] greedy accuracy on {len(eval_rows)} eval rows: {acc:.1f}%", flush=True)
         return acc
@@ -141,6 +153,8 @@ def main() -> None:
     p.add_argument("--task-options", default="", help="JSON dict of task options, e.g. '{\"source\": \"...\"}'")
     p.add_argument("--eval-split", default="validation")
     p.add_argument("--n-eval", type=int, default=200)
+    p.add_argument("--evaluator", default="numeric", choices=("numeric", "restated"),
+                   help="how `train` scores its eval rows (restated: '#### N' then 'The answer is N.')")
     p.add_argument("--out", required=True)
     t = sub.add_parser("train")
     t.add_argument("--data", required=True)

@@ -1,27 +1,38 @@
-"""Answer-then-restatement matching: ``#### N`` followed by a final line ``The answer is N.``
+"""Answer-then-restatement matching: a ``#### N`` line, then one sentence that states N.
 
-Q = 1 iff the response's strict ``#### N`` answer equals the reference as a number **and**
-the response ends with that ``#### N`` line followed by exactly ``The answer is <reference>.``
-(blank lines aside), nothing after it. The second condition makes the restatement part of
-the task: a continuation that writes a different sentence or number, or keeps going past the
-restatement (repeating it, too), scores 0.
+Q = 1 iff the response's first ``#### N`` answer equals the reference as a number, and the
+response ends with exactly two non-empty lines: that ``#### N`` line, then a sentence (not
+a ``####`` line) whose numbers all equal the reference, at least one of them (the trained
+form is ``The answer is N.``). So the restatement is part of the task: a continuation that
+states another number, adds another line, or keeps going past the sentence scores 0.
 """
 from __future__ import annotations
+
+import re
 
 from labeling.evaluators.numeric import numeric_match
 
 RESTATEMENT = "The answer is {answer}."
+NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def restatement(answer: str) -> str:
-    """The required final line for ``answer``."""
+    """The trained final line for ``answer``."""
     return RESTATEMENT.format(answer=answer)
 
 
+def states_only(sentence: str, reference: str) -> bool:
+    """Whether ``sentence`` mentions a number and every number in it equals ``reference``."""
+    numbers = NUMBER_RE.findall(sentence)
+    return bool(numbers) and all(numeric_match(n, reference, mode="flexible") for n in numbers)
+
+
 def restated_match(response: str, reference: str) -> int:
-    """1 iff the response's first ``#### N`` is the reference and it ends with exactly two
-    non-empty lines: that ``#### N`` line, then the restatement."""
+    """1 iff the first ``#### N`` is the reference and the response ends with that line and a
+    sentence stating only the reference."""
     lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
-    if len(lines) < 2 or lines[-1] != restatement(reference) or not lines[-2].startswith("####"):
+    if len(lines) < 2 or not lines[-2].startswith("####") or lines[-1].startswith("####"):
+        return 0
+    if not states_only(lines[-1], reference):
         return 0
     return numeric_match(response, reference, mode="strict") * numeric_match(lines[-2], reference, mode="strict")

@@ -1,24 +1,24 @@
-"""The second embedded demo task: a counter moved up and down a variable number of times.
+"""The second embedded demo task: a count that changes a variable number of times.
 
-A question gives a start value and 1…``max_moves`` moves (``up d`` / ``down d``, the value
-stays in 0–9). The trained response writes the value after each move, one per line, then
-commits with ``#### N`` and ends with the restatement ``The answer is N.``::
+A question gives a start count and 1…``max_moves`` changes (``gets d more`` / ``gives away
+d``, the count stays in 0–9). The trained response writes the count after each change as one
+digit (the tokenizer splits digits, so one token per change), then commits with ``#### N``
+and ends with the restatement ``The answer is N.``::
 
-    7
-    5
-    #### 5
-    The answer is 5.
+    758
+    #### 8
+    The answer is 8.
 
-The moves need the adapter: SmolLM2-135M alone does not keep the running value (nor the
-format). Once ``####`` is written, the rest copies the last value and restates it, which
-the backbone does by itself and then ends the turn. So the point after which the adapter
-can be dropped is the commit, and it moves with the number of moves: two tokens per move
-(digit, newline), while the committed tail (`` N``, the restatement, the end of turn) is
-about ten tokens for every request. A fixed release step k must wait for the longest chain;
-a per-request release can stop right after the commit.
+The changes need the adapter: SmolLM2-135M alone does not keep the running count (nor the
+format). Once the answer is committed, the restatement is what the backbone writes by itself
+after a ``#### N`` line for a "how many" question, and then it ends the turn. So the point
+after which the adapter can be dropped is the commit, and it moves with the number of
+changes (one digit token each), while the tail after it is the same few tokens for every
+request. A fixed release step k must wait for the longest chain; a per-request
+release can stop right after the commit.
 
-Scored by :func:`labeling.evaluators.restated.restated_match` (``#### N`` and the exact
-final line). Splits come from disjoint seeds (train: seed, validation: seed+1, test:
+Scored by :func:`labeling.evaluators.restated.restated_match` (``#### N``, then one sentence
+stating N). Splits come from disjoint seeds (train: seed, validation: seed+1, test:
 seed+2); validation and test drop questions that also occur in train. Pure Python
 ``random.Random``, so every machine yields the same rows.
 """
@@ -30,13 +30,14 @@ from labeling.evaluators.restated import restated_match, restatement
 from labeling.tasks.base import SPLITS, BaseTask, Example, SplitSizes, require_nonempty
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
-THINGS = ("counter", "dial", "score", "lift")
-INSTRUCTION = ("Solve it step by step, writing the value after each move on its own line, give the final answer "
-               "as '#### <number>', then say the answer in a sentence.")
+ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
+INSTRUCTION = ("Solve it step by step: write the count after each change as one digit, all digits on one line, "
+               "then give the final answer as '#### <number>', then say the answer in a sentence.")
 
 
 def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
-    """One problem: (question, worked solution, answer); 1…max_moves moves, values in 0–9."""
+    """One problem: (question, worked solution, answer); 1…max_moves changes, counts in 0–9."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
     value = rng.randint(0, 9)
     start, moves, values = value, [], []
     for _ in range(rng.randint(1, max_moves)):
@@ -44,21 +45,20 @@ def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
         downs = range(1, value + 1)
         if downs and (not ups or rng.random() < 0.5):
             d = rng.choice(downs)
-            moves.append(f"down {d}")
+            moves.append(f"gives away {d}")
             value -= d
         else:
             d = rng.choice(ups)
-            moves.append(f"up {d}")
+            moves.append(f"gets {d} more")
             value += d
         values.append(str(value))
-    owner = f"{rng.choice(NAMES)}'s {rng.choice(THINGS)}"
-    question = f"{owner} starts at {start}. It moves {', then '.join(moves)}. What is the value of {owner} now?"
-    solution = "\n".join(values) + f"\n#### {value}\n" + restatement(str(value))
+    question = f"{name} has {start} {item}. {name} {', then '.join(moves)}. How many {item} does {name} have now?"
+    solution = "".join(values) + f"\n#### {value}\n" + restatement(str(value))
     return question, solution, str(value)
 
 
 class CounterTask(BaseTask):
-    """Running value over 1…``max_moves`` moves, ``#### N`` then ``The answer is N.``"""
+    """Running count over 1…``max_moves`` changes, ``#### N`` then ``The answer is N.``"""
 
     name = "counter"
 

@@ -1,5 +1,5 @@
 """The counter demo task: determinism, disjoint splits, move counts, self-consistent answers, and an
-evaluator that needs both the committed answer and the exact restatement at the very end."""
+evaluator that needs both the committed answer and a final sentence restating it."""
 from __future__ import annotations
 
 import re
@@ -18,10 +18,10 @@ def small(seed: int = 0, **sizes: int | None) -> CounterTask:
 
 def replay(question: str) -> list[int]:
     """The values after each move, recomputed from the question's text."""
-    value = int(re.search(r"starts at (\d)", question).group(1))
+    value = int(re.search(r"has (\d) ", question).group(1))
     out = []
-    for way, d in re.findall(r"(up|down) (\d)", question):
-        value += int(d) if way == "up" else -int(d)
+    for way, d in re.findall(r"(gets|gives away) (\d)", question):
+        value += int(d) if way == "gets" else -int(d)
         out.append(value)
     return out
 
@@ -45,7 +45,7 @@ def test_solutions_replay_the_moves_and_cover_every_move_count() -> None:
     for ex in task.load_split("train"):
         values = replay(ex.question)
         assert values and all(0 <= v <= 9 for v in values)
-        assert ex.meta["solution"] == "\n".join(map(str, values)) + f"\n#### {values[-1]}\nThe answer is {values[-1]}."
+        assert ex.meta["solution"] == "".join(map(str, values)) + f"\n#### {values[-1]}\nThe answer is {values[-1]}."
         assert ex.reference == str(values[-1]) and task.score(ex, ex.meta["solution"]) == 1
         assert ex.question in task.messages(ex)[0]["content"]
         moves[len(values)] += 1
@@ -55,15 +55,17 @@ def test_solutions_replay_the_moves_and_cover_every_move_count() -> None:
 
 
 @pytest.mark.parametrize("response, q", [
-    ("3\n5\n#### 5\nThe answer is 5.", 1),
+    ("35\n#### 5\nThe answer is 5.", 1),
     ("#### 5\n\nThe answer is 5.  \n", 1),  # blank lines and trailing spaces do not matter
-    ("3\n5\n#### 5", 0),  # no restatement
-    ("3\n5\n#### 5\nThe answer is 5.\nThe answer is 5.", 0),  # repeats past the end
-    ("3\n5\n#### 5\nThe answer is 5. Done", 0),
-    ("3\n5\n#### 4\nThe answer is 5.", 0),  # restates an answer it did not commit to
-    ("3\n5\nThe answer is 5.", 0),  # never commits
+    ("35\n#### 5", 0),  # no restatement
+    ("35\n#### 5\nThe answer is 5.\nThe answer is 5.", 0),  # repeats past the end
+    ("35\n#### 5\nAnn has 5 apples now.", 1),  # another sentence stating 5
+    ("35\n#### 5\nThe answer is 5, not 3.", 0),  # states another number too
+    ("35\n#### 5\nDone.", 0),  # states no number
+    ("35\n#### 4\nThe answer is 5.", 0),  # restates an answer it did not commit to
+    ("35\nThe answer is 5.", 0),  # never commits
     ("#### 5\n#### 4\nThe answer is 5.", 0),
-    ("#### 5\nSo the counter is at 5.", 0),
+    ("#### 5\nSo the count is 6.", 0),
 ])
-def test_restated_match_needs_answer_and_exact_final_line(response: str, q: int) -> None:
+def test_restated_match_needs_answer_and_a_final_sentence_stating_it(response: str, q: int) -> None:
     assert restated_match(response, "5") == q

@@ -66,7 +66,7 @@ class Context:
         out = []
         for spec in self.adapters:
             weights = weights_file(spec)
-            out.append({"name": spec.name, "weights_sha256": file_sha256(weights),
+            out.append({"name": spec.name, "task": spec.task, "weights_sha256": file_sha256(weights),
                         "config_sha256": file_sha256(weights.with_name("adapter_config.json"))})
         return out
 
@@ -93,14 +93,39 @@ class Context:
 
     @cached_property
     def adapters(self) -> list[AdapterSpec]:
-        specs = [AdapterSpec(name=a["name"], path=str(a["path"])) for a in self.section("adapter")["adapters"]]
+        specs = [AdapterSpec(name=a["name"], path=str(a["path"]), task=a.get("task"))
+                 for a in self.section("adapter")["adapters"]]
         if not specs:
             raise AdapterError("adapter.adapters is empty: list at least one {name, path} "
                                "(see conf/adapter/custom.yaml).")
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names must be unique, got {names} (conf/adapter).")
+        self._check_parts(specs)
         return specs
+
+    def _check_parts(self, specs: list[AdapterSpec]) -> None:
+        """Each adapter's ``task`` names a part of the run's mix task (or is unset), and with a
+        mix task every part has an adapter and every adapter a part."""
+        parts = getattr(self.task, "parts", None)
+        for s in specs:
+            if s.task is not None and (parts is None or s.task not in parts):
+                known = f"the mix task's parts are {sorted(parts)}" if parts else "the run's task is not a mix"
+                raise AdapterError(f"adapter '{s.name}': task '{s.task}' is not a part of this run's task ({known}); "
+                                   f"fix adapter.adapters[].task or choose task=demo.")
+        if parts is not None:
+            unset = [s.name for s in specs if s.task is None]
+            if unset:
+                raise AdapterError(f"adapter(s) {unset}: task=mix needs each adapter's `task` (one of {sorted(parts)}).")
+            idle = sorted(set(parts) - {s.task for s in specs})
+            if idle:
+                raise AdapterError(f"task part(s) {idle} have no adapter; add one with `task: {idle[0]}` to "
+                                   f"adapter.adapters or drop the part from task.options.parts.")
+
+    @property
+    def adapter_parts(self) -> dict[int, str | None]:
+        """Slot → the task part its adapter serves (None: every request)."""
+        return {i: s.task for i, s in enumerate(self.adapters)}
 
     @property
     def adapter_names(self) -> list[str]:

@@ -21,10 +21,11 @@ from labeling.tasks import SPLITS
 from labeling.trees import run_trees
 from predictors.candidates import Candidates, build_candidates
 from predictors.export import CONFIG_SECTIONS, export_bundle, resolve_rule
-from predictors.frontier import DEFAULT_RULES, compare_at_budget, k_table, pareto, select, write_tables
+from predictors.frontier import DEFAULT_RULES, compare_at_budget, k_table, parse_rule, pareto, select, write_tables
 from predictors.heads import fit_heads, load_heads, save_heads
 from predictors.plots import (plot_agreement, plot_frontier, plot_k_curves, plot_positive_rate,
                               plot_release_histogram)
+from predictors.report import explain
 from predictors.sweep import ForkPlanner, load_trees, price, release_points, save_trees, sweep_cost
 from serve_bridge.bundle import Bundle, load_bundle
 from serve_bridge.steptrim import StepTrim, skip_fraction
@@ -52,7 +53,7 @@ def stage_labels(ctx: Context) -> dict:
     lab = ctx.section("labeling")
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
                                  lab["points"], ctx.run.root / "labels", ctx.shard_requests,
-                                 shard_key=stage_fingerprints(ctx)["labels"])
+                                 shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts)
     points.to_parquet(ctx.run.path("labels", "points.parquet"), index=False)
     np.save(ctx.run.path("labels", "features.npy"), feats)
     plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))
@@ -69,7 +70,8 @@ def stage_heads(ctx: Context) -> dict:
     heads = fit_heads(points, feats, lam=float(ctx.section("predictor")["lam"]))
     save_heads(ctx.run.path("heads", "heads.safetensors"), heads)
     sw = ctx.section("sweep")
-    cands = build_candidates(heads, points, feats, n_quantiles=int(sw["n_tau"]), ks=sw["ks"])
+    cands = build_candidates(heads, points, feats, n_quantiles=int(sw["n_tau"]), ks=sw["ks"],
+                             skip_levels=sw["skip_levels"])
     cands.save(ctx.run.path("heads", "candidates.json"))
     for h in heads.values():
         _say(f"head {h.adapter}: {h.status}, {h.n_requests} requests, {h.n_points} points, "
@@ -84,9 +86,9 @@ def stage_sweep(ctx: Context) -> dict:
     scorer = StepTrim([heads[a].policy(0.0) if a in heads else None for a in ctx.adapter_names],
                       ctx.engine.hidden_size)
     tp = run_trees(ctx.engine, ctx.task, ctx.task.load_split("validation"), ctx.adapter_names, scorer,
-                   ForkPlanner(cands.taus, cands.ks))
+                   ForkPlanner(cands.taus, cands.ks), ctx.adapter_parts)
     save_trees(ctx.run.path("sweep", "trees.parquet"), tp.trees)
-    priced = price(tp.trees, cands)
+    priced = price(tp.trees, cands, confidence=float(ctx.section("sweep")["confidence"]))
     front = pareto(priced)
     budget = float(ctx.section("export")["budget"])
     rules = [*DEFAULT_RULES, f"budget={budget:g}"]
@@ -100,7 +102,7 @@ def stage_sweep(ctx: Context) -> dict:
                "full_generation_tokens": full_tokens, "tree_tokens": cost.tree_tokens,
                "naive_tokens": cost.naive_tokens, "token_ratio": cost.naive_tokens / max(1, cost.tree_tokens),
                "pass_seconds": tp.seconds}
-    _say(f"sweep: {len(tp.trees)} request trees; full LoRA {full}, backbone only {tp.backbone_accuracy:.1f}%; "
+    _say(f"sweep: {len(tp.trees)} request trees; full LoRA {full}, backbone only {tp.backbone_accuracy}; "
          f"{cost.tree_tokens} generated tokens ({cost.tree_tokens / max(1, full_tokens):.1f} full validation "
          f"generations) for {len(priced)} candidates vs {cost.naive_tokens} naive "
          f"({summary['token_ratio']:.1f}× fewer)")
@@ -119,17 +121,22 @@ def stage_export(ctx: Context) -> dict:
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
     trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
+    budget = parse_rule(rule).max_loss
+    why = {}
     for a in ctx.adapter_names:
-        plot_frontier(priced, front, sel, a, ctx.run.path("plots", f"frontier_{a}.png"))
-        plot_k_curves(k_table(priced), a, ctx.run.path("plots", f"k_curves_{a}.png"))
         e = next(e for e in entries if e.name == a)
+        param = e.tau if e.policy == "learned" else e.k
+        releases = release_points(trees, a, e.policy, param) if e.policy != "none" else []
+        why[a] = explain(priced, a, rule, ex["policy"], releases)
+        plot_frontier(priced, front, sel, a, ctx.run.path("plots", f"frontier_{a}.png"), rule=rule, budget=budget,
+                      note=why[a])
+        plot_k_curves(k_table(priced), a, ctx.run.path("plots", f"k_curves_{a}.png"))
         if e.policy != "none":
-            param = e.tau if e.policy == "learned" else e.k
-            plot_release_histogram(release_points(trees, a, e.policy, param),
-                                   ctx.run.path("plots", f"release_hist_{a}.png"),
+            plot_release_histogram(releases, ctx.run.path("plots", f"release_hist_{a}.png"),
                                    title=f"{a}: validation release points ({e.policy} {param:.3g})")
     chosen = {e.name: {"policy": e.policy, "tau": e.tau, "k": e.k, "val_skip": e.stats["val_skip"],
-                       "val_loss_points": e.stats["val_loss_points"]} for e in entries}
+                       "val_loss_points": e.stats["val_loss_points"], "val_loss_high": e.stats["val_loss_high"],
+                       "why": why[e.name]} for e in entries}
     _say(f"export: bundle at {out} (rule {rule}, policy {ex['policy']})")
     return {"rule": rule, "policy": ex["policy"], "adapters": chosen}
 
@@ -144,7 +151,8 @@ def _bundle_steptrim(ctx: Context, engine) -> tuple[Bundle, StepTrim]:
 def realize(ctx: Context, engine, split: str, steptrim: StepTrim, desc: str) -> dict[str, dict]:
     """Run ``split`` × adapters with full LoRA and with ``steptrim`` on ``engine``; per adapter:
     requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1)."""
-    pairs = build_requests(engine, ctx.task, ctx.task.load_split(split), range(len(ctx.adapter_names)))
+    pairs = build_requests(engine, ctx.task, ctx.task.load_split(split), range(len(ctx.adapter_names)),
+                           ctx.adapter_parts)
     reqs = [r for _, r in pairs]
     full = engine.generate(reqs, ctx.task.max_new_tokens, desc=f"{desc}: full LoRA")
     trim = engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc=f"{desc}: bundle policy")
@@ -285,13 +293,16 @@ def format_final(summaries: dict[str, dict]) -> str:
     if "export" not in summaries:
         return ""
     test = {r["adapter"]: r for r in summaries.get("test", {}).get("rows", [])}
-    lines = [f"{'adapter':<16}{'policy':<10}{'tau/k':>10}{'val skip':>10}{'val loss':>10}"
+    ex = summaries["export"]
+    lines = [f"operating point: rule {ex['rule']}, policy {ex['policy']} (val loss bound: exact, one-sided)",
+             f"{'adapter':<16}{'policy':<10}{'tau/k':>10}{'val skip':>10}{'val loss':>10}{'bound':>8}"
              f"{'test skip':>11}{'test loss':>11}"]
-    for a, c in summaries["export"]["adapters"].items():
+    for a, c in ex["adapters"].items():
         param = f"{c['tau']:.4g}" if c["tau"] is not None else (str(c["k"]) if c["k"] is not None else "-")
         t = test.get(a, {})
         ts = f"{100 * t['test_skip']:.1f}%" if t else "-"
         tl = f"{t['test_loss_points']:.1f}" if t else "-"
         lines.append(f"{a:<16}{c['policy']:<10}{param:>10}{100 * c['val_skip']:>9.1f}%{c['val_loss_points']:>10.1f}"
-                     f"{ts:>11}{tl:>11}")
+                     f"{c['val_loss_high']:>8.1f}{ts:>11}{tl:>11}")
+    lines += [f"- {c['why']}" for c in ex["adapters"].values()]
     return "\n".join(lines)

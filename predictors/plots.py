@@ -1,7 +1,7 @@
 """Calibration plots (PNG, matplotlib's Agg canvas; no pyplot global state).
 
-- :func:`plot_frontier`: loss vs skip of one adapter — learned candidates and their Pareto
-  curve, profiled k points, chosen points annotated with their rule names.
+- :func:`plot_frontier`: loss vs skip of one adapter, both policies on one plot — learned
+  candidates, their Pareto curve and loss bounds, profiled k, the chosen points starred.
 - :func:`plot_k_curves`: accuracy and skip vs profiled k.
 - :func:`plot_positive_rate`: share of risky labels (y = 1) per release point t, per adapter.
 - :func:`plot_release_histogram`: release points of one policy over requests.
@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,29 +38,77 @@ def _rows(df: pd.DataFrame, adapter: str, policy: str) -> pd.DataFrame:
     return df[(df["adapter"] == adapter) & (df["policy"] == policy)]
 
 
+def _clusters(x: np.ndarray, y: np.ndarray, xspan: float, yspan: float) -> list[list[int]]:
+    """Consecutive points (in the given order) closer than ~4% of each axis span, grouped."""
+    groups: list[list[int]] = []
+    for i in range(len(x)):
+        if groups and abs(x[i] - x[groups[-1][0]]) < 0.04 * xspan and abs(y[i] - y[groups[-1][0]]) < 0.06 * yspan:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def plot_frontier(priced: pd.DataFrame, frontier: pd.DataFrame, selection: pd.DataFrame, adapter: str,
-                  path: str | Path) -> Path:
-    """Loss (points) vs skip (%) for ``adapter``: learned candidates + frontier, profiled k, chosen rules."""
-    fig = _figure()
+                  path: str | Path, rule: str | None = None, budget: float | None = None, note: str = "") -> Path:
+    """Loss (points) vs skip (%) for ``adapter``, both policies on one plot.
+
+    Learned: all τ candidates (faint), the Pareto frontier (line) and its loss upper bound (band,
+    when ``priced`` has ``loss_high``). Profiled: every k (line + squares, with error bars up
+    to the bound); nearby k share one label, so labels never pile up. The points
+    chosen by ``rule`` (all rules of ``selection`` when None) are starred, each named in the
+    legend rather than on the plot. ``budget`` draws the loss budget; ``note`` goes below.
+    """
+    fig = Figure(figsize=(7, 4.8 if note else 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     learned = _rows(priced, adapter, "learned")
-    ax.scatter(100 * learned["skip"], learned["loss_points"], s=10, color="tab:blue", alpha=0.3,
+    ax.scatter(100 * learned["skip"], learned["loss_points"], s=8, color="tab:blue", alpha=0.25,
                label="learned τ candidates")
     front = _rows(frontier, adapter, "learned").sort_values("skip")
+    if "loss_high" in front.columns and len(front):
+        ax.fill_between(100 * front["skip"], front["loss_points"], front["loss_high"], color="tab:blue",
+                        alpha=0.12, lw=0, label="learned frontier: loss upper bound")
     ax.plot(100 * front["skip"], front["loss_points"], "-o", ms=3, color="tab:blue", label="learned frontier")
-    prof = _rows(priced, adapter, "profiled")
-    ax.plot(100 * prof["skip"], prof["loss_points"], "s", color="tab:orange", label="profiled k")
-    for r in prof.itertuples():
-        ax.annotate(f"k={int(r.param)}", (100 * r.skip, r.loss_points), textcoords="offset points",
-                    xytext=(4, -10), fontsize=7, color="tab:orange")
+    prof = _rows(priced, adapter, "profiled").sort_values("param")
+    if "loss_high" in prof.columns:
+        err = np.vstack([np.zeros(len(prof)), np.clip(prof["loss_high"] - prof["loss_points"], 0, None)])
+        ax.errorbar(100 * prof["skip"], prof["loss_points"], yerr=err, fmt="none", ecolor="tab:orange",
+                    alpha=0.5, lw=0.8, capsize=2)
+    ax.plot(100 * prof["skip"], prof["loss_points"], "-s", ms=4, lw=0.8, color="tab:orange", label="profiled k")
+    xs, ys = 100 * prof["skip"].to_numpy(), prof["loss_points"].to_numpy()
+    yspan = max(1.0, float(np.nanmax(priced.loc[priced["adapter"] == adapter, "loss_points"], initial=1.0))
+                - float(np.nanmin(priced.loc[priced["adapter"] == adapter, "loss_points"], initial=0.0)))
+    for group in _clusters(xs, ys, 100.0, yspan):
+        ks = ",".join(str(int(prof["param"].iloc[i])) for i in group)
+        ax.annotate(f"k={ks}", (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(5, -11),
+                    fontsize=7, color="tab:orange")
     chosen = selection[(selection["adapter"] == adapter) & ~selection["fallback"]]
-    for (policy, skip, loss), g in chosen.groupby(["policy", "skip", "loss_points"]):
-        ax.annotate("/".join(g["rule"]), (100 * skip, loss), textcoords="offset points", xytext=(4, 6),
-                    fontsize=8, weight="bold", color="tab:blue" if policy == "learned" else "tab:orange")
+    if rule is not None:
+        chosen = chosen[chosen["rule"] == rule]
+    styles = {"learned": ("*", "tab:blue"), "profiled": ("D", "tab:orange")}
+    for (policy, skip, loss), g in chosen.groupby(["policy", "skip", "loss_points"], sort=False):
+        marker, color = styles[policy]
+        param = g["param"].iloc[0]
+        what = f"τ={param:.3g}" if policy == "learned" else f"k={int(param)}"
+        ax.scatter([100 * skip], [loss], marker=marker, s=160, color=color, edgecolor="black", zorder=5,
+                   label=f"chosen {policy} {what} ({'/'.join(g['rule'])}): {100 * skip:.0f}% skip, "
+                         f"{loss:.1f} pts")
+    if budget is not None:
+        ax.axhline(budget, color="tab:red", ls="--", lw=0.8, label=f"budget {budget:g} points (on the bound)")
     ax.axhline(0, color="grey", lw=0.5)
-    ax.set(xlabel="skip (% of decode forwards without adapter)", ylabel="accuracy loss (points)",
-           title=f"{adapter}: release frontier")
-    ax.legend(fontsize=8)
+    ax.set_yscale("symlog", linthresh=10, linscale=2)  # linear up to 10 points, where budgets live
+    top = float(np.nanmax(priced.loc[priced["adapter"] == adapter, ["loss_points"]].to_numpy(), initial=1.0))
+    ticks = [t for t in (0, 2, 5, 10, 20, 50, 100) if t <= max(top, budget or 0) * 1.5 or t <= 10]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.set_ylim(-1, max(ticks) * 1.1)
+    ax.set_xlim(-2, 102)
+    ax.set(xlabel="skip (% of decode forwards without adapter)", ylabel="accuracy loss (points, symlog)",
+           title=f"{adapter}: release frontier (validation)")
+    ax.legend(fontsize=7, loc="best")
+    if note:
+        fig.text(0.01, 0.005, textwrap.fill(note, 130), fontsize=7, va="bottom")
+        fig.get_layout_engine().set(rect=(0, 0.07, 1, 0.93))
     return _save(fig, path)
 
 

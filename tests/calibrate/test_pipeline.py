@@ -27,7 +27,7 @@ from labeling.tasks import TaskError
 from serve_bridge.bundle import load_bundle
 from tests.conftest import ROOT
 
-TINY = ["task.sizes.train=6", "task.sizes.validation=3", "task.sizes.test=3", "task.options.max_new_tokens=40",
+TINY = ["task=arith", "adapter=arith_demo", "task.sizes.train=6", "task.sizes.validation=3", "task.sizes.test=3", "task.options.max_new_tokens=40",
         "labeling.shard_requests=2", "engine.progress=false"]
 
 
@@ -172,12 +172,31 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path, case: str) -> None:
     assert not list((tmp_path / "run").glob("stages/*.json")) or case == "bad_stage"
 
 
+def test_demo_config_routes_each_adapter_to_its_part(tmp_path: Path) -> None:
+    """The default config is the two-adapter demo; an adapter's `task` must name a part of the mix, every
+    part needs an adapter, and a plain task refuses `task`."""
+    ctx = Context(compose_cfg([]), RunDir(tmp_path))
+    assert ctx.section("task")["name"] == "mix" and ctx.adapter_names == ["arith-a", "counter-a"]
+    assert ctx.adapter_parts == {0: "arith", 1: "counter"}
+    arith = f"{{name: a, path: {ROOT / 'labeling/data/adapters/arith-a'}"
+    cases = {f"adapter.adapters=[{arith}, task: arith}}]": "part.*counter.*have no adapter",
+             f"adapter.adapters=[{arith}, task: arith}}, {arith.replace('name: a', 'name: b')}}}]": "needs each",
+             f"adapter.adapters=[{arith}, task: arith}}, {arith.replace('name: a', 'name: b')}, task: x}}]":
+                 "task 'x' is not a part"}
+    for override, match in cases.items():
+        with pytest.raises(AdapterError, match=match):
+            Context(compose_cfg(["adapter=custom", override]), RunDir(tmp_path)).adapters
+    with pytest.raises(AdapterError, match="not a mix"):
+        Context(compose_cfg([*TINY, f"adapter.adapters=[{arith}, task: arith}}]"]), RunDir(tmp_path)).adapters
+
+
 def test_wheel_ships_configs_and_demo_adapter(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True)
     import zipfile
 
     names = zipfile.ZipFile(next(tmp_path.glob("lorazor-*.whl"))).namelist()
-    for f in ("conf/config.yaml", "conf/task/arith.yaml", "conf/backbone/llama3b.yaml",
-              "labeling/data/adapters/arith-a/adapter_model.safetensors", "calibrate/__main__.py"):
+    for f in ("conf/config.yaml", "conf/task/arith.yaml", "conf/task/demo.yaml", "conf/adapter/demo.yaml",
+              "conf/backbone/llama3b.yaml", "labeling/data/adapters/arith-a/adapter_model.safetensors",
+              "labeling/data/adapters/counter-a/adapter_model.safetensors", "calibrate/__main__.py"):
         assert f in names, f

@@ -1,4 +1,5 @@
-"""notebooks/pareto_frontier.ipynb runs headless on a synthetic run directory and re-exports a valid bundle.
+"""notebooks/pareto_frontier.ipynb runs headless on a synthetic two-adapter run directory, shows both adapters'
+frontiers with the reason for each operating point, and re-exports a valid bundle at another rule or budget.
 
 The run directory is written by the pipeline's own writers (trees, heads, candidates, priced
 tables, stage markers, Hydra config) from random but valid data, so no model runs.
@@ -32,6 +33,7 @@ H = 16
 T = (0, 1, 2, 3, 7, 15)
 KS = (0, 1, 2, 4, 8, 16)
 BUDGET = 2.0
+VAL_REQUESTS = 80  # per adapter: enough for a loss upper bound within a few points
 
 
 def _adapter_dir(path: Path, seed: int) -> Path:
@@ -65,13 +67,14 @@ def _trees(rng: np.random.Generator, heads, planner: ForkPlanner) -> list[Reques
     """Validation trees forked where the planner says, as the sweep pass records them."""
     trees = []
     for a in ADAPTERS:
-        for i in range(10):
+        for i in range(VAL_REQUESTS):
             on_length = int(rng.integers(8, 30))
-            scores = heads[a].scores(rng.normal(size=(on_length, H)))
+            drift = (4.0 - 0.4 * np.arange(on_length)).astype(np.float32)  # risky early, safe late, as real heads
+            scores = heads[a].scores(rng.normal(size=(on_length, H))) + drift
             state, branches = planner.new_state(), {}
             for t, s in enumerate(scores):
                 if planner.should_fork(state, a, t, float(s)) and t < on_length - 1:
-                    branches[t] = (int(rng.random() < 0.2 + 0.05 * t), t + 1 + int(rng.integers(1, 30)))
+                    branches[t] = (int(rng.random() < 0.3 + 0.1 * t), t + 1 + int(rng.integers(1, 30)))  # safe from t=7
             trees.append(RequestTree(f"val-{i}", a, on_length, int(rng.random() < 0.9), scores, branches))
     return trees
 
@@ -98,7 +101,7 @@ def build_run_dir(root: Path) -> Path:
 
     cost = sweep_cost(trees, cands)
     per_t = points.groupby("t")["y"].agg(["count", "mean"])
-    run.mark_done("data", "fp-data", {"train": 12, "validation": 10, "test": 0})
+    run.mark_done("data", "fp-data", {"train": 12, "validation": VAL_REQUESTS, "test": 0})
     run.mark_done("labels", "fp-labels", {
         "requests": int(points[["uid", "adapter"]].drop_duplicates().shape[0]), "points": len(points),
         "positive_rate": float(points["y"].mean()),
@@ -155,3 +158,28 @@ def test_notebook_reexports_the_selected_operating_point(tmp_path):
     expected = {r.adapter: None if r.fallback else ProfiledPolicy(int(r.param)) for r in chosen.itertuples()}
     assert bundle.policies == expected
     assert any(p is not None for p in expected.values())
+
+
+def test_notebook_shows_both_frontiers_and_reexports_at_another_budget(tmp_path):
+    run = build_run_dir(tmp_path)
+    other = 4 * BUDGET  # the run's config says BUDGET
+    nb = execute_notebook(f'RUN_DIR = {str(run)!r}\nRULE = "budget"\nBUDGET = {other}\nPOLICY = "learned"\n'
+                          f'EXPORT_DIR = None')
+    frontier_cell = next(c for c in nb.cells if c.cell_type == "code" and "plot_frontier(" in c.source)
+    images = [o for o in frontier_cell.outputs if "image/png" in o.get("data", {})]
+    text = "".join(o.get("text", "") for o in frontier_cell.outputs)
+    assert len(images) == len(ADAPTERS)
+    assert all(text.count(f"{a}: ") == 1 for a in ADAPTERS)  # one line per adapter on its operating point
+    bundle = load_bundle(run / f"bundle_budget{other:g}_learned", expected_hidden_size=H,
+                         expected_backbone="tiny-backbone", known_adapters=ADAPTERS)
+    priced = pd.read_csv(run / "sweep" / "candidates.csv")
+    chosen = select(priced, [f"budget={other:g}"]).query("policy == 'learned'").set_index("adapter")
+    assert (chosen["loss_high"] <= other).all() and not chosen["fallback"].all()
+    for a in ADAPTERS:
+        e = bundle.adapters[a]
+        assert e.stats["rule"] == f"budget={other:g}"
+        if chosen.loc[a, "fallback"]:
+            assert e.policy == "none"
+        else:
+            assert e.policy == "learned" and e.tau == pytest.approx(chosen.loc[a, "param"])
+            assert e.stats["val_loss_high"] == pytest.approx(chosen.loc[a, "loss_high"])

@@ -34,15 +34,17 @@ def explain(priced: pd.DataFrame, adapter: str, rule: str, policy: str,
     n = int(p["n_requests"].iloc[0]) if len(p) else 0
     if chosen["fallback"]:
         releasing = p[(p["policy"] == policy) & (p["skip"] >= 0.05)]
-        if parsed.max_loss is not None and len(releasing):
-            best = releasing.sort_values(["loss_high", "skip"], ascending=[True, False]).iloc[0]
-            why = (f"every {policy} candidate that skips ≥ 5% has a loss bound above {parsed.max_loss:g} points "
-                   f"(the lowest: {best['loss_high']:.1f} at {100 * best['skip']:.0f}% skip, {int(best['broken'])} "
-                   f"of {n} requests broken)" if "broken" in best else
-                   f"every {policy} candidate that skips ≥ 5% loses more than {parsed.max_loss:g} points")
-        else:
-            why = str(chosen["note"])
-        return f"{adapter}: never released — {why}; the adapter is needed to the end of its responses."
+        if parsed.max_loss is None or releasing.empty:
+            return f"{adapter}: never released — {chosen['note']}."
+        best = releasing.sort_values(["loss_high", "skip"], ascending=[True, False]).iloc[0]
+        broken = int(best["broken"]) if "broken" in best else None
+        lead = (f"every {policy} candidate that skips ≥ 5% has a loss bound above {parsed.max_loss:g} points "
+                f"(the lowest: {best['loss_high']:.1f} at {100 * best['skip']:.0f}% skip")
+        if broken == 0:
+            return (f"{adapter}: never released — {lead}, with no request broken): {n} validation requests "
+                    f"are too few to bound the loss within the budget.")
+        tail = f", {broken} of {n} requests broken)" if broken is not None else ")"
+        return f"{adapter}: never released — {lead}{tail}; the adapter is needed to the end of its responses."
     head = (f"{adapter}: {policy} skips {100 * chosen['skip']:.1f}% at a loss of {chosen['loss_points']:.1f} "
             f"points (≤ {chosen['loss_high']:.1f} at the bound)")
     if other["fallback"]:

@@ -30,3 +30,10 @@ def test_never_release_line_names_the_bound_it_missed():
     assert line.startswith("needy: never released")
     assert "the lowest: 9.0 at 6% skip, 2 of 240 requests broken" in line
     assert explain(_priced(), "needy", "P50", "learned").startswith("needy: never released — no learned candidate")
+
+
+def test_never_release_line_blames_the_sample_size_when_nothing_broke():
+    few = _priced().assign(n_requests=48)
+    few.loc[few["param"] == 0.2, ["broken", "loss_points", "loss_high"]] = [0, 0.0, 6.1]
+    line = explain(few, "needy", "budget=2", "learned")
+    assert "with no request broken): 48 validation requests are too few" in line

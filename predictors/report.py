@@ -44,7 +44,8 @@ def explain(priced: pd.DataFrame, adapter: str, rule: str, policy: str,
             return (f"{adapter}: never released — {lead}, with no request broken): {n} validation requests "
                     f"are too few to bound the loss within the budget.")
         tail = f", {broken} of {n} requests broken)" if broken is not None else ")"
-        return f"{adapter}: never released — {lead}{tail}; the adapter is needed to the end of its responses."
+        return (f"{adapter}: never released — {lead}{tail}: no {policy} release point is safe enough on these "
+                f"requests to fit the budget.")
     head = (f"{adapter}: {policy} skips {100 * chosen['skip']:.1f}% at a loss of {chosen['loss_points']:.1f} "
             f"points (≤ {chosen['loss_high']:.1f} at the bound)")
     if other["fallback"]:

@@ -54,3 +54,20 @@ def _requests(engine, task, examples, slot):
     from labeling.engines.hf import GenRequest
 
     return [GenRequest(f"{ex.uid}@{slot}", engine.encode(task.messages(ex)), slot) for ex in examples]
+
+
+def test_mixed_task_trees_route_each_part_to_its_adapter(engine) -> None:
+    """task=mix: adapter 0 serves arith, adapter 1 counter; every example also gets one backbone row,
+    and the backbone's accuracy is reported per adapter on that adapter's own examples."""
+    parts = {"arith": {"sizes": {"validation": 2}, "options": {"max_new_tokens": MAX_NEW}},
+             "counter": {"sizes": {"validation": 3}, "options": {"max_new_tokens": MAX_NEW}}}
+    task = build_task("mix", parts=parts)
+    examples = task.load_split("validation")
+    names = [a.name for a in engine.adapters]
+    scorer = StepTrim([None] * len(names), engine.hidden_size)
+    tp = run_trees(engine, task, examples, names, scorer, ForkPlanner({}, (2,)), {0: "arith", 1: "counter"})
+    served = {a: [t.uid for t in tp.trees if t.adapter == a] for a in names}
+    assert served == {names[0]: [e.uid for e in examples if e.meta["task"] == "arith"],
+                      names[1]: [e.uid for e in examples if e.meta["task"] == "counter"]}
+    assert set(tp.backbone_accuracy) == set(names)
+    assert all(2 in t.branches for t in tp.trees if t.on_length > 3)  # forks still follow the planner

@@ -33,7 +33,7 @@ How it maps the hf engine's semantics onto vLLM:
   left, runs next to OFF work instead of alone. Otherwise (``pipeline: false``, data-parallel
   replicas, or a pass with a release policy) they run as a second ``generate`` after it.
   Prefix caching is off by default (DESIGN §4). With ``prefix_caching: true`` the bridge keys the
-  KV blocks of forced releases by release position (:mod:`serve_bridge.prefix_cache`): an OFF
+  KV blocks of forced releases by release position (:mod:`serve_bridge.vllm.prefix_cache`): an OFF
   branch then reuses the prompt and ON-prefix blocks its ON request computed with the adapter,
   instead of re-prefilling them, and passes with a release policy are refused.
 
@@ -63,7 +63,7 @@ from labeling.engines.chat import ChatIO
 from labeling.engines.hf import ForkFn, GenRequest, GenResult
 from serve_bridge.calibration import calibration_config, require_cacheable
 from serve_bridge.runtime import REQUEST_ARGS_KEY
-from serve_bridge.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
+from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
@@ -195,9 +195,9 @@ def lora_rank(adapters: Sequence[AdapterSpec]) -> int:
 def llm_kwargs(model_dir: str, adapters: Sequence[AdapterSpec], options: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` arguments from ``conf/engine/vllm.yaml`` options.
 
-    Fixed by the bridge (``serve_bridge.settings.require_supported_engine``): LoRA on, async
+    Fixed by the bridge (``serve_bridge.vllm.settings.require_supported_engine``): LoRA on, async
     scheduling off. Prefix caching follows ``prefix_caching`` (default off): the bridge keys the
-    blocks of forced releases (:mod:`serve_bridge.prefix_cache`), so OFF branches reuse their ON
+    blocks of forced releases (:mod:`serve_bridge.vllm.prefix_cache`), so OFF branches reuse their ON
     request's prefix blocks, and passes with a release policy are refused.
     ``max_lora_rank: auto`` → the adapters' largest rank, rounded up to a rank vLLM supports.
     ``max_cudagraph_capture_size`` (null: vLLM's ``min(2 · max_num_seqs, 512)``) goes into
@@ -256,7 +256,7 @@ def stop_ids_for(model_dir: str, tokenizer: Any, spec: Any) -> set[int]:
 def prepare_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
     """The variables every vLLM process must see before ``LLM`` starts: the calibration runtime
     (no bundle), the V1 runner, and the engine core in this process (so ``collective_rpc``
-    callables need no insecure serialization, see :mod:`serve_bridge.rpc`)."""
+    callables need no insecure serialization, see :mod:`serve_bridge.vllm.rpc`)."""
     environ.pop(BUNDLE_ENV, None)
     environ[CALIBRATION_ENV] = "1"
     environ[V2_RUNNER_ENV] = "0"
@@ -307,7 +307,7 @@ class LocalBackend:
                                f"without it, `source scripts/device_plugin_env.sh`.")
 
     def run(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], desc: str, progress: bool) -> Batch:
-        from serve_bridge.rpc import lorazor_calibrate, lorazor_captures
+        from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures
 
         if not reqs:
             return Batch([])
@@ -335,7 +335,7 @@ class LocalBackend:
         outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
         (``on<k>``, ``off<j>``); outputs carry them (``v1/engine/output_processor.py:371``). On an
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
-        from serve_bridge.rpc import lorazor_calibrate
+        from serve_bridge.vllm.rpc import lorazor_calibrate
 
         if config.get("policy") is not None:
             raise ValueError("run_pipelined: the calibration config holds a release policy, which would also act on "
@@ -396,7 +396,7 @@ class _PipelinedRun:
     def drive(self) -> None:
         """Step until no request is unfinished; after each step, read the records of the ON
         requests that finished in it and add their follow-ups."""
-        from serve_bridge.rpc import lorazor_captures
+        from serve_bridge.vllm.rpc import lorazor_captures
 
         while self.engine.has_unfinished_requests():
             finished = []
@@ -432,10 +432,10 @@ def build_local_backend(llm_args: Mapping[str, Any], adapters: Sequence[AdapterS
     prepare_environment()
     import vllm
 
-    from serve_bridge.settings import require_vllm_version
+    from serve_bridge.vllm.settings import require_vllm_version
 
     require_vllm_version(vllm.__version__)
-    from serve_bridge.vllm_hooks import install
+    from serve_bridge.vllm.model_runner import install
 
     # vLLM builds the runner from this module attribute (v1/worker/gpu_worker.py:412-416): patching
     # it here covers an engine in this process; worker processes (tensor parallel) rely on the

@@ -45,7 +45,6 @@ import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
 from serve_bridge.decision import DecisionLauncher
-from serve_bridge.vllm.settings import BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.
@@ -475,29 +474,22 @@ def _weights_match(path: str, sha256: str) -> bool:
         return False
 
 
-def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.device | str,
-                  prefix_caching: bool = False) -> ReleaseRuntime:
+def build_runtime(bundle_dir: str | os.PathLike[str], hidden_size: int, device: torch.device | str,
+                  adapters: Mapping[str, str] | None = None, log_interval_s: float = 60.0) -> ReleaseRuntime:
     """Load and check the bundle for a model of ``hidden_size``; one BundleError on the first problem.
 
-    With ``settings.adapters`` the bundle must not name an unserved adapter, and each
-    served adapter in the bundle must have the calibrated weights. A served adapter the
-    bundle lacks runs full LoRA, with a warning. In calibration mode (``settings.calibration``)
-    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`, told
-    whether the engine caches prefixes (``prefix_caching``; it then refuses release policies).
+    ``adapters`` (served name → local directory): the bundle must not name an unserved adapter,
+    and each served adapter in the bundle must have the calibrated weights. A served adapter the
+    bundle lacks runs full LoRA, with a warning.
     """
-    if settings.calibration:
-        from serve_bridge.calibration import CalibrationRuntime  # it subclasses ReleaseRuntime
-
-        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
-                                  prefix_caching=prefix_caching)
+    adapters = dict(adapters or {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
-        bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,
-                             known_adapters=list(settings.adapters) or None)
+        bundle = load_bundle(bundle_dir, expected_hidden_size=hidden_size, known_adapters=list(adapters) or None)
     for w in caught:
         logger.warning(str(w.message))
     verified = {}
-    for name, path in settings.adapters.items():
+    for name, path in adapters.items():
         entry = bundle.adapters.get(name)
         if entry is None:
             continue
@@ -508,4 +500,4 @@ def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.devi
         verified[name] = path
     names = sorted(bundle.adapters)
     steptrim = StepTrim([bundle.policies[n] for n in names], bundle.hidden_size, device)
-    return ReleaseRuntime(bundle, steptrim, names, verified, settings.log_interval_s)
+    return ReleaseRuntime(bundle, steptrim, names, verified, log_interval_s)

@@ -83,7 +83,9 @@ import torch
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
+from serve_bridge.calibration import CalibrationRuntime
 from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
+from serve_bridge.vllm import prefix_cache
 from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_supported_engine
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
@@ -104,10 +106,9 @@ class LoRazorGPUModelRunner(_BaseRunner):
         if settings is None:
             raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
                               "plugin installs it only when one of them is set in every vLLM process.")
-        require_supported_engine(vllm_config, calibration=settings.calibration)
+        require_supported_engine(vllm_config, released_blocks_keyed=settings.calibration and prefix_cache.installed())
         hidden_size = vllm_config.model_config.get_hidden_size()
-        runtime = build_runtime(settings, hidden_size, device,
-                                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
+        runtime = _start_runtime(settings, hidden_size, device, bool(vllm_config.cache_config.enable_prefix_caching))
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None
@@ -176,6 +177,15 @@ class LoRazorGPUModelRunner(_BaseRunner):
                 capture(state.sample_hidden_states)
             self.lorazor.decide(state.sample_hidden_states)
         return out
+
+
+def _start_runtime(settings: BridgeSettings, hidden_size: int, device: Any, prefix_caching: bool) -> ReleaseRuntime:
+    """Serving: the bundle's runtime. Calibration: an empty runtime configured over ``collective_rpc``,
+    told whether the engine caches prefixes (it then refuses release policies)."""
+    if settings.calibration:
+        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
+                                  prefix_caching=prefix_caching)
+    return build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s)
 
 
 def install() -> None:

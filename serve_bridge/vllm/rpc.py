@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from serve_bridge.calibration import CalibrationRuntime
 from serve_bridge.runtime import ReleaseRuntime
 from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV
 
@@ -62,9 +63,7 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     return records
 
 
-def _calibration(worker: Any):
-    from serve_bridge.calibration import CalibrationRuntime
-
+def _calibration(worker: Any) -> CalibrationRuntime:
     runtime = _runtime(worker)
     if not isinstance(runtime, CalibrationRuntime):
         raise RuntimeError(f"this vLLM worker runs LoRazor in serving mode; calibration needs {CALIBRATION_ENV}=1 "

@@ -151,15 +151,15 @@ def require_v1_runner(environ: Mapping[str, str] | None = None) -> None:
                           f"(found {V2_RUNNER_ENV}={env.get(V2_RUNNER_ENV, '<unset>')!r}), or unset {BUNDLE_ENV}.")
 
 
-def require_supported_engine(vllm_config: Any, calibration: bool = False) -> None:
+def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False) -> None:
     """Refuse engine settings under which release would be wrong or unobserved.
 
     - LoRA must be enabled (there is nothing to release otherwise).
     - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
-      release would be reused as if computed with the adapter. In calibration mode
-      (``calibration``) it may be on once :mod:`serve_bridge.vllm.prefix_cache` keys the blocks of
-      forced releases (the plugin installs it there); passes with a release policy are then
-      refused by :class:`serve_bridge.calibration.CalibrationRuntime`.
+      release would be reused as if computed with the adapter. It may be on when
+      ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
+      installed, whose passes with a release policy
+      :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
     - Async scheduling off: a decision must reach the next step's LoRA mapping.
     - No speculative decoding and no pipeline parallelism: one sampled position per
       request per step, and final hidden states on this rank.
@@ -167,7 +167,7 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
     fixes = []
     if vllm_config.lora_config is None:
         fixes.append("enable LoRA (enable_lora=True / --enable-lora)")
-    if vllm_config.cache_config.enable_prefix_caching and not (calibration and _released_blocks_keyed()):
+    if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
         fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
                      "blocks decoded after release would be cached under the adapter's name")
     if vllm_config.scheduler_config.async_scheduling:
@@ -181,8 +181,3 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
         raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine "
                           f"settings: " + "; ".join(fixes) + ".")
 
-
-def _released_blocks_keyed() -> bool:
-    from serve_bridge.vllm import prefix_cache
-
-    return prefix_cache.installed()

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from serve_bridge.runtime import build_runtime, lora_group_count
-from serve_bridge.vllm.settings import BridgeSettings
 from tests.serve_bridge.test_runtime import H, _bundle, served  # noqa: F401 - served is a fixture
 
 
@@ -53,7 +52,7 @@ def hooks(monkeypatch):
 
 def test_set_active_loras_masks_released_positions_and_hands_over_ints(hooks, tmp_path, served):  # noqa: F811
     module, mapping_type = hooks
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     # a: adapter id 3, forced release at position 6; b: no adapter; c: adapter id 5, not released
     rt.add("a", "prof2", str(served["prof2"]), 4, {"lorazor": {"release_position": 6}})
     rt.add("b", None, None, 3)

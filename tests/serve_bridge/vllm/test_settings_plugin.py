@@ -13,7 +13,7 @@ from serve_bridge.vllm import lora_manager as vllm_lora_manager, plugin
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
                                    require_supported_engine, require_v1_runner, require_vllm_version)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_inactive_without_bundle():

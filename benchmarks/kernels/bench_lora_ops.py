@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
+from benchmarks.kernels.lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
 
 from kernels.expand import launch_expand
 from kernels.fused import FusedConfig

@@ -18,7 +18,7 @@ import time
 import traceback
 
 import torch
-from lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
+from benchmarks.kernels.lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
 
 from kernels.gridtrim import plan_gridtrim
 from kernels.layout import partials_buffer

@@ -1,6 +1,6 @@
 """StepTrim inside vLLM 0.26.0 is token-exact (issue 7, phase 1). Needs a GPU and vLLM.
 
-    python benchmarks/serve_bridge/check_correctness.py --out DIR [--tensor-parallel-size 2 [--fully-sharded-loras]]
+    python -m benchmarks.serve_bridge.check_correctness --out DIR [--tensor-parallel-size 2 [--fully-sharded-loras]]
 
 (``scripts/device_serve_bridge.sh`` registers the plugin's entry point and runs this;
 ``scripts/device_tp2.sh`` runs it at TP = 2.)
@@ -46,12 +46,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from serve_bridge.bundle import AdapterEntry, write_bundle  # noqa: E402
-from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards  # noqa: E402
-from benchmarks.serving.synthetic import write_model_config, write_random_adapters  # noqa: E402
+from serve_bridge.bundle import AdapterEntry, write_bundle
+from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -357,7 +355,7 @@ def main() -> None:
             continue
         t = time.time()
         with open(args.out / f"{phase}.log", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--phase", phase, "--out", str(args.out), "--work",
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.serve_bridge.check_correctness", "--phase", phase, "--out", str(args.out), "--work",
                                  str(args.work), "--tensor-parallel-size", str(tp)]
                                 + (["--fully-sharded-loras"] if fs else []),
                                 env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode

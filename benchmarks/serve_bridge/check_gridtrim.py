@@ -1,6 +1,6 @@
 """GridTrim inside vLLM 0.26.0 gives stock vLLM's outputs (issue 7, item 3). Needs a GPU and vLLM.
 
-    python benchmarks/serve_bridge/check_gridtrim.py --out DIR [--requests 128]
+    python -m benchmarks.serve_bridge.check_gridtrim --out DIR [--requests 128]
                                                     [--tensor-parallel-size 2 [--fully-sharded-loras]]
 
 (run it after ``source scripts/device_plugin_env.sh``, which registers the plugin's entry point.)
@@ -46,9 +46,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-import check_correctness as cc  # noqa: E402  (the model, adapters and requests of the token-exactness check)
+import check_correctness as cc  (the model, adapters and requests of the token-exactness check)
 
-from benchmarks.serving.bench import check_engine_classes, engine_classes  # noqa: E402
+from benchmarks.serving.bench import check_engine_classes, engine_classes
 
 BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
 TOP_LOGPROBS = 5
@@ -197,7 +197,7 @@ def main() -> None:
         env = base_env | ({"LORAZOR_GRIDTRIM": "1"} if mode == "gridtrim" else {})
         t = time.time()
         with open(args.out / f"{mode}.log", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--phase", mode, "--out", str(args.out), "--work",
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.serve_bridge.check_gridtrim", "--phase", mode, "--out", str(args.out), "--work",
                                  str(args.work), "--requests", str(args.requests), "--tensor-parallel-size", str(tp)]
                                 + (["--fully-sharded-loras"] if fs else []), env=env, stdout=log,
                                 stderr=subprocess.STDOUT).returncode

@@ -1,6 +1,6 @@
 """Learned release on the real embedded backbone: hf engine vs the vLLM runtime (issue 7, check 3).
 
-    python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR [--phases ...]
+    python -m benchmarks.serve_bridge.check_learned_real --run RUNDIR --gguf-dir DIR --out DIR [--phases ...]
 
 (``scripts/device_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
 (``make demo``: task arith, backbone smollm2, adapter arith-a) whose ``bundle/`` holds the
@@ -41,9 +41,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from check_correctness import table  # noqa: E402  (the checks' markdown table)
+from benchmarks.serve_bridge.check_correctness import table  (the checks' markdown table)
 
-from serve_bridge.steptrim import skip_fraction  # noqa: E402
+from serve_bridge.steptrim import skip_fraction
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
@@ -309,7 +309,7 @@ def main() -> None:
         return run_server(args.gguf_dir, args.work, args.out / "server_vllm_serve.log")
     if args.phase is not None:
         return run_vllm(args.phase, args.gguf_dir, args.work)
-    me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
+    me = [sys.executable, "-m", "benchmarks.serve_bridge.check_learned_real", "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
           "--work", str(args.work)]
     base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     bundle = {"LORAZOR_BUNDLE": str(args.run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}

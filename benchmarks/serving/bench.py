@@ -70,10 +70,9 @@ from typing import Any
 
 import numpy as np
 
-from serve_bridge.steptrim import skip_fraction
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from serve_bridge.steptrim import skip_fraction
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
 # rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope

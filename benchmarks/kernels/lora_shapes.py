@@ -1,4 +1,5 @@
-"""Shapes and random inputs shared by the GPU check and the benchmark of the LoRA kernels."""
+"""Shapes and random inputs shared by the benchmark of the LoRA kernels and their GPU test
+(``tests/gpu/test_lora_ops.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

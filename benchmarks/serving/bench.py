@@ -103,7 +103,7 @@ PROMPT_LEN = (100, 300)  # inclusive
 OUTPUT_LEN = (20, 100)  # inclusive
 TARGET_SKIP = 0.5
 HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
-# Decode batches replay CUDA graphs (no torch.compile), as in check_correctness.py; mixed
+# Decode batches replay CUDA graphs (no torch.compile), as in tests/gpu/release_engines.py; mixed
 # prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
@@ -283,7 +283,7 @@ def host_probe_ms(repeats: int = 5) -> float:
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
-    """Served name of adapter a (check_correctness.py's naming)."""
+    """Served name of adapter a (tests/gpu/release_engines.py's naming)."""
     return f"a{a:02d}"
 
 

@@ -83,7 +83,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     knobs: LinearKnobs = LinearKnobs(), num_programs: int | None = None,
                     fused: bool | FusedConfig = False) -> None:
     """`y[m, slice s cols] (+)= bf(scale · x[m] @ A_s[id_m]ᵀ) @ B_s[id_m]ᵀ` for tokens with an
-    adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear` (punica_gpu.py:203-264).
+    adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear`.
 
     Unfused (default): shrink then expand with `knobs`, through `partials` from
     `layout.partials_buffer(len(lora_a), M, rank, K, k_chunk=knobs.k_chunk)`. `fused=True` (or a

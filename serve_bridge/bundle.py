@@ -1,4 +1,4 @@
-"""Policy bundle I/O — the contract between calibration and production servers (DESIGN §5).
+"""Policy bundle I/O — the contract between calibration and production servers (docs/design.md §5).
 
 A bundle is a directory holding exactly:
 
@@ -15,7 +15,7 @@ A bundle is a directory holding exactly:
 :func:`load_bundle` validates everything and raises one :class:`BundleError` on the first
 problem. It reads tensors only through ``safetensors.numpy.load_file`` and never unpickles:
 a file the manifest does not list, or any non-safetensors file, is an error. An adapter the
-server serves but the bundle lacks is not an error: it runs full LoRA (DESIGN §2) and a
+server serves but the bundle lacks is not an error: it runs full LoRA (docs/design.md §2) and a
 :class:`BundleWarning` says so.
 
 This module imports no vLLM and nothing from the calibration packages.

@@ -1,4 +1,4 @@
-"""Per-request StepTrim release inside a serving engine, without the engine (DESIGN §2, §4).
+"""Per-request StepTrim release inside a serving engine, without the engine (docs/design.md §2, §4).
 
 The engine glue (:mod:`serve_bridge.vllm.model_runner`) feeds this module plain arrays; all
 release logic lives here and is tested on CPU. Release decisions themselves come only
@@ -112,7 +112,7 @@ def lora_group_count(token_mapping: np.ndarray) -> int:
 
     0 when no token has an adapter (the batch needs no LoRA kernel at all). This is the
     count vLLM's kernel metadata uses for its launch grid; an adapter-count CUDA graph
-    must be chosen with it, not with the number of adapters (DESIGN §4).
+    must be chosen with it, not with the number of adapters (docs/design.md §4).
     """
     ids = np.unique(np.asarray(token_mapping))
     if not (ids != NO_ADAPTER).any():
@@ -121,10 +121,8 @@ def lora_group_count(token_mapping: np.ndarray) -> int:
 
 
 def lora_ids(mapping: Sequence[int] | np.ndarray) -> tuple[int, ...]:
-    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with (vLLM 0.26.0
-    ``lora/layers/utils.py:33-42``): ``convert_mapping`` loops over it element by element
-    (``lora/punica_wrapper/utils.py:91-115``), and reading numpy scalars there is slower
-    (``benchmarks/serve_bridge/bench_mapping_host.py``)."""
+    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with; vLLM loops
+    over it element by element, where numpy scalars are slower (docs/vllm_integration.md §2)."""
     return tuple(np.asarray(mapping).tolist())
 
 

@@ -1,4 +1,4 @@
-"""StepTrim release semantics — the single implementation (DESIGN §2).
+"""StepTrim release semantics — the single implementation (docs/design.md §2).
 
 Forwards of a request are indexed t = 0, 1, 2, …: t = 0 is the prefill forward (it produces
 the first generated token); decode forward t ≥ 1 consumes token t and produces token t+1.

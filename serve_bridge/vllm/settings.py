@@ -1,31 +1,13 @@
-"""How the vLLM bridge is switched on, and the engine settings it refuses (DESIGN §4).
+"""How the vLLM bridge is switched on, and the engine settings it refuses (docs/design.md §4).
 
-The bridge is active iff, when vLLM loads its general plugins, the environment variable
-``LORAZOR_BUNDLE`` names a policy bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on
-(calibration). Environment variables reach every vLLM process (front end, engine core,
-workers), so all of them agree on whether it is active.
-
-- ``LORAZOR_BUNDLE``: the bundle directory (activates serving).
-- ``LORAZOR_CALIBRATION``: ``1``/``on`` activates the bridge without a bundle, for
-  ``labeling.engines.vllm`` (which sets it itself): the runner starts with no policies, and
-  the calibration engine sets the release policy, a scorer and a capture set before each
-  ``generate`` over ``LLM.collective_rpc`` (:mod:`serve_bridge.vllm.rpc`). Requests tagged with a
-  uid (``SamplingParams.extra_args``, see :mod:`serve_bridge.runtime`) then have their
-  release, s_t and h_t recorded. Unset, ``0`` or ``off``: off. It excludes ``LORAZOR_BUNDLE``.
-- ``LORAZOR_ADAPTERS``: optional ``name=path,name=path`` list of the adapters this server
-  serves, with the same names as its LoRA requests. When given, start-up fails on a bundle
-  adapter that is not served and on an adapter whose weights differ from the calibrated ones.
-- ``LORAZOR_LOG_INTERVAL_S``: seconds between counter summaries in the log (default 60,
-  0 disables them).
-
-GridTrim is switched on separately, and independently of the bundle:
-
-- ``LORAZOR_GRIDTRIM``: ``1``/``on`` serves LoRA linears with LoRazor's work-list kernels
-  (:mod:`serve_bridge.vllm.punica_wrapper`), on CUDA only; unset, empty, ``0`` or ``off`` keeps
-  vLLM's kernels. Any other value is refused (:func:`gridtrim_from_env`).
-
-Everything here is pure Python and reads engine settings by attribute only, so it is
-tested on CPU without vLLM.
+The bridge is active iff, when vLLM loads its general plugins, ``LORAZOR_BUNDLE`` names a policy
+bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
+``labeling.engines.vllm``: no bundle, policies set over ``collective_rpc``). ``LORAZOR_ADAPTERS``
+(``name=path,...``) optionally declares the served adapters, checked against the bundle at start-up;
+``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never).
+``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM
+process, so all of them agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are
+read by attribute only, so this is tested on CPU without vLLM.
 """
 from __future__ import annotations
 

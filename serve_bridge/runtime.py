@@ -16,7 +16,7 @@ t > r, which consumes the token at position P+t−1 ≥ P+r, without its adapter
 every position ≥ P+r to "no adapter" — in every step, whichever forward it belongs to —
 is therefore exact under chunked prefill and under preemption recompute.
 
-Per-request arguments. A request may carry, in ``SamplingParams.extra_args``::
+Per-request arguments. A request may hold, in ``SamplingParams.extra_args``::
 
     {"lorazor": {"uid": "q17@0", "release_position": 412}}
 

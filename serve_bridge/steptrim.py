@@ -61,7 +61,7 @@ _EXACT_UPCAST = (torch.float32, torch.bfloat16, torch.float16)  # promote to flo
 
 
 class StepTrim:
-    """Batched, one-way release decisions for rows that each carry an adapter slot.
+    """Batched, one-way release decisions for rows that each have an adapter slot.
 
     ``policies`` maps slot index → policy (None = never release). Slots are the engine's
     adapter indices; rows with slot :data:`NO_SLOT` have no adapter and are never affected.

@@ -1,5 +1,5 @@
-"""Per-step cost of StepTrim release decisions in the serving runtime (issue 7 acceptance:
-p95 ≤ 0.05 ms per step at 256 requests with 128 learned heads). torch only, no vLLM.
+"""Per-step cost of StepTrim release decisions in the serving runtime (target: p95 ≤ 0.05 ms per
+step at 256 requests with 128 learned heads). torch only, no vLLM.
 
     python -m benchmarks.serve_bridge.bench_decision --out DIR            # on the GPU
     python -m benchmarks.serve_bridge.bench_decision --out DIR --device cpu --steps 20

@@ -10,8 +10,8 @@ around it:
 
 - ``tuples``: the mapping as vLLM 0.26's ``InputBatch.make_lora_inputs`` returns it, tuples of
   numpy scalars (``tuple(ndarray.repeat(...))``, ``v1/worker/gpu_input_batch.py:994-996``), read
-  into numpy by ``begin_step`` and turned back into tuples of numpy scalars (the runner before the
-  fifth session);
+  into numpy by ``begin_step`` and turned back into tuples of numpy scalars (the runner before
+  2026-11-29);
 - ``numpy + ints``: the same ids repeated in numpy, and handed over as tuples of Python ints
   (:func:`serve_bridge.runtime.lora_ids`, the runner now).
 

@@ -1,4 +1,4 @@
-"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
+"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
                                  [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
@@ -445,7 +445,7 @@ def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
 def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
                     arrival: Sequence[float]) -> tuple[float, dict[str, float], list[int]]:
     """Submit request i at ``arrival[i]`` seconds through vLLM V1's ``LLMEngine.add_request`` and drive
-    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs carry the request id
+    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs hold the request id
     given to add_request, ``v1/engine/output_processor.py:371``). Returns the wall time, the latency
     summary (TTFT counted from the scheduled arrival) and each request's token count."""
     n = len(prompts)

@@ -1,5 +1,5 @@
 """benchmarks/engines/compare_engines.py refuses, before any engine runs, an earlier result of
-other requests (a 128-request hf result next to a 512-request vLLM run cost a device call)."""
+other requests (a 128-request hf result next to a 512-request vLLM run cost a GPU run)."""
 from __future__ import annotations
 
 import importlib.util

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 

@@ -159,6 +159,8 @@ RULES = [
      lambda m: any(_within(m, p) for p in ("calibrate", "labeling", "predictors")) and not _within(m, VLLM_ENGINE),
      ("serve_bridge.vllm",)),
     ("predictors never import vLLM", lambda m: _within(m, "predictors"), ("vllm",)),
+    ("the installed packages never import the benchmark harness or the tests (neither is in the wheel)",
+     lambda m: not _within(m, "benchmarks"), ("benchmarks", "tests")),
 ]
 
 

@@ -3,8 +3,8 @@
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
                                  [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
-(``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
-GPU machine.) It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
+(``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
+It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
 ``--model mistral7b``) with dummy weights and N random rank-8 peft adapters on
 q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
 prompts of 100–300 tokens and 20–100 output tokens (``ignore_eos``, per-request
@@ -520,9 +520,9 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     if mode == "stockfix":  # in this process, where the in-process engine's worker runs
-        from serve_bridge.vllm import lora_manager as vllm_lora_manager
+        from serve_bridge.vllm import lora_manager
 
-        vllm_lora_manager.install()
+        lora_manager.install()
     t0 = time.time()
     llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
                                                          tensor_parallel_size, compiled, full_graphs))

@@ -303,8 +303,8 @@ class LocalBackend:
         names = self.llm.collective_rpc(_runner_name)
         if any(n != RUNNER for n in names):
             raise RuntimeError(f"vLLM's workers run {names}, not the LoRazor runner: the serve_bridge plugin was not "
-                               f"loaded in every vLLM process. Install the package (pip install -e .) or, on a device "
-                               f"without it, `source scripts/device_plugin_env.sh`.")
+                               f"loaded in every vLLM process. Install the package (pip install -e .) or, on a machine "
+                               f"without it, `source scripts/env.sh`.")
 
     def run(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], desc: str, progress: bool) -> Batch:
         from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures

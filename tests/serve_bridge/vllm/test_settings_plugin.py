@@ -9,7 +9,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm import lora_manager as vllm_lora_manager, plugin
+from serve_bridge.vllm import lora_manager, plugin
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
                                    require_supported_engine, require_v1_runner, require_vllm_version)
 
@@ -158,7 +158,7 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch):
     plugin.register()
     assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     manager = sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager
-    assert manager._apply_adapters is vllm_lora_manager.apply_adapters
+    assert manager._apply_adapters is lora_manager.apply_adapters
     plugin.register()  # idempotent
     assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import tomllib
 from pathlib import Path
@@ -90,6 +91,18 @@ def test_entry_point_names_register():
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     module, _, attr = eps["lorazor"].partition(":")
     assert getattr(importlib.import_module(module), attr) is plugin.register
+
+
+def test_a_checkout_dist_info_provides_the_entry_point(tmp_path):
+    """What scripts/env.sh and tests/gpu/conftest.py put on PYTHONPATH where LoRazor is not installed."""
+    from importlib.metadata import distributions
+
+    spec = importlib.util.spec_from_file_location("plugin_dist_info", ROOT / "scripts" / "plugin_dist_info.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [ep for dist in distributions(path=[str(module.write_dist_info(tmp_path))])
+             for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
+    assert [(ep.name, ep.value) for ep in found] == [("lorazor", "serve_bridge.vllm.plugin:register")]
 
 
 @pytest.mark.parametrize("gridtrim", [None, "", "0", "off", " OFF "])

@@ -14,9 +14,10 @@ match on a read-only copy of the database with a timeout (``labeling/evaluators/
 """
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
-from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, database_path, execute_readonly, execution_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
 from labeling.tasks.sources import paper_split
 
@@ -28,12 +29,14 @@ SCHEMA_SQL = (
 
 
 def read_schema(db_path: Path) -> str:
-    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite."""
-    conn = connect_readonly(db_path)
+    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite (read in
+    the SQL sandbox, on a private copy); TaskError if the file is not a readable SQLite database."""
     try:
-        return "\n\n".join(row[0].strip() + ";" for row in conn.execute(SCHEMA_SQL))
-    finally:
-        conn.close()
+        rows = execute_readonly(db_path, SCHEMA_SQL)
+    except (sqlite3.Error, OSError) as err:
+        raise TaskError(f"task 'spider': cannot read the schema of {db_path} ({err}); replace it with the "
+                        f"database file from the Spider release.") from None
+    return "\n\n".join(row[0].strip() + ";" for row in rows)
 
 
 class SpiderTask(BaseTask):

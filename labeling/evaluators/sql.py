@@ -15,8 +15,8 @@ Semantics of :func:`execution_match` (Q ∈ {0, 1}):
 - Each query has a wall-clock timeout (default 5 s): the worker interrupts it then, and this
   process kills the worker if no reply came by 1.25× the timeout (a slow built-in function can
   outrun the interrupt). Results are capped in rows (default 100 000) and in bytes (default 32 MiB of the
-  rows' UTF-8 JSON encoding, one line per row, also SQLite's limit on any single value): the
-  worker stops fetching at the cap, so no larger result is built or reaches this process.
+  rows' UTF-8 JSON encoding, one line per row): the worker stops fetching at the cap, so no
+  larger result reaches this process.
 - The result rows are compared as multisets (row order ignored), unless the gold query has
   ``ORDER BY`` anywhere, in which case the row lists must be equal in order. Column order
   always matters; ``1 == 1.0`` as in Python.

@@ -17,9 +17,9 @@ array per row. Values are JSON numbers, strings and nulls; a blob is ``{"b64": b
 
 "open" checkpoints a WAL copy into its main file and switches the copy to a rollback journal,
 so the read-only connection needs no ``-shm``/``-wal`` files; then it opens the copy with
-``mode=ro``, the read-only authorizer, and SQLite's length limit set to the query's byte cap.
-A query streams rows one at a time and stops as soon as the encoded rows exceed ``max_bytes``
-or ``max_rows``: nothing past the cap is encoded or sent. A progress handler interrupts a
+``mode=ro`` and the read-only authorizer. A query streams rows one at a time and stops as soon
+as the encoded rows would exceed ``max_bytes`` or ``max_rows``: nothing past the cap is sent
+(a row whose strings and blobs alone exceed the cap is not even encoded). A progress handler interrupts a
 query at its ``timeout_s`` (the parent kills the worker if that is not enough).
 """
 from __future__ import annotations
@@ -95,8 +95,6 @@ def _encode(value: Any) -> Any:
 
 def _rows(conn: sqlite3.Connection, req: dict[str, Any]) -> list[bytes]:
     max_rows, max_bytes = int(req["max_rows"]), int(req["max_bytes"])
-    if hasattr(conn, "setlimit"):  # Python ≥ 3.11: no single value may exceed the byte cap
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(1, max_bytes))
     conn.set_progress_handler(_deadline_handler(float(req["timeout_s"])), PROGRESS_EVERY)
     out: list[bytes] = []
     size = 0
@@ -104,6 +102,8 @@ def _rows(conn: sqlite3.Connection, req: dict[str, Any]) -> list[bytes]:
         for row in conn.execute(req["sql"]):
             if len(out) == max_rows:
                 raise _Stop("ResultTooLarge", f"query returned more than {max_rows} rows")
+            if size + sum(len(v) for v in row if isinstance(v, (str, bytes))) > max_bytes:  # before encoding it
+                raise _Stop("ResultTooLarge", f"query result exceeds {max_bytes} bytes")
             line = json.dumps([_encode(v) for v in row], ensure_ascii=False).encode("utf-8", "surrogatepass")
             size += len(line) + 1
             if size > max_bytes:

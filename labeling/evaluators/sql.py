@@ -52,6 +52,7 @@ DEFAULT_MAX_BYTES = 32 << 20  # likewise for the result's encoded size (Spider's
 DEFAULT_MEMORY_BYTES = 1 << 30  # address-space cap of the worker process
 KILL_AFTER = 1.25  # a query without a reply at this multiple of its timeout gets its worker killed
 _REPLY_SLACK = 4096  # bytes a reply may hold beyond its byte cap (the header line)
+STARTUP_TIMEOUT_S = 10.0  # a worker that is not ready by then is an error
 _HEADER_MAX = 32  # bytes of a reply's length line
 
 FENCED_SQL_RE = re.compile(r"```[ \t]*sql[^\n]*\n(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
@@ -150,6 +151,7 @@ class SqlSandbox:
         self.starts = 0  # workers started so far
         self.last_reply_bytes = 0  # bytes read from the worker for the last request
         self._proc: subprocess.Popen | None = None
+        self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
@@ -163,12 +165,13 @@ class SqlSandbox:
         with self._lock, tempfile.TemporaryDirectory(prefix="lorazor-sql-") as tmp:
             copy = private_copy(db_path, Path(tmp))
             self._call({"op": "open", "db": str(copy)}, timeout_s, 0)
+            worker = self._proc
             try:
                 return [self._call({"op": "query", "sql": sql, "timeout_s": timeout_s, "max_rows": int(max_rows),
                                     "max_bytes": int(max_bytes)}, timeout_s, int(max_bytes))
                         for sql in sqls]
             finally:
-                if self._proc is not None:
+                if self._proc is worker:  # not killed (and replaced) meanwhile
                     try:
                         self._call({"op": "close"}, timeout_s, 0)
                     except sqlite3.DatabaseError:
@@ -181,16 +184,28 @@ class SqlSandbox:
             proc.kill()
             proc.wait()
 
-    def _worker(self) -> subprocess.Popen:
-        if self._pid != os.getpid():  # a forked child: the worker belongs to the parent
-            self._proc, self._pid = None, os.getpid()
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        self.stop()
+    def _spawn(self) -> None:
+        """Start a worker; it boots while this process goes on (:meth:`_worker` waits for it)."""
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(Path(__file__).with_name("sql_worker.py")), str(self.memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._ready = False
         self.starts += 1
+
+    def _worker(self) -> subprocess.Popen:
+        """The running worker, started and ready; its start does not count against a query's timeout."""
+        if self._pid != os.getpid():  # a forked child: the worker belongs to the parent
+            self._proc, self._pid = None, os.getpid()
+        if self._proc is None or self._proc.poll() is not None:
+            self.stop()
+            self._spawn()
+        if not self._ready:
+            try:
+                self._read_reply(self._proc, time.monotonic() + STARTUP_TIMEOUT_S, _REPLY_SLACK)
+            except (QueryTimeout, SandboxError) as err:
+                self.stop()
+                raise SandboxError(f"the SQL sandbox's worker did not start: {err}") from None
+            self._ready = True
         return self._proc
 
     def _call(self, request: dict[str, Any], timeout_s: float, max_bytes: int) -> list[tuple[Any, ...]]:
@@ -205,6 +220,7 @@ class SqlSandbox:
             rows = [tuple(json.loads(r, object_hook=_decode_value)) for r in lines]
         except QueryTimeout:
             self.stop()
+            self._spawn()  # the next query finds a booted worker
             raise QueryTimeout(f"interrupted: query ran past its timeout of {timeout_s:g} s; its worker was "
                                f"killed") from None
         except ResultTooLarge:

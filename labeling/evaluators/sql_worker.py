@@ -2,7 +2,8 @@
 
 Started by :class:`labeling.evaluators.sql.SqlSandbox` as ``python -I -S <this file>``: the
 standard library only, no site packages, no environment. Before reading any request it caps
-its own address space (``RLIMIT_AS``, first argument, bytes) and disables core dumps.
+its own address space (``RLIMIT_AS``, first argument, bytes), disables core dumps and
+replies once (ready).
 
 Protocol, one request per line on stdin (JSON), one reply per request on stdout::
 
@@ -159,6 +160,7 @@ def main() -> None:
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _reply({"ok": True})  # ready
     serve(sys.stdin.buffer)
 
 

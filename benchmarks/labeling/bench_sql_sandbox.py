@@ -25,7 +25,7 @@ RUNAWAY = {
     "endless CTE": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
     "one slow built-in": "SELECT length(replace(printf('%.*c', 150000000, 'a'), 'a', 'bc'))",
     "slow built-in per row": ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000) "
-                              "SELECT sum(length(replace(printf('%.*c', 2000000, 'a'), 'a', 'bc'))) FROM c"),
+                              "SELECT sum(length(replace(printf('%.*c', 2000000 + x, 'a'), 'a', 'bc'))) FROM c"),
 }
 OVERSIZED = {
     "many rows": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x, 'row' FROM c",

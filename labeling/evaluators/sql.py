@@ -151,6 +151,7 @@ class SqlSandbox:
         self.starts = 0  # workers started so far
         self.last_reply_bytes = 0  # bytes read from the worker for the last request
         self._proc: subprocess.Popen | None = None
+        self._dying: list[subprocess.Popen] = []  # killed, not yet reaped
         self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -175,14 +176,23 @@ class SqlSandbox:
                     try:
                         self._call({"op": "close"}, timeout_s, 0)
                     except sqlite3.DatabaseError:
-                        self.stop()
+                        self._kill()
 
     def stop(self) -> None:
-        """Kill the worker (if any) and reap it; the next query starts a new one."""
+        """Kill the worker (if any) and reap every killed worker; the next query starts a new one."""
+        self._kill()
+        for proc in self._dying:
+            proc.wait()
+        self._dying.clear()
+
+    def _kill(self) -> None:
+        """Kill the worker without waiting for it: the kernel frees its memory while this process
+        goes on, and it is reaped on a later call (:meth:`stop` waits)."""
         proc, self._proc = self._proc, None
         if proc is not None and self._pid == os.getpid():
             proc.kill()
-            proc.wait()
+            self._dying.append(proc)
+        self._dying = [p for p in self._dying if p.poll() is None]
 
     def _spawn(self) -> None:
         """Start a worker; it boots while this process goes on (:meth:`_worker` waits for it)."""
@@ -194,16 +204,16 @@ class SqlSandbox:
 
     def _worker(self) -> subprocess.Popen:
         """The running worker, started and ready; its start does not count against a query's timeout."""
-        if self._pid != os.getpid():  # a forked child: the worker belongs to the parent
-            self._proc, self._pid = None, os.getpid()
+        if self._pid != os.getpid():  # a forked child: the workers belong to the parent
+            self._proc, self._dying, self._pid = None, [], os.getpid()
         if self._proc is None or self._proc.poll() is not None:
-            self.stop()
+            self._kill()
             self._spawn()
         if not self._ready:
             try:
                 self._read_reply(self._proc, time.monotonic() + STARTUP_TIMEOUT_S, _REPLY_SLACK)
             except (QueryTimeout, SandboxError) as err:
-                self.stop()
+                self._kill()
                 raise SandboxError(f"the SQL sandbox's worker did not start: {err}") from None
             self._ready = True
         return self._proc
@@ -219,15 +229,15 @@ class SqlSandbox:
             reply = json.loads(header)
             rows = [tuple(json.loads(r, object_hook=_decode_value)) for r in lines]
         except QueryTimeout:
-            self.stop()
+            self._kill()
             self._spawn()  # the next query finds a booted worker
             raise QueryTimeout(f"interrupted: query ran past its timeout of {timeout_s:g} s; its worker was "
                                f"killed") from None
         except ResultTooLarge:
-            self.stop()
+            self._kill()
             raise
         except (OSError, ValueError, KeyError, SandboxError) as err:
-            self.stop()
+            self._kill()
             raise SandboxError(f"the SQL sandbox failed: {err}") from None
         if "error" in reply:
             message = reply["message"]

@@ -127,7 +127,7 @@ def test_inconsistent_entries_fail_at_write_and_leave_nothing(tmp_path):
     w = np.zeros(H, np.float32)
     bad = [(AdapterEntry("x", SHA, "learned", tau=0.1, weight=np.zeros(H + 1, np.float32), bias=0.0), "must be"),
            (AdapterEntry("x", SHA, "learned", weight=w, bias=0.0), "finite 'tau'"),
-           (AdapterEntry("x", SHA, "profiled", k=-1), "integer 'k' ≥ 0"),
+           (AdapterEntry("x", SHA, "profiled", k=-1), r"integer 'k' with 0 ≤ k < 2\*\*24"),
            (AdapterEntry("x", SHA, "none", k=3), "'k' belongs to profiled"),
            (AdapterEntry("x", SHA, "best"), "'policy' is 'best'"),
            (AdapterEntry("x", "abc", "none"), "64-hex sha256"),

@@ -178,6 +178,12 @@ class SqlSandbox:
                     except sqlite3.DatabaseError:
                         self._kill()
 
+    def start(self) -> None:
+        """Start the worker now, if none is running, and wait until it is ready (else the first
+        query does)."""
+        with self._lock:
+            self._worker()
+
     def stop(self) -> None:
         """Kill the worker (if any) and reap every killed worker; the next query starts a new one."""
         self._kill()

@@ -365,7 +365,7 @@ def _load_heads(data: bytes, path: Path) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name != "__metadata__" and (not isinstance(info, dict) or info.get("dtype") != "F32"):
             dtype = info.get("dtype") if isinstance(info, dict) else None
-            raise BundleError(f"{path}: tensor {_short(name)} is {_short(dtype)}, expected F32 (float32); "
+            raise BundleError(f"{path}: tensor {_short(name)} is {str(dtype)[:20]}, expected F32 (float32); "
                               f"re-export the bundle.")
     try:
         return load(data)

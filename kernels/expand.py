@@ -124,7 +124,8 @@ def check_b(lora_b: Sequence[torch.Tensor], y: torch.Tensor,
         raise ValueError("all B slices must share the rank and the [out, rank] strides")
     needed = offset_start + sum(b.shape[1] for b in b3)
     if y.dim() != 2 or offset_start < 0:
-        raise ValueError(f"y of shape {tuple(y.shape)} at offset_start={offset_start}: expected [M, N] and an offset ≥ 0")
+        raise ValueError(f"y of shape {tuple(y.shape)} at offset_start={offset_start}: expected [M, N] and an "
+                         f"offset ≥ 0")
     if y.shape[1] < needed:
         raise ValueError(f"y has {y.shape[1]} columns, slices need {needed}")
     return b3

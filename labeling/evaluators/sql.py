@@ -51,8 +51,8 @@ DEFAULT_MAX_ROWS = 100_000  # a result larger than this is treated as a failed q
 DEFAULT_MAX_BYTES = 32 << 20  # likewise for the result's encoded size (Spider's gold results are far smaller)
 DEFAULT_MEMORY_BYTES = 1 << 30  # address-space cap of the worker process
 KILL_AFTER = 1.25  # a query without a reply at this multiple of its timeout gets its worker killed
-_REPLY_SLACK = 4096  # bytes a reply may hold beyond its byte cap (the header line)
 STARTUP_TIMEOUT_S = 10.0  # a worker that is not ready by then is an error
+_REPLY_SLACK = 4096  # bytes a reply may hold beyond its byte cap (the header line)
 _HEADER_MAX = 32  # bytes of a reply's length line
 
 FENCED_SQL_RE = re.compile(r"```[ \t]*sql[^\n]*\n(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
@@ -142,14 +142,16 @@ class SqlSandbox:
     space capped at ``memory_bytes``) and reused across queries, since starting one costs tens
     of milliseconds. Each query has a wall-clock ``timeout_s``: the worker interrupts it then,
     and if no reply has come at ``KILL_AFTER`` × ``timeout_s`` the worker is killed (the next
-    query starts a new one) and :class:`QueryTimeout` raised. A reply is read only up to the
-    query's byte cap plus a small header: a larger one kills the worker.
+    query starts a new one, and waits for it outside its own timeout) and :class:`QueryTimeout`
+    raised. A reply is read only up to the query's byte cap plus a small header: a larger one
+    kills the worker. One query at a time per sandbox (a lock); a forked child starts its own.
     """
 
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.memory_bytes = int(memory_bytes)
         self.starts = 0  # workers started so far
         self.last_reply_bytes = 0  # bytes read from the worker for the last request
+        self.last_query_s = 0.0  # wall time of the last query, from sending it to its reply or its kill
         self._proc: subprocess.Popen | None = None
         self._dying: list[subprocess.Popen] = []  # killed, not yet reaped
         self._ready = False
@@ -168,9 +170,7 @@ class SqlSandbox:
             self._call({"op": "open", "db": str(copy)}, timeout_s, 0)
             worker = self._proc
             try:
-                return [self._call({"op": "query", "sql": sql, "timeout_s": timeout_s, "max_rows": int(max_rows),
-                                    "max_bytes": int(max_bytes)}, timeout_s, int(max_bytes))
-                        for sql in sqls]
+                return [self._query(sql, timeout_s, int(max_rows), int(max_bytes)) for sql in sqls]
             finally:
                 if self._proc is worker:  # not killed (and replaced) meanwhile
                     try:
@@ -183,6 +183,14 @@ class SqlSandbox:
         query does)."""
         with self._lock:
             self._worker()
+
+    def _query(self, sql: str, timeout_s: float, max_rows: int, max_bytes: int) -> list[tuple[Any, ...]]:
+        start = time.monotonic()
+        try:
+            return self._call({"op": "query", "sql": sql, "timeout_s": timeout_s, "max_rows": max_rows,
+                               "max_bytes": max_bytes}, timeout_s, max_bytes)
+        finally:
+            self.last_query_s = time.monotonic() - start
 
     def stop(self) -> None:
         """Kill the worker (if any) and reap every killed worker; the next query starts a new one."""
@@ -201,7 +209,7 @@ class SqlSandbox:
         self._dying = [p for p in self._dying if p.poll() is None]
 
     def _spawn(self) -> None:
-        """Start a worker; it boots while this process goes on (:meth:`_worker` waits for it)."""
+        """Start a worker (:meth:`_worker` then waits until it is ready)."""
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(Path(__file__).with_name("sql_worker.py")), str(self.memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -236,7 +244,6 @@ class SqlSandbox:
             rows = [tuple(json.loads(r, object_hook=_decode_value)) for r in lines]
         except QueryTimeout:
             self._kill()
-            self._spawn()  # the next query finds a booted worker
             raise QueryTimeout(f"interrupted: query ran past its timeout of {timeout_s:g} s; its worker was "
                                f"killed") from None
         except ResultTooLarge:

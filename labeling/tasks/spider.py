@@ -10,7 +10,8 @@ directory that holds the released test set). A local directory mirrors the hub s
 The databases are not on the hub: ``db_dir`` must point at the Spider ``database`` folder
 holding ``<db_id>/<db_id>.sqlite``. Prompt: the schema (the ``CREATE TABLE`` statements read
 from the database file) and the question; output limit 256 tokens (paper). Q(·): execution
-match on a read-only copy of the database with a timeout (``labeling/evaluators/sql.py``).
+match in the SQL sandbox, on a private read-only copy of the database with a timeout and result
+caps (``labeling/evaluators/sql.py``); the schema is read the same way.
 """
 from __future__ import annotations
 

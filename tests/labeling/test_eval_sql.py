@@ -241,7 +241,7 @@ def test_dead_worker_is_replaced(db: Path) -> None:
 
 
 @pytest.mark.parametrize("sql", [
-    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 100000) SELECT printf('%.40c', 'x') FROM c",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000) SELECT printf('%.40c', 'x') FROM c",
     "SELECT printf('%.*c', 5000, 'x')",
     "SELECT randomblob(5000)",
 ])

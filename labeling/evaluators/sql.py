@@ -150,10 +150,11 @@ class SqlSandbox:
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.memory_bytes = int(memory_bytes)
         self.starts = 0  # workers started so far
-        self.last_reply_bytes = 0  # bytes read from the worker for the last request
+        self.last_reply_bytes = 0  # bytes read from the worker for the last query
         self.last_query_s = 0.0  # wall time of the last query, from sending it to its reply or its kill
         self._proc: subprocess.Popen | None = None
         self._dying: list[subprocess.Popen] = []  # killed, not yet reaped
+        self._bytes_read = 0  # from all workers, replies of every kind
         self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -185,12 +186,14 @@ class SqlSandbox:
             self._worker()
 
     def _query(self, sql: str, timeout_s: float, max_rows: int, max_bytes: int) -> list[tuple[Any, ...]]:
-        start = time.monotonic()
+        """One query on the open copy; sets :attr:`last_query_s` and :attr:`last_reply_bytes`."""
+        start, read = time.monotonic(), self._bytes_read
         try:
             return self._call({"op": "query", "sql": sql, "timeout_s": timeout_s, "max_rows": max_rows,
                                "max_bytes": max_bytes}, timeout_s, max_bytes)
         finally:
             self.last_query_s = time.monotonic() - start
+            self.last_reply_bytes = self._bytes_read - read
 
     def stop(self) -> None:
         """Kill the worker (if any) and reap every killed worker; the next query starts a new one."""
@@ -264,7 +267,6 @@ class SqlSandbox:
         fd = proc.stdout.fileno()
         buf = bytearray()
         size = None
-        self.last_reply_bytes = 0
         while size is None or len(buf) < size:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
@@ -272,7 +274,7 @@ class SqlSandbox:
             chunk = os.read(fd, _HEADER_MAX - len(buf) if size is None else min(1 << 16, size - len(buf)))
             if not chunk:
                 raise SandboxError(f"worker exited (status {proc.poll()})")
-            self.last_reply_bytes += len(chunk)
+            self._bytes_read += len(chunk)
             buf += chunk
             if size is None and b"\n" in buf:
                 head, rest = bytes(buf).split(b"\n", 1)

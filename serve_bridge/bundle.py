@@ -20,9 +20,9 @@ and parsed from the same bytes. Tensors are read only through ``safetensors.nump
 header says float32, never unpickled: a file the manifest does not list, or any non-safetensors
 file, is an error. Every value the serving runtime would refuse is refused here (a profiled
 ``k`` ≥ :data:`serve_bridge.steptrim.K_LIMIT`, a ``tau`` or head value that is not a finite
-float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the
-server serves but the bundle lacks is not an error: it runs full LoRA (DESIGN §2) and a
-:class:`BundleWarning` says so.
+float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the server serves but
+the bundle lacks is not an error: it runs full LoRA (DESIGN §2) and a :class:`BundleWarning`
+says so.
 
 This module imports no vLLM and nothing from the calibration packages.
 """
@@ -277,9 +277,11 @@ def _reject_constant(name: str) -> float:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError(f"duplicate key {sorted(k for k in obj if [p[0] for p in pairs].count(k) > 1)[0]!r}")
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {_short(key)}")
+        obj[key] = value
     return obj
 
 

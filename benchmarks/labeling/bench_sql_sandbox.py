@@ -27,7 +27,8 @@ from labeling.evaluators.sql import QueryTimeout, ResultTooLarge, SqlSandbox
 
 RUNAWAY = {
     "endless CTE": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
-    "one slow expression": "SELECT length(replace(replace(printf('%.*c', 100000000, 'a'), 'a', 'b'), 'b', 'c'))",
+    "one slow expression": ("SELECT length(replace(replace(replace(replace(printf('%.*c', 150000000, 'a'), "
+                            "'a', 'b'), 'b', 'c'), 'c', 'd'), 'd', 'e'))"),
     "slow built-in per row": ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000) "
                               "SELECT sum(length(replace(printf('%.*c', 2000000 + x, 'a'), 'a', 'bc'))) FROM c"),
 }

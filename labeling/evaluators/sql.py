@@ -29,6 +29,7 @@ A missing database file is a configuration problem, not a wrong answer:
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -287,6 +288,7 @@ class SqlSandbox:
 
 
 _SANDBOX = SqlSandbox()
+atexit.register(_SANDBOX.stop)
 
 
 def execute_readonly(db_path: str | Path, sql: str, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -165,8 +165,12 @@ class SqlSandbox:
         """Rows of each of ``sqls``, run in order on one private copy of ``db_path``.
 
         Raises the query's sqlite3 error, :class:`QueryTimeout`, :class:`ResultTooLarge` or
-        :class:`SandboxError` at the first failure; OSError if ``db_path`` cannot be read.
+        :class:`SandboxError` at the first failure; OSError if ``db_path`` cannot be read;
+        ValueError for a timeout that is not positive or a negative cap.
         """
+        if not timeout_s > 0 or max_rows < 0 or max_bytes < 0:
+            raise ValueError(f"SQL sandbox: timeout_s must be > 0 and the caps ≥ 0, got timeout_s={timeout_s}, "
+                             f"max_rows={max_rows}, max_bytes={max_bytes}")
         with self._lock, tempfile.TemporaryDirectory(prefix="lorazor-sql-") as tmp:
             copy = private_copy(db_path, Path(tmp))
             self._call({"op": "open", "db": str(copy)}, timeout_s, 0)

@@ -326,3 +326,10 @@ def test_path_like_db_id_is_rejected(db: Path, db_id: str) -> None:
 
 def test_vanished_database_scores_0_without_raising(tmp_path: Path) -> None:
     assert execution_match("SELECT 1", "SELECT 1", tmp_path / "gone.sqlite") == 0
+
+
+@pytest.mark.parametrize("limits", [{"timeout_s": 0}, {"timeout_s": -1.0}, {"timeout_s": float("nan")},
+                                    {"max_rows": -1}, {"max_bytes": -5}])
+def test_nonsense_limits_are_a_value_error(db: Path, limits: dict) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        SqlSandbox().execute(db, ["SELECT 1"], **limits)

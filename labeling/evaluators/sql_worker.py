@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_EVERY = 1000  # SQLite VM instructions between deadline checks
+MAX_MESSAGE = 500  # characters of an error message in a reply
 
 # Authorizer allow-list: everything not listed here is denied.
 _ALLOWED_ACTIONS = frozenset({
@@ -101,11 +102,11 @@ def _rows(conn: sqlite3.Connection, req: dict[str, Any]) -> list[bytes]:
     size = 0
     try:
         for row in conn.execute(req["sql"]):
-            if len(out) == max_rows:
+            if len(out) >= max_rows:
                 raise _Stop("ResultTooLarge", f"query returned more than {max_rows} rows")
             if size + sum(len(v) for v in row if isinstance(v, (str, bytes))) > max_bytes:  # before encoding it
                 raise _Stop("ResultTooLarge", f"query result exceeds {max_bytes} bytes")
-            line = json.dumps([_encode(v) for v in row], ensure_ascii=False).encode("utf-8", "surrogatepass")
+            line = json.dumps([_encode(v) for v in row], ensure_ascii=False).encode("utf-8")
             size += len(line) + 1
             if size > max_bytes:
                 raise _Stop("ResultTooLarge", f"query result exceeds {max_bytes} bytes")
@@ -127,7 +128,9 @@ def _error(err: BaseException) -> dict[str, str]:
     if isinstance(err, MemoryError):
         return {"error": "SandboxError", "message": "query ran out of the sandbox's memory"}
     name = type(err).__name__
-    return {"error": name if name in _ERROR_CLASSES else "DatabaseError", "message": str(err)}
+    message = str(err)  # SQLite's messages are short; Python's may quote a value: cut it
+    return {"error": name if name in _ERROR_CLASSES else "DatabaseError",
+            "message": message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + "..."}
 
 
 def serve(lines) -> None:
@@ -147,11 +150,13 @@ def serve(lines) -> None:
                 if conn is None:
                     raise _Stop("SandboxError", "no database is open")
                 _reply({"ok": True}, _rows(conn, req))
-            else:
+            elif req["op"] == "close":
                 if conn is not None:
                     conn.close()
                 conn = None
                 _reply({"ok": True})
+            else:
+                raise _Stop("SandboxError", f"unknown request {str(req['op'])[:40]!r}")
         except Exception as err:  # every failure is a reply; the parent decides what it means
             _reply(_error(err))
 

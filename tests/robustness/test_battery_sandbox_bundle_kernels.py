@@ -99,6 +99,8 @@ MALFORMED = [
     ("SELECT 1\x00", sqlite3.DatabaseError),
     ("SELECT " + "1 + " * 5000 + "1", sqlite3.DatabaseError),  # expression tree too deep
     ("SELECT nope FROM singer", sqlite3.OperationalError),
+    ("SELECT char(55296)", sqlite3.OperationalError),  # a surrogate: not valid UTF-8 text
+    ("SELECT CAST(x'ff' || randomblob(20000) AS TEXT)", sqlite3.OperationalError),  # its message is cut
     ("SELECT * FROM missing_table", sqlite3.OperationalError),
 ]
 

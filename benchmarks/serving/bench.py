@@ -440,12 +440,12 @@ def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
 
 
 class SlotStats:
-    """Per scheduled step: running requests and distinct adapters holding a slot
-    (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), read by wrapping the engine core's
+    """Per scheduled step: running requests, distinct adapters holding a slot and distinct
+    adapters scheduled (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), read by wrapping the engine core's
     ``scheduler.schedule`` on the instance. Needs the engine core in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``LLMEngine.engine_core`` is then vLLM's
     ``InprocClient``, whose ``engine_core`` holds the ``scheduler`` (``v1/engine/core_client.py:287``,
-    ``v1/engine/core.py:152``). Counting starts at :meth:`start`."""
+    ``v1/engine/core.py:153``). Counting starts at :meth:`start`."""
 
     def __init__(self, scheduler: Any) -> None:
         from serve_bridge.vllm.scheduler import scheduled_occupancy
@@ -461,13 +461,14 @@ class SlotStats:
             out = original(*args, **kwargs)
             self._last_busy = None
             if self.on:
-                running, held = scheduled_occupancy(scheduler, out)
+                running, held, present = scheduled_occupancy(scheduler, out)
                 if running:
                     self._last_busy = now
                     self.steps += 1
                     self.running += running
                     self.held += held
                     self.max_held = max(self.max_held, held)
+                    self.max_present = max(self.max_present, present)
             return out
 
         scheduler.schedule = schedule
@@ -480,7 +481,7 @@ class SlotStats:
         return None if scheduler is None else SlotStats(scheduler)
 
     def _reset(self) -> None:
-        self.steps = self.running = self.held = self.max_held = 0
+        self.steps = self.running = self.held = self.max_held = self.max_present = 0
         self.busy_s, self._last_busy = 0.0, None
 
     def start(self) -> None:
@@ -493,7 +494,8 @@ class SlotStats:
         step's schedule to the next one's (the last step of the run is not timed)."""
         n = max(1, self.steps)
         return {"slot_steps": self.steps, "mean_running": self.running / n, "mean_slots_held": self.held / n,
-                "max_slots_held": self.max_held, "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
+                "max_slots_held": self.max_held, "max_adapters_scheduled": self.max_present,
+                "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
 
 
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],

@@ -19,7 +19,9 @@ itself lives in :mod:`serve_bridge.runtime`.
   ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping is what
   ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979-1002``) computes from
   ``request_lora_mapping`` and ``lora_id_to_lora_request``, is masked by release position, and
-  goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``). Per-row
+  goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``) with only the adapters the
+  masked mapping still uses: a released request's adapter need not be resident, so its slot
+  can serve another adapter (:mod:`serve_bridge.vllm.scheduler`). Per-row
   inputs: ``req_ids`` (:307), ``num_computed_tokens_cpu`` (:171, positions are
   ``num_computed + query offset`` as in ``gpu_model_runner.py:1969-1972``),
   ``num_tokens_no_spec`` (:157).
@@ -33,6 +35,9 @@ itself lives in :mod:`serve_bridge.runtime`.
   states of the sampled positions, one row per request in batch order — for
   ``sample_tokens``; the hook launches the step's decisions on them there (and, in calibration
   mode, records s_t and h_t from the same rows).
+- ``v1/worker/gpu_model_runner.py:4497`` ``sample_tokens``: with slot hand-back, the releases
+  decided in the step ride on the ``ModelRunnerOutput`` it returns (built fresh at :4711) as
+  ``RELEASES_ATTR``, for the scheduler (``docs/vllm_integration.md``, "Release-aware slots").
 
 Tensor parallelism (``tensor_parallel_size`` N > 1; pipeline parallelism is refused,
 ``serve_bridge.vllm.settings.require_supported_engine``). Every rank is a worker process with its own

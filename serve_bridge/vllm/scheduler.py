@@ -167,20 +167,23 @@ class ReleaseScheduler(_BaseScheduler):
         return super()._free_request(request, *args, **kwargs)
 
 
-def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int]:
-    """(requests scheduled in ``scheduler_output``, distinct adapters holding a slot among them),
-    for any vLLM 0.26 scheduler, right after its ``schedule()``: with a :class:`ReleaseScheduler`,
-    released requests hold none; otherwise every adapter request holds one (vLLM's accounting).
-    ``schedule()`` has already advanced ``num_computed_tokens`` by the scheduled tokens
-    (``v1/core/sched/scheduler.py:1236`` ``_update_after_schedule``)."""
+def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int, int]:
+    """(requests scheduled in ``scheduler_output``, distinct adapters holding a slot among them,
+    distinct adapters among them at all), for any vLLM 0.26 scheduler, right after its
+    ``schedule()``: with a :class:`ReleaseScheduler`, released requests hold no slot; otherwise
+    every adapter request holds one (vLLM's accounting). ``schedule()`` has already advanced
+    ``num_computed_tokens`` by the scheduled tokens (``v1/core/sched/scheduler.py:1236``)."""
     tracker = getattr(scheduler, "lorazor_slots", None)
-    held = set()
+    held, present = set(), set()
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
         lora = request.lora_request
-        if lora is not None and (tracker is None or tracker.holds_slot(req_id, request.num_computed_tokens - n)):
+        if lora is None:
+            continue
+        present.add(lora.lora_int_id)
+        if tracker is None or tracker.holds_slot(req_id, request.num_computed_tokens - n):
             held.add(lora.lora_int_id)
-    return len(scheduler_output.num_scheduled_tokens), len(held)
+    return len(scheduler_output.num_scheduled_tokens), len(held), len(present)
 
 
 def install() -> None:

@@ -477,6 +477,7 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
         sched.schedule()
     summary = stats.summary()
     assert summary["slot_steps"] == 3 and summary["mean_running"] == 2 and summary["mean_slots_held"] == 2
+    assert summary["max_slots_held"] == summary["max_adapters_scheduled"] == 2
     assert summary["step_ms"] >= 0
     opts = bench.engine_options(64, max_loras=8)
     pred = bench.predicted_slots(wl, 8, True, opts)

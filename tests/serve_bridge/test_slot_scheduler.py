@@ -301,15 +301,15 @@ def test_scheduler_restores_lora_requests_and_counts_occupancy(sched, tmp_path, 
     for r in (a, b):
         s.add_request(r)
     so = s.schedule()
-    assert sched.scheduled_occupancy(s, so) == (2, 2)  # both prefill with their adapters
+    assert sched.scheduled_occupancy(s, so) == (2, 2, 2)  # both prefill with their adapters
     s.update_from_output(so, Output())
     lora = a.lora_request
     so = s.schedule()
     assert a.lora_request is lora  # hidden during schedule() only
-    assert sched.scheduled_occupancy(s, so) == (2, 1)  # a released after its prefill: only b holds a slot
+    assert sched.scheduled_occupancy(s, so) == (2, 1, 2)  # a released after its prefill: only b holds a slot
     stock = FakeScheduler(vllm_config(2))
     stock.requests, stock.running = s.requests, s.running
-    assert sched.scheduled_occupancy(stock, so) == (2, 2)  # vLLM's accounting: both hold one
+    assert sched.scheduled_occupancy(stock, so) == (2, 2, 2)  # vLLM's accounting: both hold one
 
 
 def test_learned_release_reaches_the_scheduler_with_the_output(sched, tmp_path, served, monkeypatch):  # noqa: F811

@@ -452,6 +452,7 @@ class SlotStats:
 
         self._reset()
         self.on = False
+        self.scheduler_class = type(scheduler).__name__
         original = scheduler.schedule
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
@@ -660,7 +661,10 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
-        slot_info |= stats.summary()
+        want = "ReleaseScheduler" if slot_info["slot_release"] else "Scheduler"
+        if stats.scheduler_class != want:
+            raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
+        slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}
         step_s = max(slot_info["step_ms"], 1e-3) / 1e3  # open loop: arrivals to steps at the measured step time
         arrival = ([int(t / step_s) for t in arrival_times(n_requests, arrival_rate, seed)]
                    if arrival_rate else None)

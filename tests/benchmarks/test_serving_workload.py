@@ -471,6 +471,7 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
     sched = Scheduler()
     sched.requests = requests
     stats = bench.SlotStats(sched)
+    assert stats.scheduler_class == "Scheduler"
     sched.schedule()  # warm-up: not counted
     stats.start()
     for _ in range(3):

@@ -514,10 +514,13 @@ class CalibratedAdapters:
         return True
 
 
-def load_served_bundle(settings: BridgeSettings, hidden_size: int) -> tuple[Bundle, dict[str, str]]:
+def load_served_bundle(settings: BridgeSettings, hidden_size: int,
+                       hash_weights: bool = True) -> tuple[Bundle, dict[str, str]]:
     """The bundle of ``settings`` checked for a model of ``hidden_size`` and, with
     ``settings.adapters``, against the served adapters (a bundle adapter not served, or served
-    with other weights, is one BundleError); returns it and the adapters verified here."""
+    with other weights, is one BundleError); returns it and the served adapters it verified.
+    Without ``hash_weights`` the served adapters are taken as verified unread: for a caller in
+    an engine whose workers run this check in full at start-up (the scheduler)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
         bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,
@@ -529,7 +532,7 @@ def load_served_bundle(settings: BridgeSettings, hidden_size: int) -> tuple[Bund
         entry = bundle.adapters.get(name)
         if entry is None:
             continue
-        if adapter_fingerprint(_norm(path)) != entry.weights_sha256:
+        if hash_weights and adapter_fingerprint(_norm(path)) != entry.weights_sha256:
             raise BundleError(f"{_norm(path)}: the weights of adapter '{name}' differ from those calibrated in "
                               f"{bundle.path} (manifest 'weights_sha256'): serve the calibrated adapter or "
                               f"re-calibrate this one.")

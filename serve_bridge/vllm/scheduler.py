@@ -114,7 +114,10 @@ def slot_tracker(vllm_config: Any, settings: BridgeSettings | None = None) -> Sl
     if settings is None or not settings.slots or vllm_config.lora_config is None:
         return None
     require_slot_engine(vllm_config)
-    bundle, verified = load_served_bundle(settings, vllm_config.model_config.get_hidden_size())
+    # The workers hash LORAZOR_ADAPTERS' weights at start-up and refuse a mismatch (before the
+    # engine core builds its scheduler, v1/engine/core.py:125 vs :153); no second read here.
+    bundle, verified = load_served_bundle(settings, vllm_config.model_config.get_hidden_size(),
+                                          hash_weights=False)
     logger.info("LoRazor slot hand-back active: released requests stop counting against max_loras=%d.",
                 vllm_config.lora_config.max_loras)
     return SlotTracker(bundle, verified)

@@ -361,3 +361,20 @@ def test_install_replaces_the_default_scheduler(sched):
     sched.install()
     sched.install()
     assert base.Scheduler is sched.ReleaseScheduler and sched.ReleaseScheduler.__mro__[1] is FakeScheduler
+
+
+def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, served, monkeypatch):  # noqa: F811
+    from serve_bridge.bundle import BundleError
+    from serve_bridge.runtime import load_served_bundle
+
+    bundle = _bundle(tmp_path, served)
+    adapters = {n: str(served[n]) for n in ("prof0", "learn", "off")} | {"tampered": str(served["prof2"])}
+    settings = BridgeSettings(bundle=bundle, adapters=adapters | {"prof2": str(served["tampered"])})
+    with pytest.raises(BundleError, match="weights of adapter 'prof2' differ"):
+        load_served_bundle(settings, H)  # the worker: refuses the engine at start-up
+    _, verified = load_served_bundle(settings, H, hash_weights=False)  # the scheduler: no second read
+    assert verified["prof2"] == str(served["tampered"])
+    monkeypatch.setenv("LORAZOR_BUNDLE", str(bundle))
+    monkeypatch.setenv("LORAZOR_ADAPTERS", ",".join(f"{k}={v}" for k, v in (adapters | {"prof2": str(served["prof2"])}).items()))
+    tracker = sched.ReleaseScheduler(vllm_config(2)).lorazor_slots
+    assert tracker.calibrated._verified[("prof2", str(served["prof2"]))] is True

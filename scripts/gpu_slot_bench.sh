@@ -17,7 +17,8 @@ requests=${REQUESTS:-1024}
 budget=${BUDGET_S:-530}
 source "$(dirname "$0")/device_plugin_env.sh"  # the plugin's entry point for a checkout; sets root
 export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
-export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}  # slot statistics read the in-process scheduler
+# slot statistics read the engine core's scheduler, so it runs in this process
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 unset LORAZOR_BUNDLE LORAZOR_ADAPTERS LORAZOR_GRIDTRIM LORAZOR_SLOTS LORAZOR_CALIBRATION
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

@@ -230,7 +230,8 @@ def sweep(reqs: Requests, candidates: Sequence[int], **engine: int) -> list[Resu
     return [simulate(reqs, m, release=rel, **engine) for m in candidates for rel in (False, True)]
 
 
-def needed_max_loras(results: Sequence[Result], unlimited: dict[bool, Result], tolerance: float) -> dict[bool, int | None]:
+def needed_max_loras(results: Sequence[Result], unlimited: dict[bool, Result],
+                     tolerance: float) -> dict[bool, int | None]:
     """Per release setting, the smallest max_loras whose requests per step reach (1 − tolerance)
     of ``unlimited``'s (one slot per adapter); None if no candidate does."""
     out: dict[bool, int | None] = {}
@@ -311,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     reqs = draw_requests(args.requests, dists, args.adapters, skew=args.skew, prompt_len=tuple(args.prompt_len),
                          output_len=tuple(args.output_len), rate=args.rate, step_ms=args.step_ms, seed=args.seed)
-    candidates = sorted(set(args.max_loras or [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]))
+    powers = [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]
+    candidates = sorted(set(args.max_loras or powers))
     engine = {"max_num_seqs": args.max_num_seqs, "token_budget": args.max_num_batched_tokens}
     results = sweep(reqs, [m for m in candidates if m < args.adapters], **engine)
     unlimited = {rel: simulate(reqs, args.adapters, release=rel, **engine) for rel in (False, True)}

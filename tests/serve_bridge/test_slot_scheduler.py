@@ -58,6 +58,9 @@ class FakeScheduler:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def _kv_used(self, scheduled: dict[str, int]) -> int:
+        return sum(r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in self.running)
+
     def _preempt(self, request: FakeRequest) -> None:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -70,7 +73,7 @@ class FakeScheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while sum(r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in self.running) + n > self.kv_tokens:
+            while self._kv_used(scheduled) + n > self.kv_tokens:
                 victim = self.running.pop()
                 scheduled.pop(victim.request_id, None)
                 self._preempt(victim)
@@ -94,7 +97,7 @@ class FakeScheduler:
                     skipped.append(request)
                     continue
                 n = min(request.num_tokens, budget)
-                if sum(r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in self.running) + n > self.kv_tokens:
+                if self._kv_used(scheduled) + n > self.kv_tokens:
                     self.waiting.appendleft(request)
                     break
                 self.running.append(request)
@@ -375,6 +378,7 @@ def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, ser
     _, verified = load_served_bundle(settings, H, hash_weights=False)  # the scheduler: no second read
     assert verified["prof2"] == str(served["tampered"])
     monkeypatch.setenv("LORAZOR_BUNDLE", str(bundle))
-    monkeypatch.setenv("LORAZOR_ADAPTERS", ",".join(f"{k}={v}" for k, v in (adapters | {"prof2": str(served["prof2"])}).items()))
+    served_ok = adapters | {"prof2": str(served["prof2"])}
+    monkeypatch.setenv("LORAZOR_ADAPTERS", ",".join(f"{k}={v}" for k, v in served_ok.items()))
     tracker = sched.ReleaseScheduler(vllm_config(2)).lorazor_slots
     assert tracker.calibrated._verified[("prof2", str(served["prof2"]))] is True

@@ -189,7 +189,6 @@ class LoRazorGPUModelRunner(_BaseRunner):
             self.lorazor.decide(state.sample_hidden_states)
         return out
 
-
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)
         if self.lorazor.report_releases:

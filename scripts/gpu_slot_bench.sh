@@ -10,11 +10,11 @@
 # e.g. after `source .devcarry/setup.sh` on the lent machine):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR
 # Writes OUT_DIR/correctness/check_slots.md and OUT_DIR/slots_512_32/bench.{txt,json}.
-# Environment: REQUESTS (bench requests, default 1024), BUDGET_S (whole call, default 530).
+# Environment: REQUESTS (bench requests, default 1024), BUDGET_S (whole call, default 540).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR}
 requests=${REQUESTS:-1024}
-budget=${BUDGET_S:-530}
+budget=${BUDGET_S:-540}
 source "$(dirname "$0")/device_plugin_env.sh"  # the plugin's entry point for a checkout; sets root
 export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
 # slot statistics read the engine core's scheduler, so it runs in this process
@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 git log -1 --format='commit %H %cd' 2>/dev/null || true
 start=$(date +%s)
 rc=0
-python3 -m benchmarks.serving.check_slots --out "$out/correctness" --budget-s 200 || rc=1
+python3 -m benchmarks.serving.check_slots --out "$out/correctness" --budget-s 220 || rc=1
 left=$((budget - ($(date +%s) - start)))
 python3 -m benchmarks.serving.bench --out "$out/slots_512_32" --work /tmp/lorazor_bench_slots \
     --adapters 512 --max-loras 32 --requests "$requests" --modes stock gridtrim both --full-graphs \

@@ -358,9 +358,11 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
                    lora_target_modules: Sequence[str] | None = None,
                    tensor_parallel_size: int = 1, compiled: bool = False,
-                   full_graphs: bool = False, max_loras: int | None = None) -> dict[str, Any]:
+                   full_graphs: bool = False, max_loras: int | None = None,
+                   max_cpu_loras: int | None = None) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
-    workload; ``max_cpu_loras`` is at least it), and the decode CUDA graph sizes;
+    workload), ``max_cpu_loras`` 256 or the given one, at least max_loras, and the decode CUDA
+    graph sizes;
     ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
     ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
     module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
@@ -387,7 +389,7 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
-    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(256, slots),
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or 256, slots),
                  specialize_active_lora=SPECIALIZE[mode])
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
@@ -593,7 +595,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
                full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
-               slots: bool = True) -> None:
+               slots: bool = True, max_cpu_loras: int | None = None) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
     Slot statistics (:class:`SlotStats`) of the timed run go into the result beside the capacity
@@ -612,7 +614,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         vllm_lora_manager.install()
     t0 = time.time()
     opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
-                          max_loras)
+                          max_loras, max_cpu_loras)
     llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
     stats = SlotStats.attach(llm)
@@ -814,6 +816,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else []) + (
         ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
+        ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
         ["--no-slot-release"] if args.no_slot_release else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "benchmarks.serving.bench"]
@@ -839,8 +842,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
                                                tensor_parallel_size=args.tensor_parallel_size,
                                                compiled=args.compiled, full_graphs=args.full_graphs)
-                                | {"max_loras": args.max_loras or "N", "max_cpu_loras": max(256, args.max_loras or 0)
-                                   or "max(256, N)", "specialize_active_lora": "per mode"}),
+                                | {"max_loras": args.max_loras or "N",
+                                   "max_cpu_loras": f"max({args.max_cpu_loras or 256}, max_loras)",
+                                   "specialize_active_lora": "per mode"}),
         "slots: " + ("steptrim/both keep vLLM's accounting (LORAZOR_SLOTS=0)" if args.no_slot_release else
                      "steptrim/both hand a released request's adapter slot on (LoRazor's scheduler); mean running "
                      "requests and slots held per scheduled step, beside the capacity model's prediction "
@@ -961,6 +965,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-loras", type=int, default=None, metavar="M",
                     help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
                          "slot-bound workload: e.g. --adapters 512 --max-loras 32")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                    help="adapters vLLM keeps loaded in host memory (default 256; raised to max_loras); with "
+                         "fewer than the adapters served, adapters are reloaded from disk while serving")
     ap.add_argument("--no-slot-release", action="store_true",
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
@@ -1001,7 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
-                   args.profile_python, args.max_loras, not args.no_slot_release)
+                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras)
         return 0
     return orchestrate(args)
 

@@ -438,6 +438,7 @@ def test_slot_bound_options_env_and_table(tmp_path):
     opts = bench.engine_options(512, mode="both", max_loras=32)
     assert opts["max_loras"] == 32 and opts["max_cpu_loras"] == 256
     assert bench.engine_options(1024, max_loras=512)["max_cpu_loras"] == 512  # vLLM needs max_cpu_loras ≥ max_loras
+    assert bench.engine_options(1024, max_loras=64, max_cpu_loras=1024)["max_cpu_loras"] == 1024
     env = bench.mode_env("both", {"LORAZOR_SLOTS": "1", "X": "1"}, tmp_path, {"a00": tmp_path})
     assert "LORAZOR_SLOTS" not in env and env["X"] == "1"  # hand-back on by default with the bundle
     assert bench.mode_env("both", {}, tmp_path, {}, slots=False)["LORAZOR_SLOTS"] == "0"

@@ -1,10 +1,12 @@
 """StepTrim inside vLLM's V1 GPU model runner: one subclass, installed in place of vLLM's.
 
 Per step the runner masks the LoRA mapping by each request's release position (positions at or
-after it run without the adapter), picks the CUDA graph for the real LoRA group count, and launches
-the step's release decisions on the sampled rows' final hidden states; the logic lives in
-:mod:`serve_bridge.runtime`. Which vLLM 0.26.0 methods are hooked, and why tensor-parallel ranks
-agree without communication: docs/vllm_integration.md §2-3.
+after it run without the adapter) and activates only the adapters the masked mapping still uses,
+picks the CUDA graph for the real LoRA group count, and launches the step's release decisions on
+the sampled rows' final hidden states; with slot hand-back it reports the step's releases to the
+scheduler on the step output. The logic lives in :mod:`serve_bridge.runtime`. Which vLLM 0.26.0
+methods are hooked, and why tensor-parallel ranks agree without communication:
+docs/vllm_integration.md §2-3.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from vllm.lora.layers import LoRAMappingType
 from serve_bridge.calibration import CalibrationRuntime
 from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
 from serve_bridge.vllm import prefix_cache
-from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_supported_engine
+from serve_bridge.vllm.settings import (RELEASES_ATTR, BridgeError, BridgeSettings, require_slot_engine,
+                                        require_supported_engine)
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
 
@@ -33,8 +36,11 @@ class LoRazorGPUModelRunner(_BaseRunner):
             raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
                               "plugin installs it only when one of them is set in every vLLM process.")
         require_supported_engine(vllm_config, released_blocks_keyed=settings.calibration and prefix_cache.installed())
+        if settings.slots:
+            require_slot_engine(vllm_config)
         hidden_size = vllm_config.model_config.get_hidden_size()
         runtime = _start_runtime(settings, hidden_size, device, bool(vllm_config.cache_config.enable_prefix_caching))
+        runtime.report_releases = settings.slots
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None
@@ -69,11 +75,14 @@ class LoRazorGPUModelRunner(_BaseRunner):
         # What InputBatch.make_lora_inputs computes, kept in numpy: each request's LoRA id repeated per
         # scheduled and per sampled token, and the active LoRA requests. Its tuples of numpy scalars
         # would cost ~0.4 ms per 2k-token step to build and read back.
+        # Only the adapters of positions that still run with one are activated: a released
+        # request's adapter need not be resident (its slot may serve another adapter).
         per_request = input_batch.request_lora_mapping[:n]
         tokens, sampled = per_request.repeat(num_scheduled_tokens), per_request.repeat(num_sampled_tokens)
-        lora_requests = set(input_batch.lora_id_to_lora_request.values())
         step = self.lorazor.begin_step(input_batch.req_ids[:n], input_batch.num_computed_tokens_cpu[:n],
                                        num_scheduled_tokens, input_batch.num_tokens_no_spec[:n], tokens, sampled)
+        by_id = input_batch.lora_id_to_lora_request
+        lora_requests = {by_id[i] for i in step.adapter_ids}
         self._lorazor_groups = step.lora_groups
         self._set_active_loras(lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), lora_requests,
                                mapping_type)
@@ -101,6 +110,14 @@ class LoRazorGPUModelRunner(_BaseRunner):
             if capture is not None:
                 capture(state.sample_hidden_states)
             self.lorazor.decide(state.sample_hidden_states)
+        return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)
+        if self.lorazor.report_releases:
+            releases = self.lorazor.take_releases()
+            if releases:  # only steps that ran a forward decide, and those build a fresh output
+                setattr(out, RELEASES_ATTR, releases)
         return out
 
 

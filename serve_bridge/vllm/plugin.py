@@ -1,11 +1,11 @@
 """The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.vllm.plugin:register``).
 
 vLLM calls :func:`register` in every process it starts. It does nothing unless a LoRazor switch
-is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim; ``LORAZOR_GRIDTRIM``: GridTrim), so
-installing LoRazor leaves vLLM stock; with one on, it refuses an unsupported vLLM or runner with
-one clear error and installs the hooks (docs/vllm_integration.md §1). vLLM swallows import errors
-of plugin modules, so this module imports nothing heavy and every check runs inside
-:func:`register`.
+is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim, with a bundle also the release-aware
+scheduler unless ``LORAZOR_SLOTS=0``; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
+vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
+the hooks (docs/vllm_integration.md §1). vLLM swallows import errors of plugin modules, so this
+module imports nothing heavy and every check runs inside :func:`register`.
 """
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def register() -> None:
         from serve_bridge.vllm.model_runner import install
 
         install()
+    if settings is not None and settings.slots:
+        from serve_bridge.vllm import scheduler
+
+        scheduler.install()
     if settings is not None and settings.calibration:
         from serve_bridge.vllm import prefix_cache
 

@@ -77,6 +77,12 @@ SIGNATURES = {
     "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys":
         ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     "vllm.entrypoints.llm:LLM.collective_rpc": ["method", "timeout", "args", "kwargs"],
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": ["grammar_output"],
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["throttle_prefills"],
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ["scheduler_output", "model_runner_output"],
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["request"],
+    "vllm.v1.core.sched.scheduler:Scheduler._free_request": ["request", "delay_free_blocks"],
+    "vllm.config.scheduler:SchedulerConfig.get_scheduler_cls": [],
 }
 
 

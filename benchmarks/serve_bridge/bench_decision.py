@@ -128,7 +128,7 @@ class OldRuntime(ReleaseRuntime):
         if events is not None:
             events[1].record()
         self._old_launch = (fired, events)
-        self._pending = _Pending(plan.states, plan.forwards, (time.perf_counter() - start) * 1e3)
+        self._pending = _Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3)
 
     def resolve(self) -> None:
         p, self._pending = self._pending, None

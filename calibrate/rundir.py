@@ -153,6 +153,10 @@ class RunDir:
                 return f"the output of stage {u!r} changed since it ran"
         return changed_file(self.root, marker["outputs"])
 
+    def done(self, stage: str, fp: str, inputs: Sequence[str] = ()) -> bool:
+        """True iff :meth:`stale` finds nothing."""
+        return self.stale(stage, fp, inputs) is None
+
     def summary(self, stage: str) -> dict[str, Any]:
         """The summary a finished stage recorded."""
         return json.loads(self._marker(stage).read_text())["summary"]
@@ -211,6 +215,14 @@ class RunDir:
             os.replace(marker, self._marker(stage))
         _remove(pending)
         _remove(trash)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Remove the bookkeeping directories once they are empty."""
+        for name in (SCRATCH, PUBLISHING, TRASH):
+            d = self.root / name
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
 
     def recover(self) -> list[str]:
         """Finish the publishes an interrupted run left and drop unfinished scratch output;
@@ -223,4 +235,5 @@ class RunDir:
                 done.append(pending.name)
         _remove(self.root / SCRATCH)
         _remove(self.root / TRASH)
+        self._tidy()
         return done

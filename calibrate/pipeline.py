@@ -1,9 +1,11 @@
 """The calibration stages, in order: data → labels → heads → sweep → export → test
 (→ agreement, with ``agreement=true``).
 
-Each stage reads its inputs from the run directory, writes its outputs there, and records a
-marker with its fingerprint (see :mod:`calibrate.rundir`). ``run_pipeline`` skips finished
-stages, so an interrupted run resumes and a finished one is a no-op.
+``run_pipeline`` first validates the config and every input (:mod:`calibrate.validate`). Each
+stage reads its inputs from the run directory (``ctx.run.path``) and writes its outputs into its
+scratch directory (``ctx.run.out``); when it returns, they are published with its marker (see
+:mod:`calibrate.rundir`). ``run_pipeline`` skips finished stages whose outputs are intact, so an
+interrupted run resumes and a finished one is a no-op.
 """
 from __future__ import annotations
 
@@ -259,13 +261,13 @@ def stage_fingerprints(ctx: Context) -> dict[str, str]:
 
 def run_pipeline(ctx: Context) -> dict[str, dict]:
     """Run the configured stages in order, skipping those already done; return their summaries."""
+    validate(ctx)
     wanted = list(ctx.cfg.stages)
     if ctx.cfg.get("agreement", False) and "agreement" not in wanted:
         wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
-    validate(ctx)
     for name in ctx.run.recover():
         _say(f"[{name}] finished publishing the outputs an interrupted run had committed")
     fps = stage_fingerprints(ctx)

@@ -15,7 +15,7 @@ from labeling.tasks.base import SPLITS, TaskError
 
 def local_source(source: str) -> Path | None:
     """``source`` as a local directory path if it names one (or looks like a path), else None (a hub id)."""
-    looks_local = source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
+    looks_local = bool(source) and (source.startswith((".", "/", "~")) or Path(source).expanduser().exists())
     return Path(source).expanduser() if looks_local else None
 
 

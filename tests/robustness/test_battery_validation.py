@@ -60,6 +60,7 @@ BAD_CONFIGS = [
     ("backbone.dtype=int8", ConfigError, "backbone.dtype='int8'"),
     ("backbone.gguf_file=null", ConfigError, "backbone.gguf_file=None"),
     ("stages=[]", ConfigError, "stages=[]"),
+    ("stages=data", ConfigError, "stages='data'"),
     ("agreement=perhaps", ConfigError, "agreement='perhaps'"),
     ("adapter.adapters=[{name: a}]", ConfigError, "adapter.adapters[0]"),
     ("adapter.adapters=[{name: '', path: /x}]", ConfigError, "adapter.adapters[0].name=''"),
@@ -153,6 +154,10 @@ def test_shipped_gsm8k_subset_passes_and_loads() -> None:
     task = build_task("gsm8k", source=str(DATA_DIR / "gsm8k_subset"), val_size=8)
     validate_task_data(task)
     assert len(task.load_split("validation")) == 8
+
+
+def test_generated_task_has_no_files_to_check() -> None:
+    validate_task_data(build_task("arith"))
 
 
 def test_missing_local_split_file(tmp_path: Path) -> None:

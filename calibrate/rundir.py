@@ -176,7 +176,9 @@ class RunDir:
     def commit(self, stage: str, fp: str, summary: dict[str, Any], inputs: Sequence[str] = ()) -> None:
         """Publish the running stage's scratch output with its marker (see the module docstring),
         recording the outputs of its input stages ``inputs`` as read."""
-        scratch = self.root / SCRATCH / stage
+        scratch, pending = self.root / SCRATCH / stage, self.root / PUBLISHING / stage
+        if pending.exists():  # an earlier publish of this stage never finished: complete it first
+            self._publish(stage)
         outputs = tree_hashes(scratch)
         new = entries_of(outputs)
         old = self._read_marker(stage)
@@ -185,9 +187,6 @@ class RunDir:
         write_atomic(scratch / MARKER, json.dumps(
             {"fingerprint": fp, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary,
              "outputs": outputs, "inputs": {u: self.output_digest(u) for u in inputs}}, indent=2))
-        pending = self.root / PUBLISHING / stage
-        if pending.exists():  # an earlier publish of this stage never finished: complete it first
-            self._publish(stage)
         pending.parent.mkdir(exist_ok=True)
         os.rename(scratch, pending)  # the commit point
         self.scratch = None

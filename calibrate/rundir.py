@@ -153,6 +153,13 @@ class RunDir:
                 return f"the output of stage {u!r} changed since it ran"
         return changed_file(self.root, marker["outputs"])
 
+    def intact(self, stage: str) -> str | None:
+        """None iff ``stage`` has a marker whose outputs are all intact (whatever its config), else why not."""
+        marker = self._read_marker(stage)
+        if marker is None:
+            return NOT_RUN
+        return self.stale(stage, marker.get("fingerprint", ""))
+
     def done(self, stage: str, fp: str, inputs: Sequence[str] = ()) -> bool:
         """True iff :meth:`stale` finds nothing."""
         return self.stale(stage, fp, inputs) is None
@@ -172,6 +179,7 @@ class RunDir:
         """Drop the scratch output of a stage that failed or was interrupted."""
         _remove(self.root / SCRATCH / stage)
         self.scratch = None
+        self._tidy()
 
     def commit(self, stage: str, fp: str, summary: dict[str, Any], inputs: Sequence[str] = ()) -> None:
         """Publish the running stage's scratch output with its marker (see the module docstring),

@@ -87,7 +87,7 @@ def test_data_stage_failing_midway_leaves_the_previous_split_files(tmp_path: Pat
 
 
 def test_stage_without_its_input_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="stage 'heads' needs the output of stage 'labels'.*add it to `stages`"):
+    with pytest.raises(ConfigError, match="stage 'heads' needs the output of stage 'labels', which has none .not run yet.; add 'labels' to `stages`"):
         run(tmp_path / "run", [*TINY, "stages=[heads]"])
     assert not (tmp_path / "run" / "stages").exists()
 

@@ -203,3 +203,12 @@ def test_shard_killed_before_its_marker_is_not_reused(tmp_path: Path, monkeypatc
     with pytest.raises(Killed):
         _write_shard(done, files, pd.DataFrame({"uid": ["c"], "t": [2], "y": [1]}), np.zeros((1, 4), np.float32))
     assert _shard_stale(done, files) == "not labeled yet"
+
+
+def test_intact_ignores_the_config_but_not_damage(tmp_path: Path) -> None:
+    run = _base(tmp_path, with_old=False)
+    assert run.intact("export") == NOT_RUN
+    _stage(run, NEW, "fp-new")
+    assert run.intact("export") is None  # whatever config the caller has now
+    (run.root / "bundle" / "manifest.json").write_text("edited")
+    assert "bundle/manifest.json differs" in run.intact("export")

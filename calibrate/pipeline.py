@@ -116,7 +116,8 @@ def stage_export(ctx: Context) -> dict:
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
-    entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads, config={s: ctx.section(s) for s in CONFIG_SECTIONS},
+    entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads,
+                            config={s: ctx.section(s) for s in CONFIG_SECTIONS},
                             adapter_weights={a.name: a.path for a in ctx.adapters})
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])

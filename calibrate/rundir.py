@@ -189,8 +189,8 @@ class RunDir:
             self._publish(stage)
         outputs = tree_hashes(scratch)
         new = entries_of(outputs)
-        old = self._read_marker(stage)
-        old_entries = entries_of(old["outputs"]) if isinstance(old, dict) and isinstance(old.get("outputs"), dict) else []
+        old = self._read_marker(stage) or {}
+        old_entries = entries_of(old["outputs"]) if isinstance(old.get("outputs"), dict) else []
         write_atomic(scratch / REPLACES, json.dumps(sorted(set(old_entries) - set(new))))
         write_atomic(scratch / MARKER, json.dumps(
             {"fingerprint": fp, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary,

@@ -61,7 +61,8 @@ def read_adapter_config(spec: AdapterSpec) -> dict[str, Any]:
     ranks = {"r": config.get("r"), **{f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()}}
     for key, r in ranks.items():
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise AdapterError(f"adapter '{spec.name}': {path} has {key}={r!r}; a LoRA rank must be a positive integer.")
+            raise AdapterError(f"adapter '{spec.name}': {path} has {key}={r!r}; "
+                               f"a LoRA rank must be a positive integer.")
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
         raise AdapterError(f"adapter '{spec.name}': {path} has lora_alpha={alpha!r}; use a positive number.")

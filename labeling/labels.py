@@ -99,7 +99,8 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
 
 def _write_shard(done: Path, files: dict[str, Path], df: pd.DataFrame, h: np.ndarray) -> None:
     """Write one shard's points and features (each via a rename), then its marker with their sha256."""
-    tmp_pq, tmp_npy = files["points"].with_name(files["points"].name + ".tmp"), files["features"].with_suffix(".tmp.npy")
+    tmp_pq = files["points"].with_name(files["points"].name + ".tmp")
+    tmp_npy = files["features"].with_suffix(".tmp.npy")
     done.unlink(missing_ok=True)
     df.to_parquet(tmp_pq, index=False)
     np.save(tmp_npy, h)

@@ -17,7 +17,7 @@ from calibrate.rundir import RunDir
 from labeling.tasks import TaskError
 from tests.calibrate.test_pipeline import TINY, cli, compose_cfg, run
 from tests.conftest import DEMO_ADAPTER
-from tests.robustness.helpers import digest, make_adapter, write_jsonl
+from tests.robustness.helpers import digest, write_jsonl
 
 
 class Killed(BaseException):
@@ -87,7 +87,8 @@ def test_data_stage_failing_midway_leaves_the_previous_split_files(tmp_path: Pat
 
 
 def test_stage_without_its_input_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="stage 'heads' needs the output of stage 'labels', which has none .not run yet.; add 'labels' to `stages`"):
+    with pytest.raises(ConfigError, match="stage 'heads' needs the output of stage 'labels', which has none "
+                                          r"\(not run yet\); add 'labels' to `stages`"):
         run(tmp_path / "run", [*TINY, "stages=[heads]"])
     assert not (tmp_path / "run" / "stages").exists()
 
@@ -96,22 +97,23 @@ def test_stage_without_its_input_is_a_config_error(tmp_path: Path) -> None:
 
 def _bad_adapter(tmp: Path, how: str) -> list[str]:
     d = Path(shutil.copytree(DEMO_ADAPTER, tmp / "user-lora"))
+    cfg = json.loads((d / "adapter_config.json").read_text())
     if how == "r0":
-        cfg = json.loads((d / "adapter_config.json").read_text())
         (d / "adapter_config.json").write_text(json.dumps({**cfg, "r": 0}))
     elif how == "truncated":
         w = d / "adapter_model.safetensors"
         w.write_bytes(w.read_bytes()[:100_000])
     elif how == "other_base":
-        cfg = json.loads((d / "adapter_config.json").read_text())
-        (d / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "mistralai/Mistral-7B-v0.3"}))
+        other = {**cfg, "base_model_name_or_path": "mistralai/Mistral-7B-v0.3"}
+        (d / "adapter_config.json").write_text(json.dumps(other))
     return [f"adapter.adapters=[{{name: arith-a, path: {d}}}]"]
 
 
 def _bad_gsm8k(tmp: Path) -> list[str]:
     src = tmp / "user-gsm8k"
     src.mkdir()
-    (src / "train.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "1"}\n')
+    (src / "train.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n'
+                                      b'{"question": "caf\xe9", "answer": "1"}\n')
     write_jsonl(src / "test.jsonl", [{"question": "q", "answer": "#### 1"}])
     return ["task=gsm8k", f"task.options.source={src}", "task.sizes.train=1", "task.sizes.validation=1",
             "task.sizes.test=1"]

@@ -69,10 +69,11 @@ class Calibrate:
         return ``running``, ``cached`` or None."""
         seen = 0
         while True:
-            for _, line in self.lines[seen:]:
+            upto = len(self.lines)  # the reader thread appends meanwhile: scan a fixed prefix
+            for _, line in self.lines[seen:upto]:
                 if line.startswith(f"[{stage}] "):
                     return "cached" if line == f"[{stage}] cached" else "running"
-            seen = len(self.lines)
+            seen = upto
             if self.proc.poll() is not None:
                 self.reader.join()
                 if len(self.lines) == seen:

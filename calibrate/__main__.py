@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> None:
     try:
         summaries = run_pipeline(Context(cfg, run))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print("error: " + " ".join(str(e).split("\n")), file=sys.stderr, flush=True)  # one line
         sys.exit(2)
     table = format_final(summaries)
     if table:

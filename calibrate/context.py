@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter, weights_file
-from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
+from labeling.backbone import BackboneError, BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
 from labeling.tasks import Task, build_task
 from serve_bridge.bundle import file_sha256
 
@@ -114,12 +114,17 @@ class Context:
                             dtype=b.get("dtype", "float32"), extra_stop_tokens=tuple(b.get("extra_stop_tokens") or ()))
 
     def check_adapters(self) -> None:
-        """Validate every adapter against the backbone's hidden size, before loading weights."""
+        """Validate every adapter against the backbone (hidden size, base model), before loading weights."""
         from transformers import AutoConfig
 
-        hidden = AutoConfig.from_pretrained(resolve_backbone_dir(self.backbone_spec)).hidden_size
+        b = self.backbone_spec
+        try:
+            config = AutoConfig.from_pretrained(resolve_backbone_dir(b))
+        except OSError as err:
+            raise BackboneError(f"backbone '{b.name}': cannot read its config ({str(err).splitlines()[0]}).") from err
+        names = [n for n in (b.name, b.hf_id, b.gguf_file, config.name_or_path) if n]
         for spec in self.adapters:
-            validate_adapter(spec, hidden)
+            validate_adapter(spec, config.hidden_size, names)
 
     @cached_property
     def engine(self):

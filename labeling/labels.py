@@ -7,12 +7,14 @@ The feature is h_t, the final-norm hidden state of forward t. A t the response d
 continue past (t ≥ L−1) has OFF = ON, is never risky, and is not a decision point, so it
 is not labeled.
 
-Work is split into shards of requests; each shard is written atomically with a marker, so
-an interrupted run resumes at the first unfinished shard and yields identical labels
-(greedy decoding, fixed shard composition).
+Work is split into shards of requests; each shard's files are written via renames, then its
+marker with their sha256, so an interrupted run resumes at the first unfinished shard and
+yields identical labels (greedy decoding, fixed shard composition); a shard whose files no
+longer match its marker is labeled again.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from calibrate.rundir import write_atomic
 from labeling.tasks import Example, Task
+from serve_bridge.bundle import file_sha256
 
 if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and readers need neither
     from labeling.engines.hf import GenRequest, GenResult, HFEngine
@@ -73,27 +77,50 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
     stamp = shard_dir / "LAYOUT"
     if shard_dir.is_dir() and (not stamp.is_file() or stamp.read_text() != layout):
         shutil.rmtree(shard_dir)
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(layout)
+    write_atomic(stamp, layout)
     n_shards = (len(pairs) + shard_requests - 1) // shard_requests
     frames, feats = [], []
     for i in range(n_shards):
-        done = shard_dir / f"{i:05d}.done"
-        pq, npy = shard_dir / f"{i:05d}.parquet", shard_dir / f"{i:05d}.npy"
-        if not done.is_file():
+        files = {"points": shard_dir / f"{i:05d}.parquet", "features": shard_dir / f"{i:05d}.npy"}
+        reason = _shard_stale(shard_dir / f"{i:05d}.done", files)
+        if reason:
+            if reason != "not labeled yet":
+                print(f"labels shard {i + 1}/{n_shards}: {reason}; labeling it again", flush=True)
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
                                       fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{n_shards}")
             df, h = label_results(engine, task, chunk, results, adapter_names)
-            df.to_parquet(pq.with_suffix(".parquet.tmp"), index=False)
-            np.save(npy.with_suffix(".tmp.npy"), h)
-            pq.with_suffix(".parquet.tmp").replace(pq)
-            npy.with_suffix(".tmp.npy").replace(npy)
-            done.write_text(str(len(df)))
-        frames.append(pd.read_parquet(pq))
-        feats.append(np.load(npy))
+            _write_shard(shard_dir / f"{i:05d}.done", files, df, h)
+        frames.append(pd.read_parquet(files["points"]))
+        feats.append(np.load(files["features"]))
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=POINT_COLUMNS)
     return df, np.concatenate(feats) if feats else np.zeros((0, engine.hidden_size), np.float32)
+
+
+def _write_shard(done: Path, files: dict[str, Path], df: pd.DataFrame, h: np.ndarray) -> None:
+    """Write one shard's points and features (each via a rename), then its marker with their sha256."""
+    tmp_pq = files["points"].with_name(files["points"].name + ".tmp")
+    tmp_npy = files["features"].with_suffix(".tmp.npy")
+    done.unlink(missing_ok=True)
+    df.to_parquet(tmp_pq, index=False)
+    np.save(tmp_npy, h)
+    tmp_pq.replace(files["points"])
+    tmp_npy.replace(files["features"])
+    write_atomic(done, json.dumps({"rows": len(df), "sha256": {k: file_sha256(p) for k, p in files.items()}}))
+
+
+def _shard_stale(done: Path, files: dict[str, Path]) -> str | None:
+    """None iff the shard's marker exists and its files have the sha256 it recorded, else why not."""
+    if not done.exists():
+        return "not labeled yet"
+    try:
+        recorded = json.loads(done.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its marker {done.name} is unreadable"
+    for key, path in files.items():
+        if not path.is_file() or file_sha256(path) != recorded.get(key):
+            return f"{path.name} differs from the sha256 its marker recorded"
+    return None
 
 
 def summarize(points: pd.DataFrame) -> dict:

@@ -76,6 +76,9 @@ class BaseTask:
     """Shared plumbing for concrete tasks: name, output limit, split caps."""
 
     name: ClassVar[str]
+    # Fields every row of the task's data must have, with their accepted types (checked on
+    # local files before any work, see calibrate/validate.py).
+    required_fields: ClassVar[dict[str, tuple[type, ...]]] = {}
     max_new_tokens: int
 
     def __init__(self, max_new_tokens: int, sizes: SplitSizes | None = None) -> None:

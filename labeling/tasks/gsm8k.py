@@ -23,6 +23,7 @@ def clean_solution(answer: str) -> str:
 
 class GSM8KTask(BaseTask):
     name = "gsm8k"
+    required_fields = {"question": (str,), "answer": (str,)}
 
     def __init__(self, source: str = "openai/gsm8k", max_new_tokens: int = 256, val_size: int = 500,
                  seed: int = 1234, extractor: Mode = "strict_then_flexible", sizes: SplitSizes | None = None) -> None:

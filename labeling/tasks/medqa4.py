@@ -36,6 +36,7 @@ def parse_options(task: str, row: dict[str, Any], letters: str) -> dict[str, str
 
 class MedQA4Task(BaseTask):
     name = "medqa4"
+    required_fields = {"question": (str,), "options": (dict, list), "answer_idx": (str,)}
 
     def __init__(self, source: str = "GBaker/MedQA-USMLE-4-options", max_new_tokens: int = 128,
                  val_size: int = 500, seed: int = 1234, sizes: SplitSizes | None = None) -> None:

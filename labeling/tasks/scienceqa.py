@@ -31,6 +31,7 @@ def is_text_only(row: dict[str, Any]) -> bool:
 
 class ScienceQATask(BaseTask):
     name = "scienceqa"
+    required_fields = {"question": (str,), "choices": (list,), "answer": (int,)}
 
     def __init__(self, source: str = "derek-thomas/ScienceQA", max_new_tokens: int = 320,
                  val_size: int = 500, seed: int = 1234, sizes: SplitSizes | None = None) -> None:

@@ -13,7 +13,16 @@ from typing import Any
 from labeling.tasks.base import SPLITS, TaskError
 
 
-def _local_files(task: str, root: Path, official: str) -> str:
+def local_source(source: str) -> Path | None:
+    """``source`` as a local directory path if it names one (or looks like a path), else None (a hub id)."""
+    looks_local = bool(source) and (source.startswith((".", "/", "~")) or Path(source).expanduser().exists())
+    return Path(source).expanduser() if looks_local else None
+
+
+def official_file(task: str, root: Path, official: str) -> str:
+    """The local file of official split ``official`` under ``root`` (``.jsonl`` or ``.json``)."""
+    if not root.is_dir():
+        raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
     for ext in (".jsonl", ".json"):
         f = root / f"{official}{ext}"
         if f.is_file():
@@ -28,12 +37,9 @@ def load_official(task: str, source: str, official: str, hub_config: str | None 
     """Rows of one official split (``train`` or ``test`` / ``validation``) as dicts."""
     import datasets
 
-    looks_local = source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
-    if looks_local:
-        root = Path(source).expanduser()
-        if not root.is_dir():
-            raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
-        path = _local_files(task, root, official)
+    root = local_source(source)
+    if root is not None:
+        path = official_file(task, root, official)
         if not Path(path).read_text().strip():  # datasets' json builder fails obscurely on empty files
             return []
         ds = datasets.load_dataset("json", data_files={official: path}, split=official)

@@ -42,6 +42,7 @@ def read_schema(db_path: Path) -> str:
 
 class SpiderTask(BaseTask):
     name = "spider"
+    required_fields = {"db_id": (str,), "query": (str,), "question": (str,)}
 
     def __init__(self, source: str = "xlangai/spider", db_dir: str | None = None, max_new_tokens: int = 256,
                  val_size: int = 500, seed: int = 1234, test_split: str = "validation",
@@ -64,7 +65,7 @@ class SpiderTask(BaseTask):
                            hub_config=self.hub_config)
         examples = []
         for i, r in enumerate(rows):
-            missing = [k for k in ("db_id", "query", "question") if not r.get(k)]
+            missing = [k for k in self.required_fields if not r.get(k)]
             if missing:
                 raise TaskError(f"task 'spider': a row of split '{official}' in {self.source} lacks field(s) "
                                 f"{missing} ({str(r)[:100]}…); expected the xlangai/spider fields "

@@ -1,7 +1,7 @@
 """The paper's GridTrim launch plan: row-bound buckets and the two-class expand.
 
-vLLM 0.26 launches `cdiv(M, BLOCK_M)` row tiles for every slot (lora_shrink_op.py:223-227,
-lora_expand_op.py:240-244), M being the padded token count. GridTrim replaces M by a row bound
+vLLM 0.26's shrink and expand launch `cdiv(M, BLOCK_M)` row tiles for every slot, M being the
+padded token count. GridTrim replaces M by a row bound
 R, the smallest bucket in {16·2^k < M} ∪ {M} that covers the largest group, so one CUDA graph
 per (M, R) bucket replays. Expand is split in two classes: every slot at bound 16 for groups of
 ≤ 16 rows, and a compact list of ≤ 16 larger groups at bound R. With more than 16 large groups

@@ -1,7 +1,6 @@
 """Per-batch LoRA kernel metadata: which tokens go to which adapter slot.
 
-The contract is the one vLLM 0.26's LoRA ops take (vllm/lora/ops/triton_ops/
-lora_kernel_metadata.py:109-168 builds it, lora_shrink_op.py:132-143 takes it), so a
+The contract is the one vLLM 0.26's LoRA ops take (``LoRAKernelMeta`` builds it), so a
 punica-wrapper subclass can hand its `meta_args(...)` straight to these kernels:
 
 - `token_lora_mapping[M]`: adapter id of each token, -1 = no adapter.
@@ -65,8 +64,7 @@ class LoRABatchMeta:
         """Wrap the first five tensors of vLLM's `LoRAKernelMeta.meta_args(...)` tuple.
 
         Its order is (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
-        lora_token_start_loc, active_lora_ids, no_lora_flag_cpu, num_active_loras)
-        (vllm/lora/ops/triton_ops/lora_kernel_metadata.py:197-205). The views share storage
+        lora_token_start_loc, active_lora_ids, no_lora_flag_cpu, num_active_loras). The views share storage
         with vLLM's static buffers, so a CUDA graph captured on them replays new batches.
         """
         mapping, sorted_idx, counts, starts, lora_ids = args[:5]

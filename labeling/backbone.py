@@ -28,7 +28,7 @@ class BackboneSpec:
 
     name: short name, also the cache key (``smollm2``, ``llama3b``...).
     hf_id: hub id or local directory (ignored when ``gguf_package`` is set).
-    gguf_package / gguf_file: the Python package carrying a GGUF, and the file inside it.
+    gguf_package / gguf_file: the Python package holding a GGUF, and the file inside it.
     gguf_dir: a directory holding ``gguf_file``, used instead of the package when set
         (e.g. on a GPU box where the GGUF was copied by hand).
     dtype: compute dtype name (``float32`` on CPU, ``bfloat16`` on GPU).
@@ -87,7 +87,7 @@ def resolve_backbone_dir(spec: BackboneSpec) -> str:
     src = _gguf_dir(spec)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, dtype=torch.float32)
-    # A de-quantized GGUF model refuses save_pretrained while it still carries its
+    # A de-quantized GGUF model refuses save_pretrained while it still has its
     # quantization config; rebuild a plain model of the same class from the weights.
     config = model.config
     del config.quantization_config

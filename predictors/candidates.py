@@ -1,4 +1,4 @@
-"""Sweep candidates: learned thresholds τ per adapter and profiled release points k (DESIGN §3.5).
+"""Sweep candidates: learned thresholds τ per adapter and profiled release points k (docs/design.md §3.5).
 
 τ candidates are quantiles of a head's scores on its own training points, at levels
 q/(n+1) for q = 1…n (evenly spaced inside (0, 1)), rounded to float32 and deduplicated.

@@ -1,4 +1,4 @@
-"""Bundle entries from calibration results (DESIGN §3.6): heads + selection → AdapterEntry.
+"""Bundle entries from calibration results (docs/design.md §3.6): heads + selection → AdapterEntry.
 
 The export stage picks, per adapter, the candidate that one selection rule chose for one
 policy kind, and records the calibration numbers beside it. A rule that fell back to

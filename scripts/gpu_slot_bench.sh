@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Slot hand-back on one H200, in one call of about 9 minutes (issue 19):
+# Slot hand-back on one H200, in about 9 minutes:
 #   1. correctness (benchmarks/serving/check_slots.py): policy off token-identical to stock on 320
 #      requests; profiled and learned policies token-identical with and without slot hand-back;
 #   2. the slot-bound throughput table: 512 adapters, max_loras 32, uniform traffic, offline,
 #      Llama-3.2-3B shape, rank 8, full CUDA graphs, modes stock, gridtrim, both (REQUESTS requests,
-#      default 1024 to fit the call; the issue's table used 2048), with mean running requests and
+#      default 1024 to fit 9 minutes; the table of 2026-12-01 used 2048), with mean running requests and
 #      slots held per step beside the capacity model's prediction.
 # Usage, from anywhere (vLLM 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
-# e.g. after `source .devcarry/setup.sh` on the lent machine):
+# e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR
 # Writes OUT_DIR/correctness/check_slots.md and OUT_DIR/slots_512_32/bench.{txt,json}.
-# Environment: REQUESTS (bench requests, default 1024), BUDGET_S (whole call, default 540).
+# Environment: REQUESTS (bench requests, default 1024), BUDGET_S (whole run, default 540).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR}
 requests=${REQUESTS:-1024}
 budget=${BUDGET_S:-540}
-source "$(dirname "$0")/device_plugin_env.sh"  # the plugin's entry point for a checkout; sets root
+source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
 export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
 # slot statistics read the engine core's scheduler, so it runs in this process
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}

@@ -1,4 +1,4 @@
-"""Policy bundle I/O — the contract between calibration and production servers (DESIGN §5).
+"""Policy bundle I/O — the contract between calibration and production servers (docs/design.md §5).
 
 A bundle is a directory holding exactly:
 
@@ -21,7 +21,7 @@ header says float32, never unpickled: a file the manifest does not list, or any 
 file, is an error. Every value the serving runtime would refuse is refused here (a profiled
 ``k`` ≥ :data:`serve_bridge.steptrim.K_LIMIT`, a ``tau`` or head value that is not a finite
 float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the server serves but
-the bundle lacks is not an error: it runs full LoRA (DESIGN §2) and a :class:`BundleWarning`
+the bundle lacks is not an error: it runs full LoRA (docs/design.md §2) and a :class:`BundleWarning`
 says so.
 
 This module imports no vLLM and nothing from the calibration packages.

@@ -8,7 +8,7 @@ over ``LLM.collective_rpc`` before each ``generate`` (:func:`serve_bridge.vllm.r
   name is slot i has StepTrim slot i, any other request NO_SLOT.
 - ``policy``: the release policy of the pass (a :class:`StepTrim`, as plain data; None = full
   LoRA). Decisions run through the same :class:`ReleaseRuntime` code as serving, and so
-  through :meth:`StepTrim.fires` — the one implementation of DESIGN §2.
+  through :meth:`StepTrim.fires` — the one implementation of docs/design.md §2.
 - ``scorer``: a StepTrim whose learned heads score every forward (s_t), or None.
 - ``capture``: the forwards t whose h_t is recorded.
 

@@ -13,7 +13,7 @@ The model is a discrete-time simulation of vLLM 0.26's admission rules (the sche
   ``max_num_seqs`` run and budget is left, if its adapter already holds a slot or fewer than
   ``max_loras`` adapters hold one; otherwise it is skipped for this step (vLLM's rule);
 - a request of prompt P released at r holds its adapter's slot in a step that starts before
-  position P + r (DESIGN §2: the adapter runs at forwards t ≤ r); without release, always.
+  position P + r (docs/design.md §2: the adapter runs at forwards t ≤ r); without release, always.
 
 Measured per step: running requests (admitted concurrency) and distinct adapters holding a slot
 (slot occupancy). KV-cache capacity is taken as ample (no preemption), and offline requests all

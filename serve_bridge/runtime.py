@@ -1,4 +1,4 @@
-"""Per-request StepTrim release inside a serving engine, without the engine (DESIGN §2, §4).
+"""Per-request StepTrim release inside a serving engine, without the engine (docs/design.md §2, §4).
 
 The engine glue (:mod:`serve_bridge.vllm.model_runner`) feeds this module plain arrays; all
 release logic lives here and is tested on CPU. Release decisions themselves come only
@@ -16,7 +16,7 @@ t > r, which consumes the token at position P+t−1 ≥ P+r, without its adapter
 every position ≥ P+r to "no adapter" — in every step, whichever forward it belongs to —
 is therefore exact under chunked prefill and under preemption recompute.
 
-Per-request arguments. A request may carry, in ``SamplingParams.extra_args``::
+Per-request arguments. A request may hold, in ``SamplingParams.extra_args``::
 
     {"lorazor": {"uid": "q17@0", "release_position": 412}}
 
@@ -45,7 +45,6 @@ import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
 from serve_bridge.decision import DecisionLauncher
-from serve_bridge.vllm.settings import BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.
@@ -113,7 +112,7 @@ def lora_group_count(token_mapping: np.ndarray) -> int:
 
     0 when no token has an adapter (the batch needs no LoRA kernel at all). This is the
     count vLLM's kernel metadata uses for its launch grid; an adapter-count CUDA graph
-    must be chosen with it, not with the number of adapters (DESIGN §4).
+    must be chosen with it, not with the number of adapters (docs/design.md §4).
     """
     return step_mapping(token_mapping, ()).lora_groups
 
@@ -126,10 +125,8 @@ def step_mapping(token_mapping: Sequence[int] | np.ndarray, sampled_mapping: Seq
 
 
 def lora_ids(mapping: Sequence[int] | np.ndarray) -> tuple[int, ...]:
-    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with (vLLM 0.26.0
-    ``lora/layers/utils.py:33-42``): ``convert_mapping`` loops over it element by element
-    (``lora/punica_wrapper/utils.py:91-115``), and reading numpy scalars there is slower
-    (``benchmarks/serve_bridge/bench_mapping_host.py``)."""
+    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with; vLLM loops
+    over it element by element, where numpy scalars are slower (docs/vllm_integration.md §2)."""
     return tuple(np.asarray(mapping).tolist())
 
 
@@ -407,7 +404,7 @@ class ReleaseRuntime:
 
     def take_releases(self) -> dict[str, int]:
         """req_id → release point r of every release decided since the last call (waits for the
-        pending decision): what the step output carries to the scheduler (slot hand-back)."""
+        pending decision): what the step output brings to the scheduler (slot hand-back)."""
         self.resolve()
         out, self.new_releases = self.new_releases, {}
         return out
@@ -514,21 +511,21 @@ class CalibratedAdapters:
         return True
 
 
-def load_served_bundle(settings: BridgeSettings, hidden_size: int,
+def load_served_bundle(bundle_dir: str | os.PathLike[str], hidden_size: int, adapters: Mapping[str, str] | None = None,
                        hash_weights: bool = True) -> tuple[Bundle, dict[str, str]]:
-    """The bundle of ``settings`` checked for a model of ``hidden_size`` and, with
-    ``settings.adapters``, against the served adapters (a bundle adapter not served, or served
-    with other weights, is one BundleError); returns it and the served adapters it verified.
+    """The bundle in ``bundle_dir`` checked for a model of ``hidden_size`` and, with ``adapters``
+    (served name → local directory), against the served adapters (a bundle adapter not served, or
+    served with other weights, is one BundleError); returns it and the served adapters it verified.
     Without ``hash_weights`` the served adapters are taken as verified unread: for a caller in
     an engine whose workers run this check in full at start-up (the scheduler)."""
+    adapters = dict(adapters or {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
-        bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,
-                             known_adapters=list(settings.adapters) or None)
+        bundle = load_bundle(bundle_dir, expected_hidden_size=hidden_size, known_adapters=list(adapters) or None)
     for w in caught:
         logger.warning(str(w.message))
     verified = {}
-    for name, path in settings.adapters.items():
+    for name, path in adapters.items():
         entry = bundle.adapters.get(name)
         if entry is None:
             continue
@@ -540,22 +537,11 @@ def load_served_bundle(settings: BridgeSettings, hidden_size: int,
     return bundle, verified
 
 
-def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.device | str,
-                  prefix_caching: bool = False) -> ReleaseRuntime:
-    """Load and check the bundle for a model of ``hidden_size``; one BundleError on the first problem.
-
-    With ``settings.adapters`` the bundle must not name an unserved adapter, and each
-    served adapter in the bundle must have the calibrated weights. A served adapter the
-    bundle lacks runs full LoRA, with a warning. In calibration mode (``settings.calibration``)
-    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`, told
-    whether the engine caches prefixes (``prefix_caching``; it then refuses release policies).
-    """
-    if settings.calibration:
-        from serve_bridge.calibration import CalibrationRuntime  # it subclasses ReleaseRuntime
-
-        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
-                                  prefix_caching=prefix_caching)
-    bundle, verified = load_served_bundle(settings, hidden_size)
+def build_runtime(bundle_dir: str | os.PathLike[str], hidden_size: int, device: torch.device | str,
+                  adapters: Mapping[str, str] | None = None, log_interval_s: float = 60.0) -> ReleaseRuntime:
+    """The serving runtime of the bundle in ``bundle_dir`` (:func:`load_served_bundle`'s checks; one
+    BundleError on the first problem). A served adapter the bundle lacks runs full LoRA, with a warning."""
+    bundle, verified = load_served_bundle(bundle_dir, hidden_size, adapters)
     names = sorted(bundle.adapters)
     steptrim = StepTrim([bundle.policies[n] for n in names], bundle.hidden_size, device)
-    return ReleaseRuntime(bundle, steptrim, names, verified, settings.log_interval_s)
+    return ReleaseRuntime(bundle, steptrim, names, verified, log_interval_s)

@@ -1,4 +1,4 @@
-"""StepTrim release semantics — the single implementation (DESIGN §2).
+"""StepTrim release semantics — the single implementation (docs/design.md §2).
 
 Forwards of a request are indexed t = 0, 1, 2, …: t = 0 is the prefill forward (it produces
 the first generated token); decode forward t ≥ 1 consumes token t and produces token t+1.
@@ -61,7 +61,7 @@ _EXACT_UPCAST = (torch.float32, torch.bfloat16, torch.float16)  # promote to flo
 
 
 class StepTrim:
-    """Batched, one-way release decisions for rows that each carry an adapter slot.
+    """Batched, one-way release decisions for rows that each have an adapter slot.
 
     ``policies`` maps slot index → policy (None = never release). Slots are the engine's
     adapter indices; rows with slot :data:`NO_SLOT` have no adapter and are never affected.

@@ -1,6 +1,6 @@
 """engine=hf vs engine=vllm on the same labeling requests. Needs a GPU and vllm==0.26.0.
 
-    python benchmarks/engines/compare_engines.py --run RUNDIR --out DIR [--limit N] [--hf-batch-size 64]
+    python -m benchmarks.engines.compare_engines --run RUNDIR --out DIR [--limit N] [--hf-batch-size 64]
 
 RUNDIR is a calibration run directory (``python -m calibrate ...``): its ``.hydra/config.yaml``
 gives the task, backbone, adapters and the label points T. Each engine runs in its own process
@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options: list[str]):
@@ -195,7 +194,7 @@ def main() -> None:
         return phase(args.phase, args)
     comparable = check_earlier(args.out, args.engines, args.limit)
     for name in args.engines:  # one process each: GPU memory and vLLM's process state stay separate
-        cmd = [sys.executable, __file__, "--phase", name, "--run", str(args.run), "--out", str(args.out),
+        cmd = [sys.executable, "-m", "benchmarks.engines.compare_engines", "--phase", name, "--run", str(args.run), "--out", str(args.out),
                "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit),
                *[f"--vllm-option={o}" for o in args.vllm_option]]
         t = time.time()

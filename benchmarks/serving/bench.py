@@ -1,10 +1,10 @@
-"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
+"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
                                  [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
-(``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
-GPU machine.) It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
+(``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
+It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
 ``--model mistral7b``) with dummy weights and N random rank-8 peft adapters on
 q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
 prompts of 100–300 tokens and 20–100 output tokens (``ignore_eos``, per-request
@@ -70,10 +70,9 @@ from typing import Any
 
 import numpy as np
 
-from serve_bridge.steptrim import skip_fraction
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from serve_bridge.steptrim import skip_fraction
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
 # rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope
@@ -104,7 +103,7 @@ PROMPT_LEN = (100, 300)  # inclusive
 OUTPUT_LEN = (20, 100)  # inclusive
 TARGET_SKIP = 0.5
 HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
-# Decode batches replay CUDA graphs (no torch.compile), as in check_correctness.py; mixed
+# Decode batches replay CUDA graphs (no torch.compile), as in tests/gpu/release_engines.py; mixed
 # prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
@@ -284,7 +283,7 @@ def host_probe_ms(repeats: int = 5) -> float:
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
-    """Served name of adapter a (check_correctness.py's naming)."""
+    """Served name of adapter a (tests/gpu/release_engines.py's naming)."""
     return f"a{a:02d}"
 
 
@@ -531,7 +530,7 @@ def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
 def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
                     arrival: Sequence[float]) -> tuple[float, dict[str, float], list[int]]:
     """Submit request i at ``arrival[i]`` seconds through vLLM V1's ``LLMEngine.add_request`` and drive
-    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs carry the request id
+    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs hold the request id
     given to add_request, ``v1/engine/output_processor.py:371``). Returns the wall time, the latency
     summary (TTFT counted from the scheduled arrival) and each request's token count."""
     n = len(prompts)
@@ -609,9 +608,9 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     if mode == "stockfix":  # in this process, where the in-process engine's worker runs
-        from serve_bridge.vllm import lora_manager as vllm_lora_manager
+        from serve_bridge.vllm import lora_manager
 
-        vllm_lora_manager.install()
+        lora_manager.install()
     t0 = time.time()
     opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
                           max_loras, max_cpu_loras)

@@ -1,4 +1,4 @@
-"""Calibration engine on vLLM 0.26.0, through serve_bridge's calibration mode (DESIGN §3.3, §4).
+"""Calibration engine on vLLM 0.26.0, through serve_bridge's calibration mode (docs/design.md §3.3, §4).
 
 :class:`VLLMEngine` has the interface of :class:`labeling.engines.hf.HFEngine` (``adapters``,
 ``hidden_size``, ``encode``, ``decode``, ``generate`` with the same GenRequest / GenResult), so
@@ -32,7 +32,7 @@ How it maps the hf engine's semantics onto vLLM:
   (:meth:`LocalBackend.run_pipelined`), so the ON pass's tail, when few long responses are
   left, runs next to OFF work instead of alone. Otherwise (``pipeline: false``, data-parallel
   replicas, or a pass with a release policy) they run as a second ``generate`` after it.
-  Prefix caching is off by default (DESIGN §4). With ``prefix_caching: true`` the bridge keys the
+  Prefix caching is off by default (docs/design.md §4). With ``prefix_caching: true`` the bridge keys the
   KV blocks of forced releases by release position (:mod:`serve_bridge.vllm.prefix_cache`): an OFF
   branch then reuses the prompt and ON-prefix blocks its ON request computed with the adapter,
   instead of re-prefilling them, and passes with a release policy are refused.
@@ -303,8 +303,8 @@ class LocalBackend:
         names = self.llm.collective_rpc(_runner_name)
         if any(n != RUNNER for n in names):
             raise RuntimeError(f"vLLM's workers run {names}, not the LoRazor runner: the serve_bridge plugin was not "
-                               f"loaded in every vLLM process. Install the package (pip install -e .) or, on a device "
-                               f"without it, `source scripts/device_plugin_env.sh`.")
+                               f"loaded in every vLLM process. Install the package (pip install -e .) or, on a machine "
+                               f"without it, `source scripts/env.sh`.")
 
     def run(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], desc: str, progress: bool) -> Batch:
         from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures
@@ -333,7 +333,7 @@ class LocalBackend:
         It drives vLLM V1's ``LLMEngine`` as ``LLM.generate`` does (``add_request``, then ``step()``
         while requests are unfinished: ``entrypoints/offline_utils.py:573-630``), asking for final
         outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
-        (``on<k>``, ``off<j>``); outputs carry them (``v1/engine/output_processor.py:371``). On an
+        (``on<k>``, ``off<j>``); outputs hold them (``v1/engine/output_processor.py:371``). On an
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
         from serve_bridge.vllm.rpc import lorazor_calibrate
 

@@ -24,8 +24,9 @@ Semantics of :func:`execution_match` (Q ∈ {0, 1}):
   query failing, unreadable file) scores 0; :func:`execution_match` never raises for a bad
   response.
 
-A missing database file is a configuration problem, not a wrong answer:
-:func:`database_path` raises a TaskError naming the ``db_id``, the path and the fix.
+A missing database file is a configuration problem, not a wrong answer: the Spider task
+resolves the path first (:func:`labeling.tasks.spider.database_path`, a TaskError naming the
+``db_id``, the path and the fix).
 """
 from __future__ import annotations
 
@@ -60,26 +61,6 @@ FENCED_SQL_RE = re.compile(r"```[ \t]*sql[^\n]*\n(.*?)(?:```|$)", re.IGNORECASE 
 FENCED_ANY_RE = re.compile(r"```[^\n]*\n(.*?)(?:```|$)", re.DOTALL)
 BLANK_LINE_RE = re.compile(r"\n[ \t]*\n")
 ORDER_BY_RE = re.compile(r"\border\s+by\b", re.IGNORECASE)
-
-def database_path(db_dir: str | Path | None, db_id: str) -> Path:
-    """``<db_dir>/<db_id>/<db_id>.sqlite``; raise TaskError if ``db_dir`` is unset or the file is missing."""
-    from labeling.tasks.base import TaskError  # here, not on top: labeling.tasks imports this module
-
-    if db_dir is None:
-        raise TaskError(
-            f"task 'spider': no database directory for db_id '{db_id}'. Set task.db_dir (conf/task/spider.yaml, "
-            f"options.db_dir) to the Spider 'database' folder holding <db_id>/<db_id>.sqlite."
-        )
-    if not db_id or "/" in db_id or "\\" in db_id or db_id in (".", ".."):
-        raise TaskError(f"task 'spider': invalid db_id {db_id!r} in the dataset; expected a plain database name.")
-    path = Path(db_dir).expanduser() / db_id / f"{db_id}.sqlite"
-    if not path.is_file():
-        raise TaskError(
-            f"task 'spider': database for db_id '{db_id}' not found at {path}. Set task.db_dir "
-            f"(conf/task/spider.yaml, options.db_dir) to the Spider 'database' folder holding "
-            f"<db_id>/<db_id>.sqlite."
-        )
-    return path
 
 
 def extract_sql(response: str) -> str | None:
@@ -312,8 +293,8 @@ def execution_match(response: str, gold_sql: str, db_path: str | Path, timeout_s
                     max_rows: int = DEFAULT_MAX_ROWS, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """1 iff the response's SQL returns the same rows as ``gold_sql`` on ``db_path``; never raises.
 
-    ``db_path`` must exist (resolve it with :func:`database_path`, which raises the clear
-    error); a path that vanished in between scores 0 like any other execution failure.
+    ``db_path`` must exist (resolve it with :func:`labeling.tasks.spider.database_path`, which raises
+    the clear error); a path that vanished in between scores 0 like any other execution failure.
     """
     pred_sql = extract_sql(response)
     if pred_sql is None:

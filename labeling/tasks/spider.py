@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, database_path, execute_readonly, execution_match
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, execute_readonly, execution_match
 from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
 from labeling.tasks.sources import paper_split
 
@@ -27,6 +27,25 @@ SCHEMA_SQL = (
     "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL "
     "AND name NOT LIKE 'sqlite_%' ORDER BY rowid"
 )
+
+
+def database_path(db_dir: str | Path | None, db_id: str) -> Path:
+    """``<db_dir>/<db_id>/<db_id>.sqlite``; raise TaskError if ``db_dir`` is unset or the file is missing."""
+    if db_dir is None:
+        raise TaskError(
+            f"task 'spider': no database directory for db_id '{db_id}'. Set task.db_dir (conf/task/spider.yaml, "
+            f"options.db_dir) to the Spider 'database' folder holding <db_id>/<db_id>.sqlite."
+        )
+    if not db_id or "/" in db_id or "\\" in db_id or db_id in (".", ".."):
+        raise TaskError(f"task 'spider': invalid db_id {db_id!r} in the dataset; expected a plain database name.")
+    path = Path(db_dir).expanduser() / db_id / f"{db_id}.sqlite"
+    if not path.is_file():
+        raise TaskError(
+            f"task 'spider': database for db_id '{db_id}' not found at {path}. Set task.db_dir "
+            f"(conf/task/spider.yaml, options.db_dir) to the Spider 'database' folder holding "
+            f"<db_id>/<db_id>.sqlite."
+        )
+    return path
 
 
 def read_schema(db_path: Path) -> str:

@@ -1,34 +1,18 @@
 """The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.vllm.plugin:register``).
 
-vLLM calls :func:`register` in every process it starts, before any worker builds its model
-runner (``vllm/plugins/__init__.py:77``, called from ``engine/arg_utils.py:769``,
-``v1/engine/core.py:112`` and ``v1/worker/worker_base.py:247`` in 0.26.0). Two independent
-switches (``serve_bridge.vllm.settings``):
-
-- ``LORAZOR_BUNDLE`` (or the calibration switch, see ``serve_bridge.vllm.settings``): StepTrim.
-  Installs the StepTrim runner; engine settings and the bundle are checked when that runner
-  starts. With a bundle, also the release-aware scheduler (slot hand-back,
-  :mod:`serve_bridge.vllm.scheduler`) unless ``LORAZOR_SLOTS=0``.
-- ``LORAZOR_GRIDTRIM=1``: GridTrim. Makes the CUDA platform name
-  :class:`serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper` as its punica wrapper, so LoRA
-  linears run LoRazor's work-list kernels.
-
-With neither, it does nothing, so installing LoRazor leaves vLLM stock. With either, it refuses
-an unsupported vLLM or runner (and, for GridTrim, a non-CUDA platform) with one clear error, and
-makes vLLM's worker LoRA manager read its adapter registry once per step instead of once per
-adapter (:mod:`serve_bridge.vllm.lora_manager`; same calls, same order). In calibration mode it
-also keys prefix-cache blocks by forced release position (:mod:`serve_bridge.vllm.prefix_cache`), so
-the calibration engine may cache prefixes.
-
-vLLM swallows import errors of plugin modules, so this module imports nothing heavy and
-all checks run inside :func:`register`, whose errors vLLM does not catch.
+vLLM calls :func:`register` in every process it starts. It does nothing unless a LoRazor switch
+is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim, with a bundle also the release-aware
+scheduler unless ``LORAZOR_SLOTS=0``; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
+vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
+the hooks (docs/vllm_integration.md §1). vLLM swallows import errors of plugin modules, so this
+module imports nothing heavy and every check runs inside :func:`register`.
 """
 from __future__ import annotations
 
 from serve_bridge.vllm.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
                                    gridtrim_from_env, require_v1_runner, require_vllm_version)
 
-# vllm_punica.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
+# punica_wrapper.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
 GRIDTRIM_WRAPPER = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
 
 
@@ -49,9 +33,9 @@ def register() -> None:
         require_v1_runner()
     except BridgeError as err:
         raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None
-    from serve_bridge.vllm import lora_manager as vllm_lora_manager
+    from serve_bridge.vllm import lora_manager
 
-    vllm_lora_manager.install()
+    lora_manager.install()
     if gridtrim:
         install_gridtrim()
     if steptrim:
@@ -71,13 +55,8 @@ def register() -> None:
 def install_gridtrim() -> None:
     """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER` (idempotent).
 
-    vLLM 0.26.0 resolves the wrapper by that qualname in ``lora/punica_wrapper/
-    punica_selector.py:13-16``; the CUDA platform's classmethod returns
-    ``vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU`` (``platforms/cuda.py:551-552``).
-    ``vllm.platforms.current_platform`` is resolved lazily (``platforms/__init__.py:261-280``),
-    and already is when general plugins load (``config/compilation.py:22`` imports it at module
-    level, before ``engine/arg_utils.py:767-769`` loads plugins). The method is replaced on the
-    platform's class, so every reference to the platform sees it.
+    The classmethod is replaced on the platform's class, so every reference to the platform sees it
+    (docs/vllm_integration.md §4).
     """
     from vllm.platforms import current_platform
 

@@ -1,34 +1,11 @@
-"""Prefix-cache keys for forced releases: blocks computed after a release are cached apart (DESIGN §4).
+"""Prefix-cache keys for forced releases: blocks computed after a release are cached apart.
 
-vLLM 0.26.0 hashes each full KV block of a request with its tokens, its parent block's hash and
-extra keys (``v1/core/kv_cache_utils.py:691-743``, ``request_block_hasher``; paths inside the
-``vllm`` package). The extra keys hold the LoRA name (``:517-529``, ``generate_block_hash_extra_keys``
-at :558-590). A block computed after its request's release has the adapter's name in its hash,
-though the adapter was not applied to it, and a later request with the same adapter and tokens
-would reuse it. DESIGN §4 allows prefix caching under StepTrim only if released blocks are keyed
-correctly.
-
-That is possible where the scheduler knows the release position when it hashes: a *forced*
-release, carried in ``SamplingParams.extra_args`` (:func:`serve_bridge.runtime.request_args`;
-the engine core keeps the params on its ``Request``, ``v1/request.py:84``). The calibration
-engine's OFF branches are such requests: prompt + ON prefix, forced release at position r. With
-:func:`install`, a block whose token range reaches position r or beyond gets the extra key
-``("lorazor-released", r)``:
-
-- Blocks wholly before r hash as they would without release, so an OFF branch reuses the blocks
-  its ON request computed with the adapter.
-- Blocks from the one holding r on hash apart, per r. The chain of parent hashes then separates
-  every later block too.
-
-Releases that the runtime decides while decoding (profiled k, learned heads) are unknown to the
-scheduler. Prefix caching therefore stays refused in serving, and in calibration passes that
-carry a release policy (:class:`serve_bridge.calibration.CalibrationRuntime`).
-
-:func:`install` wraps the module function in place (the hasher looks it up by name on every
-block), and the copy ``v1/core/block_pool.py`` imported by name (:21; it rebuilds the keys for KV
-cache events, :326, :407, :524). vLLM's engine core calls the plugin's ``register`` in its own
-process (``v1/engine/core.py:110-112``) before it builds the hasher (:220), so the wrapper is in
-place where blocks are hashed.
+vLLM keys a KV block by its tokens, its parent's hash and extra keys holding the LoRA name; a block
+computed after its request's release would be reused as if computed with the adapter. For a
+request with a forced release at position r (``SamplingParams.extra_args``), :func:`install` adds
+``(RELEASED_KEY, r)`` to the extra keys of every block that reaches r, so blocks before r are shared
+with the adapter's other requests and blocks from r on hash apart. Releases decided while decoding
+are unknown to the scheduler: prefix caching stays refused for them (docs/vllm_integration.md §7).
 """
 from __future__ import annotations
 

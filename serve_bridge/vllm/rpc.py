@@ -1,7 +1,4 @@
-"""Counter read-outs for ``LLM.collective_rpc`` (one result per worker).
-
-vLLM runs a callable passed to ``collective_rpc`` as ``callable(worker, *args)``
-(``v1/serial_utils.py:486-510`` in 0.26.0)::
+"""Read-outs and calibration control over ``LLM.collective_rpc`` (one result per worker)::
 
     from serve_bridge.vllm.rpc import lorazor_counters, lorazor_requests
     counters = llm.collective_rpc(lorazor_counters)[0]
@@ -15,17 +12,15 @@ Calibration mode (``LORAZOR_CALIBRATION=1``, :mod:`serve_bridge.calibration`)::
     llm.generate(...)  # requests tagged with extra_args={"lorazor": {"uid": ...}}
     records = llm.collective_rpc(lorazor_captures)[0]  # uid -> release, scores, hidden
 
-Arguments and results are plain data, so they pass vLLM's process boundaries. A callable
-itself crosses them by cloudpickle (tensor-parallel workers: ``v1/executor/
-multiproc_executor.py:373-377``); with the engine core in its own process (vLLM's default
-``VLLM_ENABLE_V1_MULTIPROCESSING=1``) vLLM only sends callables with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (``v1/serial_utils.py:221-231``), so the calibration
-engine runs the engine core in-process.
+Arguments and results are plain data, so they cross vLLM's process boundaries; vLLM sends the
+callables themselves only in-process or with insecure serialization allowed
+(docs/vllm_integration.md §8).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from serve_bridge.calibration import CalibrationRuntime
 from serve_bridge.runtime import ReleaseRuntime
 from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV
 
@@ -62,9 +57,7 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     return records
 
 
-def _calibration(worker: Any):
-    from serve_bridge.calibration import CalibrationRuntime
-
+def _calibration(worker: Any) -> CalibrationRuntime:
     runtime = _runtime(worker)
     if not isinstance(runtime, CalibrationRuntime):
         raise RuntimeError(f"this vLLM worker runs LoRazor in serving mode; calibration needs {CALIBRATION_ENV}=1 "
@@ -89,11 +82,9 @@ class LoRazorWorkerExtension:
     """The read-outs as worker methods, for callers that can only name a method.
 
     Pass ``worker_extension_cls="serve_bridge.vllm.rpc.LoRazorWorkerExtension"`` (``vllm serve
-    --worker-extension-cls ...``); vLLM 0.26.0 adds the class to the worker's bases
-    (``v1/worker/worker_base.py:261-285``), so ``llm.collective_rpc("lorazor_counters")`` works,
-    and so does the OpenAI server's ``POST /collective_rpc`` with ``{"method": "lorazor_counters"}``
-    when ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/serve/dev/rpc/api_router.py:23-53``; it passes
-    arguments as strings and returns dicts and lists as JSON).
+    --worker-extension-cls ...``): then ``llm.collective_rpc("lorazor_counters")`` works, and so does
+    the OpenAI server's ``POST /collective_rpc`` with ``{"method": "lorazor_counters"}`` when
+    ``VLLM_SERVER_DEV_MODE=1`` (arguments arrive as strings).
     """
 
     def lorazor_counters(self) -> dict[str, Any]:

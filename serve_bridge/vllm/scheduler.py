@@ -1,7 +1,7 @@
 """Release-aware adapter slots in vLLM 0.26.0's scheduler (``LORAZOR_SLOTS``, on with a bundle).
 
 A request holds a slot of ``max_loras`` while a forward still needs its adapter: with release
-position p (DESIGN §2: the adapter runs at positions < p; :class:`serve_bridge.runtime.
+position p (docs/design.md §2: the adapter runs at positions < p; :class:`serve_bridge.runtime.
 RequestState`), a step that starts at ``num_computed_tokens`` c needs it iff c < p. So from the
 forward after its release point on, a request stops counting, and waiting requests of other
 adapters are admitted into the freed slot at the next ``schedule()``. A preempted request
@@ -14,32 +14,11 @@ a forced release (``extra_args``) → its position; learned → p = P + r once t
 after forward r arrives with that step's output (:data:`RELEASES_ATTR`, set by
 ``serve_bridge.vllm.model_runner``). An adapter without a usable policy always holds its slot.
 
-vLLM 0.26.0 hooks (paths inside the ``vllm`` package):
-
-- ``v1/core/sched/scheduler.py:656-663``: ``schedule()`` counts the adapters of the scheduled
-  running requests in ``scheduled_loras`` (``lora_int_id > 0`` of ``req.lora_request``), and
-  admits a waiting request only if its adapter is among them or fewer than ``max_loras`` are
-  (:695-706, adding it at :1023-1024). :meth:`ReleaseScheduler.schedule` hides the
-  ``lora_request`` of running requests that hold no slot for the duration of ``schedule()``
-  and restores it after (also on a request preempted meanwhile, which then counts again from
-  the waiting queue). Nothing else in ``schedule()`` reads a running request's ``lora_request``:
-  new and resumed requests' data come from the waiting queue (``v1/core/sched/output.py:63``),
-  and the block-pool reads (``v1/core/block_pool.py:366,533``) are prefix-caching events, which
-  the bridge refuses.
-- ``:1589`` ``update_from_output``: learned releases are read from the step's
-  ``ModelRunnerOutput`` before vLLM's bookkeeping. With the ``mp`` executor only the driver
-  rank's output comes back (``v1/executor/multiproc_executor.py:310-320``), pickled with its
-  instance attributes (``distributed/device_communicators/shm_broadcast.py:743,790``); every
-  TP rank decides alike (``serve_bridge.vllm.model_runner``). ``uni`` passes the object itself.
-- ``:2120`` ``add_request`` and ``:2207`` ``_free_request``: per-request state in and out.
-- Installation: ``SchedulerConfig.get_scheduler_cls`` (``config/scheduler.py:180-201``) imports
-  ``vllm.v1.core.sched.scheduler.Scheduler`` at call time when ``scheduler_cls`` is unset and
-  scheduling is synchronous; the engine core calls it (``v1/engine/core.py:140``) after loading
-  the general plugins (:112), in its own process under ``vllm serve`` and ``LLM``'s default
-  multiprocess engine core. :func:`install` (called by the plugin) replaces that module attribute;
-  ``scheduler_cls="serve_bridge.vllm.scheduler.ReleaseScheduler"`` (``--scheduler-cls``) names it
-  explicitly. Any other scheduler class, or another executor, is refused at start-up
-  (:func:`serve_bridge.vllm.settings.require_slot_engine`).
+:class:`ReleaseScheduler` hides, for the duration of ``schedule()``, the ``lora_request`` of running
+requests that hold no slot, reads learned releases from each step's output in
+``update_from_output``, and keeps per-request state from ``add_request`` to ``_free_request``;
+:func:`install` makes it vLLM's default scheduler class. Which vLLM 0.26.0 code this relies on:
+docs/vllm_integration.md §11.
 """
 from __future__ import annotations
 
@@ -115,9 +94,9 @@ def slot_tracker(vllm_config: Any, settings: BridgeSettings | None = None) -> Sl
         return None
     require_slot_engine(vllm_config)
     # The workers hash LORAZOR_ADAPTERS' weights at start-up and refuse a mismatch (before the
-    # engine core builds its scheduler, v1/engine/core.py:125 vs :153); no second read here.
-    bundle, verified = load_served_bundle(settings, vllm_config.model_config.get_hidden_size(),
-                                          hash_weights=False)
+    # engine core builds its scheduler); no second read here.
+    bundle, verified = load_served_bundle(settings.bundle, vllm_config.model_config.get_hidden_size(),
+                                          settings.adapters, hash_weights=False)
     logger.info("LoRazor slot hand-back active: released requests stop counting against max_loras=%d.",
                 vllm_config.lora_config.max_loras)
     return SlotTracker(bundle, verified)
@@ -175,7 +154,7 @@ def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int
     distinct adapters among them at all), for any vLLM 0.26 scheduler, right after its
     ``schedule()``: with a :class:`ReleaseScheduler`, released requests hold no slot; otherwise
     every adapter request holds one (vLLM's accounting). ``schedule()`` has already advanced
-    ``num_computed_tokens`` by the scheduled tokens (``v1/core/sched/scheduler.py:1236``)."""
+    ``num_computed_tokens`` by the scheduled tokens."""
     tracker = getattr(scheduler, "lorazor_slots", None)
     held, present = set(), set()
     for req_id, n in scheduler_output.num_scheduled_tokens.items():

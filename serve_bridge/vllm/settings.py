@@ -1,34 +1,15 @@
-"""How the vLLM bridge is switched on, and the engine settings it refuses (DESIGN §4).
+"""How the vLLM bridge is switched on, and the engine settings it refuses (docs/design.md §4).
 
-The bridge is active iff, when vLLM loads its general plugins, the environment variable
-``LORAZOR_BUNDLE`` names a policy bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on
-(calibration). Environment variables reach every vLLM process (front end, engine core,
-workers), so all of them agree on whether it is active.
-
-- ``LORAZOR_BUNDLE``: the bundle directory (activates serving).
-- ``LORAZOR_CALIBRATION``: ``1``/``on`` activates the bridge without a bundle, for
-  ``labeling.engines.vllm`` (which sets it itself): the runner starts with no policies, and
-  the calibration engine sets the release policy, a scorer and a capture set before each
-  ``generate`` over ``LLM.collective_rpc`` (:mod:`serve_bridge.vllm.rpc`). Requests tagged with a
-  uid (``SamplingParams.extra_args``, see :mod:`serve_bridge.runtime`) then have their
-  release, s_t and h_t recorded. Unset, ``0`` or ``off``: off. It excludes ``LORAZOR_BUNDLE``.
-- ``LORAZOR_ADAPTERS``: optional ``name=path,name=path`` list of the adapters this server
-  serves, with the same names as its LoRA requests. When given, start-up fails on a bundle
-  adapter that is not served and on an adapter whose weights differ from the calibrated ones.
-- ``LORAZOR_LOG_INTERVAL_S``: seconds between counter summaries in the log (default 60,
-  0 disables them).
-- ``LORAZOR_SLOTS``: slot hand-back (:mod:`serve_bridge.vllm.scheduler`): a released request
-  stops counting against ``max_loras``. On by default with a bundle; ``0``/``off`` keeps vLLM's
-  slot accounting (release then only trims LoRA work). Refused in calibration mode.
-
-GridTrim is switched on separately, and independently of the bundle:
-
-- ``LORAZOR_GRIDTRIM``: ``1``/``on`` serves LoRA linears with LoRazor's work-list kernels
-  (:mod:`serve_bridge.vllm.punica_wrapper`), on CUDA only; unset, empty, ``0`` or ``off`` keeps
-  vLLM's kernels. Any other value is refused (:func:`gridtrim_from_env`).
-
-Everything here is pure Python and reads engine settings by attribute only, so it is
-tested on CPU without vLLM.
+The bridge is active iff, when vLLM loads its general plugins, ``LORAZOR_BUNDLE`` names a policy
+bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
+``labeling.engines.vllm``: no bundle, policies set over ``collective_rpc``). ``LORAZOR_ADAPTERS``
+(``name=path,...``) optionally declares the served adapters, checked against the bundle at start-up;
+``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
+``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
+``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_GRIDTRIM``
+switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
+agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
+so this is tested on CPU without vLLM.
 """
 from __future__ import annotations
 
@@ -165,15 +146,15 @@ def require_v1_runner(environ: Mapping[str, str] | None = None) -> None:
                           f"(found {V2_RUNNER_ENV}={env.get(V2_RUNNER_ENV, '<unset>')!r}), or unset {BUNDLE_ENV}.")
 
 
-def require_supported_engine(vllm_config: Any, calibration: bool = False) -> None:
+def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False) -> None:
     """Refuse engine settings under which release would be wrong or unobserved.
 
     - LoRA must be enabled (there is nothing to release otherwise).
     - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
-      release would be reused as if computed with the adapter. In calibration mode
-      (``calibration``) it may be on once :mod:`serve_bridge.vllm.prefix_cache` keys the blocks of
-      forced releases (the plugin installs it there); passes with a release policy are then
-      refused by :class:`serve_bridge.calibration.CalibrationRuntime`.
+      release would be reused as if computed with the adapter. It may be on when
+      ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
+      installed, whose passes with a release policy
+      :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
     - Async scheduling off: a decision must reach the next step's LoRA mapping.
     - No speculative decoding and no pipeline parallelism: one sampled position per
       request per step, and final hidden states on this rank.
@@ -181,7 +162,7 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
     fixes = []
     if vllm_config.lora_config is None:
         fixes.append("enable LoRA (enable_lora=True / --enable-lora)")
-    if vllm_config.cache_config.enable_prefix_caching and not (calibration and _released_blocks_keyed()):
+    if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
         fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
                      "blocks decoded after release would be cached under the adapter's name")
     if vllm_config.scheduler_config.async_scheduling:
@@ -201,7 +182,7 @@ def require_slot_engine(vllm_config: Any) -> None:
 
     - The scheduler must be LoRazor's (``scheduler_cls`` unset, which the plugin resolves to it,
       or :data:`SCHEDULER_QUALNAME`): another one would keep counting released requests.
-    - The executor must be ``uni`` or ``mp``: the step output that carries learned releases
+    - The executor must be ``uni`` or ``mp``: the step output with learned releases
       then reaches the scheduler as the driver worker's object, or pickled with its attributes.
     """
     fixes = []
@@ -218,8 +199,3 @@ def require_slot_engine(vllm_config: Any) -> None:
         raise BridgeError(f"LoRazor slot hand-back ({SLOTS_ENV} is on by default with {BUNDLE_ENV}) cannot run "
                           f"with these engine settings: " + "; ".join(fixes) + f"; or set {SLOTS_ENV}=0.")
 
-
-def _released_blocks_keyed() -> bool:
-    from serve_bridge.vllm import prefix_cache
-
-    return prefix_cache.installed()

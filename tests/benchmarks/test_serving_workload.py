@@ -13,7 +13,7 @@ from benchmarks.serving import bench
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
 from benchmarks.serving.synthetic import lora_targets
-from tests.serve_bridge.test_slot_scheduler import sched  # noqa: F401 - fixture: the scheduler over a vLLM stand-in
+from tests.serve_bridge.vllm.test_scheduler import sched  # noqa: F401 - fixture: the scheduler over a vLLM stand-in
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +141,10 @@ def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
 
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
-    """The adapters come from check_correctness.py's writer; the bundle's fingerprints match them."""
+    """The adapters come from the GPU tests' writer; the bundle's fingerprints match them."""
     tiny = {**bench.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
-    fps = bench.write_model_and_adapters(tmp_path, 40, tiny)  # more than check_correctness's own 32
+    fps = bench.write_model_and_adapters(tmp_path, 40, tiny)  # more than the GPU tests' own 32
     assert json.loads((tmp_path / "model" / "config.json").read_text()) == tiny
     assert fps == {bench.adapter_name(a): adapter_fingerprint(tmp_path / "adapters" / bench.adapter_name(a))
                    for a in range(40)}

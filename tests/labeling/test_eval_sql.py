@@ -13,13 +13,13 @@ from labeling.evaluators.sql import (
     ResultTooLarge,
     SandboxError,
     SqlSandbox,
-    database_path,
     execute_readonly,
     execution_match,
     extract_sql,
 )
 from labeling.evaluators.sql_worker import connect_readonly
 from labeling.tasks.base import TaskError
+from labeling.tasks.spider import database_path
 
 ROWS = [(1, "Ann", 34, "France"), (2, "Ben", 28, "Spain"), (3, "Cara", 41, "France"), (4, "Dan", 22, "Peru")]
 GOLD = "SELECT name FROM singer WHERE age > 30"

@@ -1,5 +1,5 @@
 """The slot capacity model (serve_bridge/capacity.py) against a brute-force run of the real
-ReleaseScheduler over the stand-in of vLLM's scheduler (tests/serve_bridge/test_slot_scheduler.py),
+ReleaseScheduler over the stand-in of vLLM's scheduler (tests/serve_bridge/vllm/test_scheduler.py),
 and its command."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from serve_bridge import capacity
 from serve_bridge.bundle import AdapterEntry, write_bundle
-from tests.serve_bridge.test_slot_scheduler import FakeRequest, FakeScheduler, sched, vllm_config  # noqa: F401
+from tests.serve_bridge.vllm.test_scheduler import FakeRequest, FakeScheduler, sched, vllm_config  # noqa: F401
 
 H = 8
 

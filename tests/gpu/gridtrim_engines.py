@@ -1,54 +1,34 @@
-"""GridTrim inside vLLM 0.26.0 gives stock vLLM's outputs (issue 7, item 3). Needs a GPU and vLLM.
+"""Engines of the GridTrim-in-vLLM test (``test_gridtrim_in_vllm.py``) and its pass rule.
 
-    python benchmarks/serve_bridge/check_gridtrim.py --out DIR [--requests 128]
-                                                    [--tensor-parallel-size 2 [--fully-sharded-loras]]
+The model, the 32 random rank-8 adapters and the request set are ``release_engines.prepare``'s.
+Every 5th request runs without an adapter, so batches mix adapter rows and rows mapped to -1. Two
+engines run, each in its own process (``python -m tests.gpu.gridtrim_engines --phase ...``), on
+the same requests (greedy, ``ignore_eos``, ``logprobs=5``):
 
-(run it after ``source scripts/device_plugin_env.sh``, which registers the plugin's entry point.)
-The model, the 32 random rank-8 adapters and the request set are check_correctness.py's (its
-``prepare``: a SmolLM2-135M-shaped Llama with dummy weights, prompts of 8–1000 tokens so long
-ones are chunked, 4–64 output tokens). Every 5th request runs without an adapter, so batches mix
-adapter rows and rows mapped to -1. Two engines run, each in its own process, on the same requests
-(greedy, ``ignore_eos``, ``logprobs=5``):
-
-- ``stock``: no ``LORAZOR_*`` variable: vLLM's runner and ``PunicaWrapperGPU``, with
-  check_correctness.py's engine options (decode CUDA graphs, ``specialize_active_lora``). It also
-  runs every request without an adapter, to size the adapters' effect.
+- ``stock``: no ``LORAZOR_*`` variable: vLLM's runner and ``PunicaWrapperGPU``, decode CUDA graphs,
+  ``specialize_active_lora``. It also runs every request without an adapter, to size the
+  adapters' effect.
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1``: ``GridTrimPunicaWrapper`` (LoRA linears on the work-list
-  kernels), the same options but ``specialize_active_lora=False`` (one LoRA graph per batch size).
+  kernels), the same options but ``specialize_active_lora=False``.
 
-With ``--tensor-parallel-size N`` both engines run on N GPUs (check_correctness.py's
-``model_for(N)`` and work directory); with ``--fully-sharded-loras`` also with vLLM's
-``fully_sharded_loras``, whose layers call the wrapper's ``add_shrink`` and ``add_expand`` around a
-collective (serve_bridge/gridtrim.py). Every rank's runner and punica wrapper are checked.
-
-Both pin vLLM's shrink to split_k=1 (check_correctness.py's ``VLLM_TUNED_CONFIG_FOLDER``), so the
-stock side is deterministic. Dummy weights give near-flat logits and near-ties, and the two sides
-use different kernels (different summation order), so identical tokens are reported, not asserted.
-Asserted: each engine uses the expected punica wrapper, and the first generated token's logprob
-(of the token stock chose) differs by less than ``--tol`` (0.05) between the engines. Where that
-token is not in gridtrim's top 5 (near-ties on flat logits reorder the top 5 at 1e-6), gridtrim's
-logprob of it is below its 5th-best one, so the difference is at least stock's logprob minus that
-5th-best one: that lower bound must be below ``--tol`` too, which a real error of ``--tol`` or more
+Both pin vLLM's shrink to split_k=1, so the stock side is deterministic. Dummy weights give
+near-flat logits and near-ties, and the two sides sum in different orders, so identical tokens
+are reported, not asserted. :func:`report` passes iff each engine (every rank) uses the expected
+punica wrapper and the first generated token's logprob (of the token stock chose) differs by less
+than ``tol`` between the engines. Where that token is not in gridtrim's top 5, gridtrim's logprob
+of it is below its 5th-best one, so the difference is at least stock's logprob minus that
+5th-best one: that lower bound must be below ``tol`` too, which a real error of ``tol`` or more
 cannot pass.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-
-import check_correctness as cc  # noqa: E402  (the model, adapters and requests of the token-exactness check)
-
-from benchmarks.serving.bench import check_engine_classes, engine_classes  # noqa: E402
+from benchmarks.serving.bench import check_engine_classes, engine_classes
+from tests.gpu import release_engines
 
 BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
 TOP_LOGPROBS = 5
@@ -65,7 +45,7 @@ def serve(mode: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_
 
     requests = json.loads((work / "requests.json").read_text())[:n_requests]
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **{**cc.engine_options(tp, fully_sharded),
+    llm = LLM(model=str(work / "model"), **{**release_engines.engine_options(tp, fully_sharded),
                                             "specialize_active_lora": mode == "stock"})
     per_rank = llm.collective_rpc(engine_classes)
     for classes in per_rank:  # every rank, not only rank 0
@@ -76,8 +56,8 @@ def serve(mode: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_
     prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
 
     def run(with_adapters: bool) -> list[dict]:
-        loras = [LoRARequest(cc.adapter_name(r["adapter"]), r["adapter"] + 1,
-                             str(work / "adapters" / cc.adapter_name(r["adapter"])))
+        loras = [LoRARequest(release_engines.adapter_name(r["adapter"]), r["adapter"] + 1,
+                             str(work / "adapters" / release_engines.adapter_name(r["adapter"])))
                  if with_adapters and uses_adapter(i) else None for i, r in enumerate(requests)]
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         return [{"tokens": list(o.outputs[0].token_ids),
@@ -173,43 +153,16 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="one engine of the GridTrim test, in this process")
+    ap.add_argument("--phase", choices=MODES, required=True)
+    ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None, help="default: /tmp/lorazor_check_gridtrim[_h512]")
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--tol", type=float, default=0.05, help="largest allowed first-token |Δ logprob|")
-    cc.add_parallel_arguments(ap)
-    ap.add_argument("--phase", choices=["all", *MODES], default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, required=True)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--fully-sharded-loras", action="store_true")
     args = ap.parse_args()
-    tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
-    model = cc.model_for(tp)
-    args.work = args.work or cc.default_work(tp, "lorazor_check_gridtrim")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase != "all":
-        return serve(args.phase, args.work, args.out, args.requests, tp, fs)
-
-    start = time.time()
-    cc.prepare(args.work, args.requests, model)
-    print(f"prepared {args.work} in {time.time() - start:.0f} s", flush=True)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
-    base_env |= {"VLLM_TUNED_CONFIG_FOLDER": str(args.work / "lora_configs"), "VLLM_USE_V2_MODEL_RUNNER": "0"}
-    for mode in MODES:
-        env = base_env | ({"LORAZOR_GRIDTRIM": "1"} if mode == "gridtrim" else {})
-        t = time.time()
-        with open(args.out / f"{mode}.log", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--phase", mode, "--out", str(args.out), "--work",
-                                 str(args.work), "--requests", str(args.requests), "--tensor-parallel-size", str(tp)]
-                                + (["--fully-sharded-loras"] if fs else []), env=env, stdout=log,
-                                stderr=subprocess.STDOUT).returncode
-        print(f"{mode}: rc={rc} in {time.time() - t:.0f} s", flush=True)
-        if rc != 0:
-            print((args.out / f"{mode}.log").read_text()[-6000:], flush=True)
-            sys.exit(1)
-    text, ok = report(args.out, args.requests, args.tol)
-    print(text, flush=True)
-    (args.out / "table.md").write_text(text + "\n")
-    print(f"total {time.time() - start:.0f} s", flush=True)
-    sys.exit(0 if ok else 2)
+    serve(args.phase, args.work, args.out, args.requests, args.tensor_parallel_size, args.fully_sharded_loras)
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def serve(module, tmp_path, paths, specs, *, env, max_loras=2, budget=64, kv_tok
             mp.setenv(k, v)
         cls = scheduler_cls or module.ReleaseScheduler
         s = cls(vllm_config(max_loras), budget=budget, kv_tokens=kv_tokens)
-        rt = build_runtime(BridgeSettings(bundle=bundle), H, "cpu")
+        rt = build_runtime(bundle, H, "cpu")
     rt.report_releases = True
     for rid, adapter, prompt, max_tokens in specs:
         path = str(paths[adapter]) if adapter else None
@@ -372,10 +372,10 @@ def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, ser
 
     bundle = _bundle(tmp_path, served)
     adapters = {n: str(served[n]) for n in ("prof0", "learn", "off")} | {"tampered": str(served["prof2"])}
-    settings = BridgeSettings(bundle=bundle, adapters=adapters | {"prof2": str(served["tampered"])})
+    served_adapters = adapters | {"prof2": str(served["tampered"])}
     with pytest.raises(BundleError, match="weights of adapter 'prof2' differ"):
-        load_served_bundle(settings, H)  # the worker: refuses the engine at start-up
-    _, verified = load_served_bundle(settings, H, hash_weights=False)  # the scheduler: no second read
+        load_served_bundle(bundle, H, served_adapters)  # the worker: refuses the engine at start-up
+    _, verified = load_served_bundle(bundle, H, served_adapters, hash_weights=False)  # the scheduler: no second read
     assert verified["prof2"] == str(served["tampered"])
     monkeypatch.setenv("LORAZOR_BUNDLE", str(bundle))
     served_ok = adapters | {"prof2": str(served["prof2"])}

@@ -1,25 +1,23 @@
-"""GPU correctness sweep of the launch designs (work list, GridTrim, fused) vs the torch reference.
+"""The LoRA launch designs (work list, GridTrim, fused) against the torch reference, on the GPU.
 
 Covers adapters 1…128, groups of 1…2048 rows, released (-1) rows, ranks 8/16/64, 1–3 slices,
 bf16 and fp16, on the layer shapes of Llama-3.2-3B, Mistral-7B-v0.3 and SmolLM2-135M, each
-design with its default knobs (the fused launch: `FusedConfig()`). Each case checks the LoRA
+design with its default knobs (the fused launch: ``FusedConfig()``). Each case checks the LoRA
 update's relative error (< 1e-2), that rows without an adapter are left bit-for-bit untouched,
 and (add_inputs=False, output poisoned with NaN) that every element the reference writes is
-written.
-
-    python3 benchmarks/kernels/check_lora_ops.py [--models llama-3.2-3b ...]
-        [--designs worklist gridtrim fused]
+written. About a minute on one H200, most of it Triton compiles.
 """
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-import traceback
+from collections.abc import Iterator
 
+import pytest
 import torch
-from lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
 
+if not torch.cuda.is_available():  # before Triton loads: the CPU tests set up its interpreter first
+    pytest.skip("needs an NVIDIA GPU (CUDA)", allow_module_level=True)
+
+from benchmarks.kernels.lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
 from kernels.gridtrim import plan_gridtrim
 from kernels.layout import partials_buffer
 from kernels.linear import add_lora_linear
@@ -32,7 +30,8 @@ MAX_LORAS = 128
 MAX_TOKENS = 2048
 TOLERANCE = 1e-2
 DESIGNS = ("worklist", "gridtrim", "fused")
-HEADERS = {"worklist": "worklist", "gridtrim": "GridTrim", "fused": "fused"}
+
+pytestmark = pytest.mark.gpu
 
 
 def batches(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -103,40 +102,25 @@ def check(model: str, op: LoRAOp, rank: int, dtype: torch.dtype, add_inputs: boo
     return errors
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
-    args = parser.parse_args()
-    designs = [d for d in DESIGNS if d in args.designs]
-    gen = torch.Generator().manual_seed(0)
-    dev_gen = torch.Generator(device=DEVICE).manual_seed(0)
-    mappings = batches(gen)
+@pytest.fixture(scope="module")
+def inputs() -> Iterator[tuple[dict[str, torch.Tensor], RowTileWorklist, torch.Generator]]:
+    """The batches (fixed seed), one work list reused by every case, and the device generator."""
+    mappings = batches(torch.Generator().manual_seed(0))
     worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    failures = total = 0
-    start = time.time()
-    print("| model | op | rank | dtype | add | batch | "
-          + " | ".join(f"err {HEADERS[d]}" for d in designs) + " | ok |")
-    print("|---|---|---|---|---|---|" + "---|" * (len(designs) + 1))
+    yield mappings, worklist, torch.Generator(device=DEVICE).manual_seed(0)
+    del worklist
+    torch.cuda.empty_cache()  # the vLLM tests' engines run in other processes on the same GPU
+
+
+CASES = [pytest.param(model, op, rank, dtype, add_inputs, name,
+                      id=f"{model}-{op.name}-r{rank}-{str(dtype)[6:]}-{'add' if add_inputs else 'set'}-{name}")
+         for model, op, rank, dtype, add_inputs, names in cases(list(MODELS)) for name in names]
+
+
+@pytest.mark.parametrize("model, op, rank, dtype, add_inputs, batch", CASES)
+def test_designs_match_the_reference(inputs, model, op, rank, dtype, add_inputs, batch):
+    mappings, worklist, gen = inputs
     with torch.inference_mode():
-        for model, op, rank, dtype, add_inputs, names in cases(args.models):
-            for name in names:
-                try:
-                    errors = check(model, op, rank, dtype, add_inputs, mappings[name], worklist,
-                                   dev_gen, designs)
-                except Exception:  # noqa: BLE001 - counted as a failure, traceback printed
-                    traceback.print_exc()
-                    errors = {d: float("nan") for d in designs}
-                ok = all(e < TOLERANCE for e in errors.values())  # NaN compares False
-                failures += not ok
-                total += 1
-                print(f"| {model} | {op.name} | {rank} | {str(dtype)[6:]} | {add_inputs} | "
-                      f"{name} | " + " | ".join(f"{errors[d]:.1e}" for d in designs)
-                      + f" | {'ok' if ok else 'FAIL'} |", flush=True)
-    print(f"{total - failures} passed, {failures} failed ({time.time() - start:.0f} s, "
-          f"{' '.join(args.models)})")
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        errors = check(model, op, rank, dtype, add_inputs, mappings[batch], worklist, gen, list(DESIGNS))
+    bad = {d: e for d, e in errors.items() if not e < TOLERANCE}  # NaN: an untouched/written check failed
+    assert not bad, f"relative update error ≥ {TOLERANCE} or wrong elements touched (NaN): {bad}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import tomllib
 from pathlib import Path
@@ -9,11 +10,11 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm import lora_manager as vllm_lora_manager, plugin
+from serve_bridge.vllm import lora_manager, plugin
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
                                    require_supported_engine, require_v1_runner, require_vllm_version)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_inactive_without_bundle():
@@ -92,6 +93,18 @@ def test_entry_point_names_register():
     assert getattr(importlib.import_module(module), attr) is plugin.register
 
 
+def test_a_checkout_dist_info_provides_the_entry_point(tmp_path):
+    """What scripts/env.sh and tests/gpu/conftest.py put on PYTHONPATH where LoRazor is not installed."""
+    from importlib.metadata import distributions
+
+    spec = importlib.util.spec_from_file_location("plugin_dist_info", ROOT / "scripts" / "plugin_dist_info.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [ep for dist in distributions(path=[str(module.write_dist_info(tmp_path))])
+             for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
+    assert [(ep.name, ep.value) for ep in found] == [("lorazor", "serve_bridge.vllm.plugin:register")]
+
+
 @pytest.mark.parametrize("gridtrim", [None, "", "0", "off", " OFF "])
 def test_register_is_a_no_op_without_bundle_or_gridtrim(monkeypatch, gridtrim):
     monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
@@ -158,7 +171,7 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch):
     plugin.register()
     assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     manager = sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager
-    assert manager._apply_adapters is vllm_lora_manager.apply_adapters
+    assert manager._apply_adapters is lora_manager.apply_adapters
     plugin.register()  # idempotent
     assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from serve_bridge.runtime import build_runtime, lora_group_count
-from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeSettings
+from serve_bridge.vllm.settings import RELEASES_ATTR
 from tests.serve_bridge.test_runtime import H, _bundle, served  # noqa: F401 - served is a fixture
 
 
@@ -57,7 +57,7 @@ def hooks(monkeypatch):
 
 def test_set_active_loras_masks_released_positions_and_hands_over_ints(hooks, tmp_path, served):  # noqa: F811
     module, mapping_type = hooks
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     # a: adapter id 3, forced release at position 6; b: no adapter; c: adapter id 5, not released
     rt.add("a", "prof2", str(served["prof2"]), 4, {"lorazor": {"release_position": 6}})
     rt.add("b", None, None, 3)
@@ -86,7 +86,7 @@ def test_set_active_loras_masks_released_positions_and_hands_over_ints(hooks, tm
 
 def test_released_adapters_are_not_made_resident_and_releases_ride_on_the_output(hooks, tmp_path, served):  # noqa: F811
     module, mapping_type = hooks
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 4)  # profiled k = 0: released after its prefill
     rt.add("c", "off", str(served["off"]), 4)
     rt.report_releases = True

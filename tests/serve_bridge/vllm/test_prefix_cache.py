@@ -97,13 +97,13 @@ def _config(prefix: bool):
                            parallel_config=SimpleNamespace(pipeline_parallel_size=1))
 
 
-def test_prefix_caching_is_allowed_only_in_calibration_with_keyed_blocks(vllm_core):
-    with pytest.raises(BridgeError, match="disable prefix caching"):
-        require_supported_engine(_config(True), calibration=True)  # not installed yet
-    prefix_cache.install()
-    require_supported_engine(_config(True), calibration=True)
+def test_prefix_caching_is_allowed_only_with_keyed_blocks(vllm_core):
+    assert not prefix_cache.installed()
     with pytest.raises(BridgeError, match="disable prefix caching"):
         require_supported_engine(_config(True))  # serving: runtime releases are unknown to the scheduler
+    prefix_cache.install()
+    assert prefix_cache.installed()
+    require_supported_engine(_config(True), released_blocks_keyed=True)
     require_supported_engine(_config(False))
 
 

@@ -1,25 +1,13 @@
-"""benchmarks/serve_bridge/check_gridtrim.py's pass rule, on hand-made engine outputs (no GPU)."""
+"""The GridTrim GPU test's pass rule (``tests/gpu/gridtrim_engines.report``), on hand-made engine
+outputs (no GPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _check_module():
-    sys.path.insert(0, str(ROOT / "benchmarks/serve_bridge"))  # it imports check_correctness beside it
-    spec = importlib.util.spec_from_file_location("check_gridtrim", ROOT / "benchmarks/serve_bridge/check_gridtrim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check = _check_module()
+from tests.gpu import gridtrim_engines as check
 
 
 def _response(first: int, top5: dict[int, float]) -> dict:

@@ -15,10 +15,11 @@ and an instruction to end with ``Answer: <letter>`` (our wording). Output limit 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
+from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
 from labeling.tasks.sources import paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
@@ -29,13 +30,20 @@ def is_text_only(row: dict[str, Any]) -> bool:
     return not row.get("image")
 
 
-class ScienceQATask(BaseTask):
-    name = "scienceqa"
+@dataclass
+class ScienceQAOptions:
+    """source: hub id or a local directory; val_size rows of train become the seeded validation split."""
 
-    def __init__(self, source: str = "derek-thomas/ScienceQA", max_new_tokens: int = 320,
-                 val_size: int = 500, seed: int = 1234, sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.val_size, self.seed = source, int(val_size), int(seed)
+    source: str = "derek-thomas/ScienceQA"
+    max_new_tokens: int = 320
+    val_size: int = 500
+    seed: int = 1234
+
+
+@dataclass
+class ScienceQATask(BaseTask, ScienceQAOptions):
+    name = "scienceqa"
+    Options = ScienceQAOptions
 
     def _example(self, split: str, i: int, row: dict[str, Any]) -> Example:
         choices, answer = row.get("choices"), row.get("answer")

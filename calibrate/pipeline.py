@@ -8,15 +8,19 @@ stages, so an interrupted run resumes and a finished one is a no-op.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from calibrate.context import Context
 from calibrate.errors import ConfigError
+from calibrate.preview import PreviewDone, Workload, estimate, format_preview
 from calibrate.rundir import fingerprint
-from labeling.labels import build_requests, format_summary, run_labeling, summarize
+from labeling.engines.vllm.options import VLLMOptions
+from labeling.labels import LabelingPlan, build_requests, format_summary, run_labeling, summarize
 from labeling.tasks import SPLITS
 from labeling.trees import run_trees
 from predictors.candidates import Candidates, build_candidates
@@ -47,12 +51,42 @@ def stage_data(ctx: Context) -> dict:
     return counts
 
 
+def engine_label(ctx: Context) -> str:
+    """The run's engine in a few words (``hf (cpu)``, ``vllm (2 replicas × tensor_parallel_size 4)``)."""
+    e = ctx.engine_options
+    if isinstance(e, VLLMOptions):
+        return f"vllm ({e.data_parallel_size} replica(s) × tensor_parallel_size {e.tensor_parallel_size})"
+    return f"hf ({e.device})"
+
+
+def preview(ctx: Context, plan: LabelingPlan) -> float:
+    """Print the cost preview (calibrate/preview.py) and return its labeling estimate (seconds);
+    stop the run after it with ``preview=true``."""
+    work = Workload({split: len(ctx.task.load_split(split)) for split in SPLITS}, len(ctx.adapter_names),
+                    len(ctx.section("labeling")["points"]))
+    _say(format_preview(plan, work, engine_label(ctx)))
+    if ctx.cfg.preview:
+        raise PreviewDone
+    return estimate(plan, work)["labels"]["seconds"]
+
+
 def stage_labels(ctx: Context) -> dict:
-    """ON/OFF labels on the train split (resumable shards)."""
+    """ON/OFF labels on the train split (resumable shards); the cost preview after the first."""
     lab = ctx.section("labeling")
+    seen: dict[str, Any] = {}
+
+    def after_first(plan: LabelingPlan) -> None:
+        seen["plan"] = plan
+        seen["estimate_s"] = preview(ctx, plan)
+
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
                                  lab["points"], ctx.run.root / "labels", ctx.shard_requests,
-                                 shard_key=stage_fingerprints(ctx)["labels"])
+                                 shard_key=stage_fingerprints(ctx)["labels"], after_first=after_first,
+                                 progress=ctx.engine_options.progress)
+    if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
+        m = seen["plan"].measured()
+        _say(f"labels: {m.requests} requests, {m.tokens} generated tokens in {m.seconds:.1f} s of generation "
+             f"({m.tokens / max(m.seconds, 1e-9):.0f} tokens/s); the preview estimated {seen['estimate_s']:.1f} s")
     points.to_parquet(ctx.run.path("labels", "points.parquet"), index=False)
     np.save(ctx.run.path("labels", "features.npy"), feats)
     plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))
@@ -260,12 +294,14 @@ def stage_fingerprints(ctx: Context) -> dict[str, str]:
 def run_pipeline(ctx: Context) -> dict[str, dict]:
     """Run the configured stages in order, skipping those already done; return their summaries."""
     wanted = list(ctx.cfg.stages)
-    if ctx.cfg.get("agreement", False) and "agreement" not in wanted:
+    if ctx.cfg.agreement and "agreement" not in wanted:
         wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
     fps = stage_fingerprints(ctx)
+    if ctx.engine_choice is not None:
+        _say(ctx.engine_choice.reason)
     summaries = {}
     for name, (fn, _, _) in STAGES.items():
         if name not in wanted:
@@ -273,10 +309,20 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
         if ctx.run.done(name, fps[name]):
             _say(f"[{name}] cached")
             summaries[name] = ctx.run.summary(name)
-            continue
-        _say(f"[{name}] running")
-        summaries[name] = fn(ctx)
-        ctx.run.mark_done(name, fps[name], summaries[name])
+        else:
+            _say(f"[{name}] running")
+            start = time.perf_counter()
+            try:
+                summaries[name] = fn(ctx)
+            except PreviewDone:
+                _say("preview=true: stopped after the preview; the measured shard is kept, so the same command "
+                     "without preview=true goes on from there.")
+                return summaries
+            ctx.run.mark_done(name, fps[name], summaries[name])
+            _say(f"[{name}] done in {time.perf_counter() - start:.1f} s")
+        if name == "labels" and ctx.cfg.preview:
+            _say("preview=true: labeling is already done, nothing left to preview.")
+            return summaries
     return summaries
 
 

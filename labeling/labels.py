@@ -7,19 +7,24 @@ The feature is h_t, the final-norm hidden state of forward t. A t the response d
 continue past (t ≥ L−1) has OFF = ON, is never risky, and is not a decision point, so it
 is not labeled.
 
-Work is split into shards of requests; each shard is written atomically with a marker, so
-an interrupted run resumes at the first unfinished shard and yields identical labels
-(greedy decoding, fixed shard composition).
+Work is split into shards of requests; each shard is written atomically with a marker holding
+what it generated and in how long (:class:`ShardStats`), so an interrupted run resumes at the
+first unfinished shard, yields identical labels (greedy decoding, fixed shard composition), and
+its progress and cost estimates count the shards done before.
 """
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from labeling.tasks import Example, Task
 
@@ -58,14 +63,69 @@ def label_results(engine: HFEngine, task: Task, pairs: Sequence[tuple[Example, G
     return df, h
 
 
+@dataclass(frozen=True)
+class ShardStats:
+    """What one labeling shard generated, and in how long (recorded in its ``.done`` marker).
+
+    on_tokens: ON response tokens; off_branches / off_tokens: OFF continuations and the tokens
+    they generated (after the shared prefix); seconds: the engine's ``generate`` wall time.
+    """
+
+    requests: int
+    points: int
+    on_tokens: int
+    off_branches: int
+    off_tokens: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return self.on_tokens + self.off_tokens
+
+    @classmethod
+    def measure(cls, results: Sequence[GenResult], points: int, seconds: float) -> ShardStats:
+        from labeling.engines.hf import generated_tokens
+
+        on = sum(len(r.tokens) for r in results)
+        return cls(requests=len(results), points=points, on_tokens=on, off_branches=sum(len(r.branches) for r in results),
+                   off_tokens=sum(generated_tokens(r) for r in results) - on, seconds=seconds)
+
+
+@dataclass
+class LabelingPlan:
+    """The shards of a labeling run: ``requests`` in shards of ``shard_requests``, and the stats
+    of those already done (in this run or a resumed one)."""
+
+    requests: int
+    shard_requests: int
+    done: dict[int, ShardStats]
+
+    @property
+    def shards(self) -> int:
+        return (self.requests + self.shard_requests - 1) // self.shard_requests
+
+    def measured(self) -> ShardStats | None:
+        """All done shards' stats summed (None before the first)."""
+        if not self.done:
+            return None
+        rows = list(self.done.values())
+        return ShardStats(*(sum(getattr(r, f) for r in rows) for f in ShardStats.__dataclass_fields__))
+
+
+# after_first(plan): called once, as soon as at least one shard is done and before the next starts
+# (or after the only one); it may raise to stop labeling there (the done shards are kept).
+AfterFirst = Callable[[LabelingPlan], None]
+
+
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
-                 points: Sequence[int], out_dir: Path, shard_requests: int,
-                 shard_key: str = "") -> tuple[pd.DataFrame, np.ndarray]:
+                 points: Sequence[int], out_dir: Path, shard_requests: int, shard_key: str = "",
+                 after_first: AfterFirst | None = None, progress: bool = False) -> tuple[pd.DataFrame, np.ndarray]:
     """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
 
     Finished shards are reused only by a run with the same ``shard_key`` (the caller's config
     fingerprint) and the same ``shard_requests``, which fix each shard's composition; any other
-    run starts the shards afresh."""
+    run starts the shards afresh. ``progress``: a bar over all requests (shards done before a
+    resume count as done) with requests/s, generated tokens/s and an ETA."""
     t_set = frozenset(int(t) for t in points)
     pairs = build_requests(engine, task, examples, range(len(adapter_names)))
     shard_dir = out_dir / "shards"
@@ -75,23 +135,43 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
         shutil.rmtree(shard_dir)
     shard_dir.mkdir(parents=True, exist_ok=True)
     stamp.write_text(layout)
-    n_shards = (len(pairs) + shard_requests - 1) // shard_requests
-    frames, feats = [], []
-    for i in range(n_shards):
+    plan = LabelingPlan(len(pairs), shard_requests, {})
+    for i in range(plan.shards):
         done = shard_dir / f"{i:05d}.done"
+        record = json.loads(done.read_text()) if done.is_file() else None
+        if isinstance(record, dict):  # an older marker without stats: the shard runs again
+            plan.done[i] = ShardStats(**record)
+    bar = tqdm(total=len(pairs), initial=sum(s.requests for s in plan.done.values()), desc="labels", unit="req",
+               disable=not progress, dynamic_ncols=True)
+    tokens, seconds, told = 0, 0.0, False
+    frames, feats = [], []
+    for i in range(plan.shards):
         pq, npy = shard_dir / f"{i:05d}.parquet", shard_dir / f"{i:05d}.npy"
-        if not done.is_file():
+        if i not in plan.done:
+            if plan.done and after_first is not None and not told:
+                told = True
+                after_first(plan)
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
+            start = time.perf_counter()
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
-                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{n_shards}")
+                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{plan.shards}")
+            stats = ShardStats.measure(results, 0, time.perf_counter() - start)
             df, h = label_results(engine, task, chunk, results, adapter_names)
+            stats = replace(stats, points=len(df))
             df.to_parquet(pq.with_suffix(".parquet.tmp"), index=False)
             np.save(npy.with_suffix(".tmp.npy"), h)
             pq.with_suffix(".parquet.tmp").replace(pq)
             npy.with_suffix(".tmp.npy").replace(npy)
-            done.write_text(str(len(df)))
+            (shard_dir / f"{i:05d}.done").write_text(json.dumps(asdict(stats)))
+            plan.done[i] = stats
+            tokens, seconds = tokens + stats.tokens, seconds + stats.seconds
+            bar.set_postfix_str(f"{tokens / max(seconds, 1e-9):.0f} tokens/s", refresh=False)
+            bar.update(stats.requests)
         frames.append(pd.read_parquet(pq))
         feats.append(np.load(npy))
+    bar.close()
+    if after_first is not None and not told and tokens:  # the only shard ran in this call
+        after_first(plan)
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=POINT_COLUMNS)
     return df, np.concatenate(feats) if feats else np.zeros((0, engine.hidden_size), np.float32)
 

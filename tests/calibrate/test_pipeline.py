@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.pipeline import format_final, run_pipeline, stage_fingerprints
-from calibrate.resolvers import register
+from calibrate.config import register
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError
 from labeling.tasks import TaskError
@@ -75,7 +75,7 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     def fps(*overrides: str) -> dict[str, str]:
         return stage_fingerprints(Context(compose_cfg([*TINY, *overrides]), RunDir(tmp_path)))
 
-    hf, hf_batch, vllm = fps(), fps("engine.batch_size=4"), fps("engine=vllm")
+    hf, hf_batch, vllm = fps(), fps("engine=hf", "engine.batch_size=4"), fps("engine=vllm")
     assert hf == hf_batch
     assert all(vllm[s] != hf[s] for s in ("labels", "heads", "sweep", "export", "test", "agreement"))
     assert vllm["data"] == hf["data"]
@@ -126,7 +126,7 @@ def test_shard_requests_auto_follows_the_engine(tmp_path: Path) -> None:
     def shard(*overrides: str) -> int:
         return Context(compose_cfg(list(overrides)), RunDir(tmp_path)).shard_requests
 
-    assert shard() == 32 and shard("engine.batch_size=4") == 8
+    assert shard() == 32 and shard("engine=hf", "engine.batch_size=4") == 8
     assert shard("engine=vllm") == 1024 and shard("engine=vllm", "engine.data_parallel_size=2") == 2048
     assert shard("engine=vllm", "engine.max_num_seqs=256") == 256
     assert shard("labeling.shard_requests=5") == 5

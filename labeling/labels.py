@@ -141,8 +141,11 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
         record = json.loads(done.read_text()) if done.is_file() else None
         if isinstance(record, dict):  # an older marker without stats: the shard runs again
             plan.done[i] = ShardStats(**record)
-    bar = tqdm(total=len(pairs), initial=sum(s.requests for s in plan.done.values()), desc="labels", unit="req",
-               disable=not progress, dynamic_ncols=True)
+    def new_bar() -> tqdm:
+        return tqdm(total=len(pairs), initial=sum(s.requests for s in plan.done.values()), desc="labels", unit="req",
+                    disable=not progress, dynamic_ncols=True)
+
+    bar = new_bar()
     tokens, seconds, told = 0, 0.0, False
     frames, feats = [], []
     for i in range(plan.shards):
@@ -150,7 +153,9 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
         if i not in plan.done:
             if plan.done and after_first is not None and not told:
                 told = True
+                bar.close()  # the preview prints between two bars, not across one
                 after_first(plan)
+                bar = new_bar()
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
             start = time.perf_counter()
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from labeling.evaluators.numeric import numeric_match
 from labeling.tasks.base import BaseTask, Example, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Solve step by step, then give the final answer as '#### <number>'."
 CALC_RE = re.compile(r"<<[^>]*>>")
@@ -23,14 +23,12 @@ def clean_solution(answer: str) -> str:
 
 
 @dataclass
-class GSM8KOptions:
-    """source: hub id or a local directory with train.jsonl / test.jsonl; val_size rows of train
-    become the seeded validation split; extractor: a :data:`labeling.evaluators.numeric.Mode`."""
+class GSM8KOptions(PaperSplitOptions):
+    """source: hub id or a local directory with train.jsonl / test.jsonl; extractor: a
+    :data:`labeling.evaluators.numeric.Mode`; the split options of :class:`PaperSplitOptions`."""
 
     source: str = "openai/gsm8k"
     max_new_tokens: int = 256
-    val_size: int = 500
-    seed: int = 1234
     extractor: str = "strict_then_flexible"
 
 

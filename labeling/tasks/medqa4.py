@@ -17,7 +17,7 @@ from typing import Any
 
 from labeling.evaluators.letters import MEDQA_LETTERS, format_choices, letter_match
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -36,13 +36,11 @@ def parse_options(task: str, row: dict[str, Any], letters: str) -> dict[str, str
 
 
 @dataclass
-class MedQA4Options:
-    """source: hub id or a local directory; val_size rows of train become the seeded validation split."""
+class MedQA4Options(PaperSplitOptions):
+    """source: hub id or a local directory (and the split options of :class:`PaperSplitOptions`)."""
 
     source: str = "GBaker/MedQA-USMLE-4-options"
     max_new_tokens: int = 128
-    val_size: int = 500
-    seed: int = 1234
 
 
 @dataclass

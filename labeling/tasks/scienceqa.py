@@ -20,7 +20,7 @@ from typing import Any
 
 from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_match
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -31,13 +31,11 @@ def is_text_only(row: dict[str, Any]) -> bool:
 
 
 @dataclass
-class ScienceQAOptions:
-    """source: hub id or a local directory; val_size rows of train become the seeded validation split."""
+class ScienceQAOptions(PaperSplitOptions):
+    """source: hub id or a local directory (and the split options of :class:`PaperSplitOptions`)."""
 
     source: str = "derek-thomas/ScienceQA"
     max_new_tokens: int = 320
-    val_size: int = 500
-    seed: int = 1234
 
 
 @dataclass

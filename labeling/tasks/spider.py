@@ -19,7 +19,7 @@ from pathlib import Path
 
 from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 SCHEMA_SQL = (
@@ -38,7 +38,7 @@ def read_schema(db_path: Path) -> str:
 
 
 @dataclass
-class SpiderOptions:
+class SpiderOptions(PaperSplitOptions):
     """db_dir: the Spider release's ``database`` folder; test_split: the source split used as
     test; timeout_s: execution timeout per query."""
 
@@ -47,8 +47,6 @@ class SpiderOptions:
     db_dir: str | None = None
     test_split: str = "validation"
     max_new_tokens: int = 256
-    val_size: int = 500
-    seed: int = 1234
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 

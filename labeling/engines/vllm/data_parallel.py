@@ -81,7 +81,11 @@ class DataParallelBackend:
             ",".join(visible[rank * devices_per_replica:(rank + 1) * devices_per_replica]), factory,
             tuple(factory_args))) for rank in range(n)]
         atexit.register(self.close)
-        self.max_model_len = min(self._results([pool.submit(_max_model_len) for pool in self.pools]))
+        try:
+            self.max_model_len = min(self._results([pool.submit(_max_model_len) for pool in self.pools]))
+        except BaseException:
+            self.close()  # the replicas that did start
+            raise
 
     def _results(self, futures: Sequence[Future]) -> list[Any]:
         """Every future's result, in order; a replica that died or raised names itself."""

@@ -103,10 +103,10 @@ for phase in "${phases[@]}"; do
       # Training shares the GPU with the vLLM phases that follow: cap their memory.
       export CAL_GPU_UTIL=0.5 ;;
     demo-hf)
-      # The agreement engine is conf/engine/vllm.yaml's defaults (0.85 of the GPU), so it waits
+      # The agreement engine is VLLMOptions' defaults (0.85 of the GPU), so it waits
       # for training.
       [ -n "$train_pid" ] && wait "$train_pid"
-      calibrate demo_hf hydra.run.dir=runs/arith-smollm2-arith-demo agreement=true ;;
+      calibrate demo_hf hydra.run.dir=runs/arith-smollm2-arith-demo engine=hf agreement=true ;;
     demo-vllm)
       calibrate demo_vllm hydra.run.dir="$W/run_demo_vllm" engine=vllm \
           engine.gpu_memory_utilization="${CAL_GPU_UTIL:-0.85}" agreement=true ;;

@@ -4,7 +4,7 @@
 #     scripts/device_serve_bridge.sh): 320 requests over 32 adapters, stock vLLM vs the plugin;
 #     policy off must be token-identical to stock, profiled/learned release token-exact up to the
 #     release step, and both ranks must agree on every release (check (e)).
-# (b) bench: serve_bridge.bench --model mistral7b --adapters 128 --tensor-parallel-size 2 --modes
+# (b) bench: benchmarks.serving.bench --model mistral7b --adapters 128 --tensor-parallel-size 2 --modes
 #     stock gridtrim steptrim both (through scripts/device_serve_bench.sh), with the time left.
 # Optional steps (TP2_STEPS, in order; default "check bench"):
 #   sharded   (a) with --fully-sharded-loras (vLLM's add_shrink → all-gather/all-reduce → add_expand)

@@ -1,7 +1,7 @@
 """GridTrim behind vLLM's punica contract: our work-list kernels for LoRA linears (DESIGN §4, §6).
 
 Pure torch; importable without vLLM and without Triton (the ``kernels`` Triton modules are
-imported on first launch). :mod:`serve_bridge.vllm_punica` is the thin vLLM side that calls it.
+imported on first launch). :mod:`serve_bridge.vllm.punica_wrapper` is the thin vLLM side that calls it.
 
 Per engine step (eager, outside any CUDA graph), the :class:`~kernels.worklist.RowTileWorklist`
 is rebuilt for the step's metadata (``LoRAKernelMeta``, ``lora/ops/triton_ops/

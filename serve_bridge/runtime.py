@@ -1,6 +1,6 @@
 """Per-request StepTrim release inside a serving engine, without the engine (DESIGN §2, §4).
 
-The engine glue (:mod:`serve_bridge.vllm_hooks`) feeds this module plain arrays; all
+The engine glue (:mod:`serve_bridge.vllm.model_runner`) feeds this module plain arrays; all
 release logic lives here and is tested on CPU. Release decisions themselves come only
 from :class:`serve_bridge.steptrim.StepTrim`.
 
@@ -45,7 +45,7 @@ import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
 from serve_bridge.decision import DecisionLauncher
-from serve_bridge.settings import BridgeSettings
+from serve_bridge.vllm.settings import BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.

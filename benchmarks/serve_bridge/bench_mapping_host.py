@@ -5,7 +5,7 @@
 Each step is one mixed batch of ``--rows`` requests and ``--tokens`` scheduled tokens (decode
 rows of one token, then prefill chunks that fill the budget) over 128 adapters, half of the
 requests force-released, through the real :meth:`~serve_bridge.runtime.ReleaseRuntime.begin_step`.
-Two versions of what ``serve_bridge.vllm_hooks.LoRazorGPUModelRunner.set_active_loras`` does
+Two versions of what ``serve_bridge.vllm.model_runner.LoRazorGPUModelRunner.set_active_loras`` does
 around it:
 
 - ``tuples``: the mapping as vLLM 0.26's ``InputBatch.make_lora_inputs`` returns it, tuples of

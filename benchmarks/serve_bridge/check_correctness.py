@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve_bridge.bundle import AdapterEntry, write_bundle  # noqa: E402
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards  # noqa: E402
-from serve_bridge.synthetic import write_model_config, write_random_adapters  # noqa: E402
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters  # noqa: E402
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -202,7 +202,7 @@ def serve(mode: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = F
             result[fam], _ = _generate(llm, requests, work, fam, 0)
             result[f"{fam}_s"] = time.time() - t
     else:
-        from serve_bridge.rpc import lorazor_counters, lorazor_requests
+        from serve_bridge.vllm.rpc import lorazor_counters, lorazor_requests
 
         for i, fam in enumerate(FAMILIES):
             t = time.time()

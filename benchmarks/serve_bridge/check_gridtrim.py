@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 
 import check_correctness as cc  # noqa: E402  (the model, adapters and requests of the token-exactness check)
 
-from serve_bridge.bench import check_engine_classes, engine_classes  # noqa: E402
+from benchmarks.serving.bench import check_engine_classes, engine_classes  # noqa: E402
 
 BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
 TOP_LOGPROBS = 5

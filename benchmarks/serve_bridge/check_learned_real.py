@@ -15,7 +15,7 @@ same dtype (bf16) on the same GPU:
   the bundle, hence full LoRA). Release points come from the runtime's request records.
 - ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1`` (our kernels behind the punica wrapper).
 - ``server``: the gridtrim engine's configuration behind ``vllm serve`` (the OpenAI server, with
-  ``--worker-extension-cls serve_bridge.rpc.LoRazorWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``):
+  ``--worker-extension-cls serve_bridge.vllm.rpc.LoRazorWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``):
   each request is one ``POST /v1/completions`` with the prompt's token ids, greedy, the same stop
   ids and ``return_token_ids``, named by an ``X-Request-Id`` header; release points and counters
   come from ``POST /collective_rpc`` (``lorazor_requests``, ``lorazor_counters``).
@@ -119,7 +119,7 @@ def run_vllm(mode: str, gguf_dir: str, work: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from serve_bridge.rpc import lorazor_requests
+    from serve_bridge.vllm.rpc import lorazor_requests
 
     hf = json.loads((work / "hf.json").read_text())
     llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
@@ -164,7 +164,7 @@ def run_server(gguf_dir: str, work: Path, log: Path) -> None:
            "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
            "--no-async-scheduling", "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
            "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
-           "--worker-extension-cls", "serve_bridge.rpc.LoRazorWorkerExtension"]
+           "--worker-extension-cls", "serve_bridge.vllm.rpc.LoRazorWorkerExtension"]
     env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
     def post(path: str, body: dict, headers: dict | None = None) -> dict:

@@ -1,6 +1,6 @@
 """A CPU stand-in for ``vllm.LLM`` that runs the real LoRazor calibration runtime.
 
-It does what the bridge's runner (``serve_bridge.vllm_hooks``) does inside vLLM 0.26, on the
+It does what the bridge's runner (``serve_bridge.vllm.model_runner``) does inside vLLM 0.26, on the
 hf engine's peft model: requests are added to a :class:`CalibrationRuntime` with their
 ``SamplingParams.extra_args``; each step schedules chunked prefills under a token budget and
 one-token decodes (and, optionally, a preemption recompute), hands the LoRA mapping to

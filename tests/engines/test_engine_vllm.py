@@ -271,7 +271,7 @@ def test_data_parallel_replicas_split_and_merge() -> None:
 
 
 def test_a_prefix_caching_engine_refuses_release_policy_passes(engine, fake_llm, requests_small, heads) -> None:
-    """With engine.prefix_caching the scheduler keys only forced releases (serve_bridge.prefix_cache):
+    """With engine.prefix_caching the scheduler keys only forced releases (serve_bridge.vllm.prefix_cache):
     a pass whose policy releases while decoding is refused before it starts; full-LoRA passes run."""
     backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest)
     cached = VLLMEngine(backend, engine.tokenizer, engine.adapters, engine.eos_ids, engine.hidden_size,

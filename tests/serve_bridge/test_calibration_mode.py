@@ -12,9 +12,9 @@ import torch
 
 from serve_bridge.calibration import (CalibrationRuntime, calibration_config, policy_from_data, policy_to_data,
                                       steptrim_from_data, steptrim_to_data)
-from serve_bridge.rpc import lorazor_calibrate, lorazor_captures, lorazor_counters
+from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures, lorazor_counters
 from serve_bridge.runtime import NEVER, ReleaseRuntime, RequestState, build_runtime, request_args
-from serve_bridge.settings import BridgeError, BridgeSettings
+from serve_bridge.vllm.settings import BridgeError, BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
 from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
@@ -189,7 +189,7 @@ def test_plugin_activates_on_calibration(monkeypatch):
     import sys
     from types import ModuleType
 
-    from serve_bridge import plugin
+    from serve_bridge.vllm import plugin
 
     fake = ModuleType("vllm")
     fake.__version__ = "0.27.0"

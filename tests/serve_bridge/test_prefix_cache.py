@@ -1,4 +1,4 @@
-"""serve_bridge.prefix_cache: KV-block hash keys for forced releases, over stand-ins for vLLM
+"""serve_bridge.vllm.prefix_cache: KV-block hash keys for forced releases, over stand-ins for vLLM
 0.26.0's ``v1/core/kv_cache_utils.py`` (its extra keys and chained block hashing restated) and
 ``v1/core/block_pool.py``; the settings gate and the calibration runtime's refusal."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge import prefix_cache
+from serve_bridge.vllm import prefix_cache
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
-from serve_bridge.settings import BridgeError, require_supported_engine
+from serve_bridge.vllm.settings import BridgeError, require_supported_engine
 from serve_bridge.steptrim import ProfiledPolicy, StepTrim
 
 BLOCK = 4
@@ -120,7 +120,7 @@ def test_calibration_runtime_refuses_a_release_policy_when_prefixes_are_cached()
 def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch):
     kv, _ = vllm_core
     sys.modules["vllm"].__version__ = "0.26.0"
-    monkeypatch.setitem(sys.modules, "serve_bridge.vllm_hooks", SimpleNamespace(install=lambda: None))
+    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", SimpleNamespace(install=lambda: None))
     worker_manager = ModuleType("vllm.lora.worker_manager")
     worker_manager.LRUCacheWorkerLoRAManager = type("LRUCacheWorkerLoRAManager", (), {})
     monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
@@ -129,5 +129,5 @@ def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LORAZOR_CALIBRATION", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    importlib.import_module("serve_bridge.plugin").register()
+    importlib.import_module("serve_bridge.vllm.plugin").register()
     assert prefix_cache.installed()

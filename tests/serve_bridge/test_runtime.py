@@ -12,9 +12,9 @@ import torch
 from safetensors.numpy import save_file
 
 from serve_bridge.bundle import HEADS_FILE, AdapterEntry, BundleError, adapter_fingerprint, write_bundle
-from serve_bridge.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
+from serve_bridge.vllm.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
 from serve_bridge.runtime import build_runtime
-from serve_bridge.settings import BridgeSettings
+from serve_bridge.vllm.settings import BridgeSettings
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
 from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 

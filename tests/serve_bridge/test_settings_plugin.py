@@ -9,8 +9,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge import plugin, vllm_lora_manager
-from serve_bridge.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
+from serve_bridge.vllm import lora_manager as vllm_lora_manager, plugin
+from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
                                    require_supported_engine, require_v1_runner, require_vllm_version)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def _fake_vllm(monkeypatch, platform_cls):
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.worker_manager", worker_manager)
-    monkeypatch.setitem(sys.modules, "serve_bridge.vllm_hooks", None)  # the StepTrim runner must not load
+    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", None)  # the StepTrim runner must not load
     monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
     monkeypatch.setenv("LORAZOR_GRIDTRIM", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")

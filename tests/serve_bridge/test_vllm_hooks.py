@@ -1,4 +1,4 @@
-"""The StepTrim runner's ``set_active_loras`` (serve_bridge/vllm_hooks.py) against stand-ins for
+"""The StepTrim runner's ``set_active_loras`` (serve_bridge/vllm/model_runner.py) against stand-ins for
 the two vLLM 0.26 modules it imports: the masked mapping it hands to ``_set_active_loras`` equals
 ``InputBatch.make_lora_inputs``'s (``v1/worker/gpu_input_batch.py:979-1002``) with released
 positions mapped to no adapter, as Python ints."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from serve_bridge.runtime import build_runtime, lora_group_count
-from serve_bridge.settings import BridgeSettings
+from serve_bridge.vllm.settings import BridgeSettings
 from tests.serve_bridge.test_runtime import H, _bundle, served  # noqa: F401 - served is a fixture
 
 
@@ -26,7 +26,7 @@ def make_lora_inputs(batch, num_scheduled, num_sampled):
 
 @pytest.fixture
 def hooks(monkeypatch):
-    """serve_bridge.vllm_hooks imported over stand-ins of vllm.v1.worker.gpu_model_runner (a base
+    """serve_bridge.vllm.model_runner imported over stand-ins of vllm.v1.worker.gpu_model_runner (a base
     runner that records _set_active_loras) and vllm.lora.layers (LoRAMappingType)."""
     class GPUModelRunner:
         def _set_active_loras(self, prompt_mapping, token_mapping, lora_requests, mapping_type):
@@ -45,9 +45,9 @@ def hooks(monkeypatch):
     modules["vllm.v1.worker"].gpu_model_runner = modules["vllm.v1.worker.gpu_model_runner"]
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_hooks", raising=False)
-    module = importlib.import_module("serve_bridge.vllm_hooks")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_hooks")  # the next import sees real vLLM again
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.model_runner", raising=False)
+    module = importlib.import_module("serve_bridge.vllm.model_runner")
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.model_runner")  # the next import sees real vLLM again
     return module, mapping_type
 
 

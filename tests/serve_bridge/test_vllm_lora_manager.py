@@ -1,4 +1,4 @@
-"""serve_bridge.vllm_lora_manager.apply_adapters against vLLM 0.26.0's
+"""serve_bridge.vllm.lora_manager.apply_adapters against vLLM 0.26.0's
 ``LRUCacheWorkerLoRAManager._apply_adapters`` / ``add_adapter`` (``lora/worker_manager.py:270-320``),
 restated over a recording adapter manager: the same calls in the same order, with one registry read
 per step instead of one per adapter."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm_lora_manager import apply_adapters
+from serve_bridge.vllm.lora_manager import apply_adapters
 
 
 class AdapterManager:

@@ -33,7 +33,7 @@ How it maps the hf engine's semantics onto vLLM:
   left, runs next to OFF work instead of alone. Otherwise (``pipeline: false``, data-parallel
   replicas, or a pass with a release policy) they run as a second ``generate`` after it.
   Prefix caching is off by default (DESIGN §4). With ``prefix_caching: true`` the bridge keys the
-  KV blocks of forced releases by release position (:mod:`serve_bridge.prefix_cache`): an OFF
+  KV blocks of forced releases by release position (:mod:`serve_bridge.vllm.prefix_cache`): an OFF
   branch then reuses the prompt and ON-prefix blocks its ON request computed with the adapter,
   instead of re-prefilling them, and passes with a release policy are refused.
 

@@ -58,7 +58,7 @@ class LocalBackend:
                                f"without it, `source scripts/device_plugin_env.sh`.")
 
     def run(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], desc: str, progress: bool) -> Batch:
-        from serve_bridge.rpc import lorazor_calibrate, lorazor_captures
+        from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures
 
         if not reqs:
             return Batch([])
@@ -86,7 +86,7 @@ class LocalBackend:
         outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
         (``on<k>``, ``off<j>``); outputs carry them (``v1/engine/output_processor.py:371``). On an
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
-        from serve_bridge.rpc import lorazor_calibrate
+        from serve_bridge.vllm.rpc import lorazor_calibrate
 
         if config.get("policy") is not None:
             raise ValueError("run_pipelined: the calibration config holds a release policy, which would also act on "
@@ -148,7 +148,7 @@ class _PipelinedRun:
     def drive(self) -> None:
         """Step until no request is unfinished; after each step, read the records of the ON
         requests that finished in it and add their follow-ups."""
-        from serve_bridge.rpc import lorazor_captures
+        from serve_bridge.vllm.rpc import lorazor_captures
 
         while self.engine.has_unfinished_requests():
             finished = []
@@ -187,10 +187,10 @@ def build_local_backend(llm_args: Mapping[str, Any], adapters: Sequence[AdapterS
     prepare_environment()
     import vllm
 
-    from serve_bridge.settings import require_vllm_version
+    from serve_bridge.vllm.settings import require_vllm_version
 
     require_vllm_version(vllm.__version__)
-    from serve_bridge.vllm_hooks import install
+    from serve_bridge.vllm.model_runner import install
 
     # vLLM builds the runner from this module attribute (v1/worker/gpu_worker.py:412-416): patching
     # it here covers an engine in this process; worker processes (tensor parallel) rely on the

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from labeling.adapters import AdapterSpec
-from serve_bridge.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
+from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 
@@ -21,7 +21,7 @@ class VLLMOptions:
     The engine runs serve_bridge's calibration runtime inside vLLM (it sets
     LORAZOR_CALIBRATION=1 and VLLM_USE_V2_MODEL_RUNNER=0 itself, and runs vLLM's engine core
     in-process), so release, s_t and h_t come from the same StepTrim code as serving. Fixed, not
-    options: LoRA on and async scheduling off (``serve_bridge.settings.require_supported_engine``).
+    options: LoRA on and async scheduling off (``serve_bridge.vllm.settings.require_supported_engine``).
     """
 
     name: str = "vllm"
@@ -62,7 +62,7 @@ class VLLMOptions:
     # Data-parallel replicas always run the two generates.
     pipeline: bool = True
     # true: vLLM caches prefix KV blocks, keyed by forced release position
-    # (serve_bridge.prefix_cache), so each OFF branch reuses the prompt and ON-prefix blocks of its
+    # (serve_bridge.vllm.prefix_cache), so each OFF branch reuses the prompt and ON-prefix blocks of its
     # ON request instead of re-prefilling them. Passes with a release policy (test and agreement
     # stages) are then refused: run those with false. Off by default: a whole pipeline with true
     # stops at its test stage, and the gain is not clear (on the H200, 1.30x and 1.55x faster on
@@ -87,7 +87,7 @@ def lora_rank(adapters: list[AdapterSpec]) -> int:
 def llm_kwargs(model_dir: str, adapters: list[AdapterSpec], options: VLLMOptions) -> dict[str, Any]:
     """``vllm.LLM`` arguments from the options.
 
-    Fixed by the bridge (``serve_bridge.settings.require_supported_engine``): LoRA on, async
+    Fixed by the bridge (``serve_bridge.vllm.settings.require_supported_engine``): LoRA on, async
     scheduling off. Prefix caching follows ``prefix_caching``. ``max_lora_rank: auto`` → the
     adapters' largest rank, rounded up to a rank vLLM supports. ``max_cudagraph_capture_size``
     goes into ``compilation_config``. ``data_parallel_size`` is not an ``LLM`` argument (vLLM 0.26
@@ -130,7 +130,7 @@ def stop_ids_for(model_dir: str, tokenizer: Any, spec: Any) -> set[int]:
 def prepare_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
     """The variables every vLLM process must see before ``LLM`` starts: the calibration runtime
     (no bundle), the V1 runner, and the engine core in this process (so ``collective_rpc``
-    callables need no insecure serialization, see :mod:`serve_bridge.rpc`)."""
+    callables need no insecure serialization, see :mod:`serve_bridge.vllm.rpc`)."""
     environ.pop(BUNDLE_ENV, None)
     environ[CALIBRATION_ENV] = "1"
     environ[V2_RUNNER_ENV] = "0"

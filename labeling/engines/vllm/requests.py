@@ -11,7 +11,7 @@ import torch
 from labeling.engines.hf import GenRequest, GenResult
 from labeling.forks import ForkFn, forks_at
 from serve_bridge.runtime import REQUEST_ARGS_KEY
-from serve_bridge.settings import CALIBRATION_ENV, V2_RUNNER_ENV
+from serve_bridge.vllm.settings import CALIBRATION_ENV, V2_RUNNER_ENV
 from serve_bridge.steptrim import NO_SLOT
 
 

@@ -1,22 +1,22 @@
-"""The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.plugin:register``).
+"""The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.vllm.plugin:register``).
 
 vLLM calls :func:`register` in every process it starts, before any worker builds its model
 runner (``vllm/plugins/__init__.py:77``, called from ``engine/arg_utils.py:769``,
 ``v1/engine/core.py:112`` and ``v1/worker/worker_base.py:247`` in 0.26.0). Two independent
-switches (``serve_bridge.settings``):
+switches (``serve_bridge.vllm.settings``):
 
-- ``LORAZOR_BUNDLE`` (or the calibration switch, see ``serve_bridge.settings``): StepTrim.
+- ``LORAZOR_BUNDLE`` (or the calibration switch, see ``serve_bridge.vllm.settings``): StepTrim.
   Installs the StepTrim runner; engine settings and the bundle are checked when that runner
   starts.
 - ``LORAZOR_GRIDTRIM=1``: GridTrim. Makes the CUDA platform name
-  :class:`serve_bridge.vllm_punica.GridTrimPunicaWrapper` as its punica wrapper, so LoRA
+  :class:`serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper` as its punica wrapper, so LoRA
   linears run LoRazor's work-list kernels.
 
 With neither, it does nothing, so installing LoRazor leaves vLLM stock. With either, it refuses
 an unsupported vLLM or runner (and, for GridTrim, a non-CUDA platform) with one clear error, and
 makes vLLM's worker LoRA manager read its adapter registry once per step instead of once per
-adapter (:mod:`serve_bridge.vllm_lora_manager`; same calls, same order). In calibration mode it
-also keys prefix-cache blocks by forced release position (:mod:`serve_bridge.prefix_cache`), so
+adapter (:mod:`serve_bridge.vllm.lora_manager`; same calls, same order). In calibration mode it
+also keys prefix-cache blocks by forced release position (:mod:`serve_bridge.vllm.prefix_cache`), so
 the calibration engine may cache prefixes.
 
 vLLM swallows import errors of plugin modules, so this module imports nothing heavy and
@@ -24,11 +24,11 @@ all checks run inside :func:`register`, whose errors vLLM does not catch.
 """
 from __future__ import annotations
 
-from serve_bridge.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
+from serve_bridge.vllm.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
                                    gridtrim_from_env, require_v1_runner, require_vllm_version)
 
 # vllm_punica.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
-GRIDTRIM_WRAPPER = "serve_bridge.vllm_punica.GridTrimPunicaWrapper"
+GRIDTRIM_WRAPPER = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
 
 
 def register() -> None:
@@ -48,17 +48,17 @@ def register() -> None:
         require_v1_runner()
     except BridgeError as err:
         raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None
-    from serve_bridge import vllm_lora_manager
+    from serve_bridge.vllm import lora_manager as vllm_lora_manager
 
     vllm_lora_manager.install()
     if gridtrim:
         install_gridtrim()
     if steptrim:
-        from serve_bridge.vllm_hooks import install
+        from serve_bridge.vllm.model_runner import install
 
         install()
     if settings is not None and settings.calibration:
-        from serve_bridge import prefix_cache
+        from serve_bridge.vllm import prefix_cache
 
         prefix_cache.install()
 

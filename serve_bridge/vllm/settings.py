@@ -9,7 +9,7 @@ workers), so all of them agree on whether it is active.
 - ``LORAZOR_CALIBRATION``: ``1``/``on`` activates the bridge without a bundle, for
   ``labeling.engines.vllm`` (which sets it itself): the runner starts with no policies, and
   the calibration engine sets the release policy, a scorer and a capture set before each
-  ``generate`` over ``LLM.collective_rpc`` (:mod:`serve_bridge.rpc`). Requests tagged with a
+  ``generate`` over ``LLM.collective_rpc`` (:mod:`serve_bridge.vllm.rpc`). Requests tagged with a
   uid (``SamplingParams.extra_args``, see :mod:`serve_bridge.runtime`) then have their
   release, s_t and h_t recorded. Unset, ``0`` or ``off``: off. It excludes ``LORAZOR_BUNDLE``.
 - ``LORAZOR_ADAPTERS``: optional ``name=path,name=path`` list of the adapters this server
@@ -21,7 +21,7 @@ workers), so all of them agree on whether it is active.
 GridTrim is switched on separately, and independently of the bundle:
 
 - ``LORAZOR_GRIDTRIM``: ``1``/``on`` serves LoRA linears with LoRazor's work-list kernels
-  (:mod:`serve_bridge.vllm_punica`), on CUDA only; unset, empty, ``0`` or ``off`` keeps
+  (:mod:`serve_bridge.vllm.punica_wrapper`), on CUDA only; unset, empty, ``0`` or ``off`` keeps
   vLLM's kernels. Any other value is refused (:func:`gridtrim_from_env`).
 
 Everything here is pure Python and reads engine settings by attribute only, so it is
@@ -157,7 +157,7 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
     - LoRA must be enabled (there is nothing to release otherwise).
     - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
       release would be reused as if computed with the adapter. In calibration mode
-      (``calibration``) it may be on once :mod:`serve_bridge.prefix_cache` keys the blocks of
+      (``calibration``) it may be on once :mod:`serve_bridge.vllm.prefix_cache` keys the blocks of
       forced releases (the plugin installs it there); passes with a release policy are then
       refused by :class:`serve_bridge.calibration.CalibrationRuntime`.
     - Async scheduling off: a decision must reach the next step's LoRA mapping.
@@ -183,6 +183,6 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
 
 
 def _released_blocks_keyed() -> bool:
-    from serve_bridge import prefix_cache
+    from serve_bridge.vllm import prefix_cache
 
     return prefix_cache.installed()

@@ -3,14 +3,14 @@
 vLLM runs a callable passed to ``collective_rpc`` as ``callable(worker, *args)``
 (``v1/serial_utils.py:486-510`` in 0.26.0)::
 
-    from serve_bridge.rpc import lorazor_counters, lorazor_requests
+    from serve_bridge.vllm.rpc import lorazor_counters, lorazor_requests
     counters = llm.collective_rpc(lorazor_counters)[0]
     records = llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]
 
 Calibration mode (``LORAZOR_CALIBRATION=1``, :mod:`serve_bridge.calibration`)::
 
     from serve_bridge.calibration import calibration_config
-    from serve_bridge.rpc import lorazor_calibrate, lorazor_captures
+    from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures
     llm.collective_rpc(lorazor_calibrate, args=(calibration_config(names, policy, scorer, {0, 3}),))
     llm.generate(...)  # requests tagged with extra_args={"lorazor": {"uid": ...}}
     records = llm.collective_rpc(lorazor_captures)[0]  # uid -> release, scores, hidden
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve_bridge.runtime import ReleaseRuntime
-from serve_bridge.settings import BUNDLE_ENV, CALIBRATION_ENV
+from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV
 
 
 def _runtime(worker: Any) -> ReleaseRuntime:
@@ -88,7 +88,7 @@ def lorazor_captures(worker: Any, clear: bool = True, uids: list[str] | None = N
 class LoRazorWorkerExtension:
     """The read-outs as worker methods, for callers that can only name a method.
 
-    Pass ``worker_extension_cls="serve_bridge.rpc.LoRazorWorkerExtension"`` (``vllm serve
+    Pass ``worker_extension_cls="serve_bridge.vllm.rpc.LoRazorWorkerExtension"`` (``vllm serve
     --worker-extension-cls ...``); vLLM 0.26.0 adds the class to the worker's bases
     (``v1/worker/worker_base.py:261-285``), so ``llm.collective_rpc("lorazor_counters")`` works,
     and so does the OpenAI server's ``POST /collective_rpc`` with ``{"method": "lorazor_counters"}``

@@ -1,6 +1,6 @@
 """Where an engine step's time goes: a torch-profiler window over ``LLMEngine.step()`` calls.
 
-The benchmark harness (``python -m serve_bridge.bench --profile-steps N``) uses it after the timed
+The benchmark harness (``python -m benchmarks.serving.bench --profile-steps N``) uses it after the timed
 run, on a fresh copy of the workload, so the profiler's own overhead never touches the timed
 numbers. The summary answers one question first: is the step bound by the GPU or by the host?
 

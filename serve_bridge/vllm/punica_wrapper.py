@@ -1,6 +1,6 @@
 """GridTrim's vLLM 0.26.0 hook: a punica wrapper whose LoRA linears run our work-list kernels.
 
-Imported only when ``LORAZOR_GRIDTRIM`` is on, by vLLM itself: :func:`serve_bridge.plugin.register`
+Imported only when ``LORAZOR_GRIDTRIM`` is on, by vLLM itself: :func:`serve_bridge.vllm.plugin.register`
 makes ``current_platform.get_punica_wrapper()`` return :data:`QUALNAME`, and the selector
 (``lora/punica_wrapper/punica_selector.py:13-16``) resolves that qualname and builds the class
 with ``(max_num_batched_tokens, max_batches=..., device=..., lora_config=...)``
@@ -60,7 +60,7 @@ from kernels.worklist import persistent_programs
 from serve_bridge import gridtrim
 from serve_bridge.punica_meta import HostPunicaMetadata
 
-QUALNAME = "serve_bridge.vllm_punica.GridTrimPunicaWrapper"
+QUALNAME = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
 
 
 class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final is typing-only

@@ -35,7 +35,7 @@ itself lives in :mod:`serve_bridge.runtime`.
   mode, records s_t and h_t from the same rows).
 
 Tensor parallelism (``tensor_parallel_size`` N > 1; pipeline parallelism is refused,
-``serve_bridge.settings.require_supported_engine``). Every rank is a worker process with its own
+``serve_bridge.vllm.settings.require_supported_engine``). Every rank is a worker process with its own
 runner (``v1/executor/multiproc_executor.py:985-1001``: each worker dequeues the same broadcast
 ``execute_model`` / ``sample_tokens`` call with the same ``SchedulerOutput``; only rank 0's
 output goes back, ``:310-320``, ``:498-510``), so every rank has its own
@@ -84,7 +84,7 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
 from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
-from serve_bridge.settings import BridgeError, BridgeSettings, require_supported_engine
+from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_supported_engine
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
 
@@ -93,7 +93,7 @@ class LoRazorGPUModelRunner(_BaseRunner):
     """vLLM's V1 GPU model runner with StepTrim release.
 
     GridTrim sits beside it without touching the release path:
-    :class:`serve_bridge.vllm_punica.GridTrimPunicaWrapper`, selected by qualname through
+    :class:`serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper`, selected by qualname through
     ``CudaPlatform.get_punica_wrapper`` (``platforms/cuda.py:551``, resolved in
     ``lora/punica_wrapper/punica_selector.py:13-15``) when ``LORAZOR_GRIDTRIM`` is on; it reads
     the masked mapping this runner hands to ``_set_active_loras``.

@@ -1,4 +1,4 @@
-"""The throughput benchmark's workload, release schedule and files, on CPU (serve_bridge/bench.py)."""
+"""The throughput benchmark's workload, release schedule and files, on CPU (benchmarks/serving/bench.py)."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from serve_bridge import bench
+from benchmarks.serving import bench
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
-from serve_bridge.synthetic import lora_targets
+from benchmarks.serving.synthetic import lora_targets
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_modes_and_their_engines():
 def test_engine_classes_follow_vllms_path():
     from types import SimpleNamespace
 
-    from serve_bridge.vllm_lora_manager import apply_adapters
+    from serve_bridge.vllm.lora_manager import apply_adapters
 
     class GridTrimPunicaWrapper:
         pass
@@ -248,7 +248,7 @@ def test_engine_classes_follow_vllms_path():
     assert bench.engine_classes(worker) == {"runner": "LoRazorGPUModelRunner",
                                             "punica_wrapper": "GridTrimPunicaWrapper", "registry": "per adapter"}
 
-    class LRUCacheWorkerLoRAManager:  # as after serve_bridge.vllm_lora_manager.install()
+    class LRUCacheWorkerLoRAManager:  # as after serve_bridge.vllm.lora_manager.install()
         _apply_adapters = apply_adapters
         _adapter_manager = LoRazorGPUModelRunner.lora_manager._adapter_manager
 
@@ -272,7 +272,7 @@ def test_mode_env(tmp_path):
               "LORAZOR_ADAPTERS": f"a00={tmp_path / 'a00'},a01={tmp_path / 'a01'}"}
     assert envs["steptrim"] == {"PATH": "/bin", **bundle}
     assert envs["both"] == {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1", **bundle}
-    from serve_bridge.settings import BridgeSettings, gridtrim_from_env
+    from serve_bridge.vllm.settings import BridgeSettings, gridtrim_from_env
 
     for m, e in envs.items():  # what the plugin reads back in the engine's processes
         assert gridtrim_from_env(e) is (m in ("gridtrim", "both"))

@@ -1,6 +1,6 @@
 """Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run (issue 7).
 
-    python -m serve_bridge.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
+    python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
                                  [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
 
 (``scripts/device_serve_bench.sh`` registers the plugin's entry point and runs this on the
@@ -21,7 +21,7 @@ ratio is to the stock row of its own pass:
 - ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
   punica wrapper, with ``specialize_active_lora`` (the device README's setting).
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only: vLLM's runner, our punica wrapper
-  (``serve_bridge.vllm_punica``: LoRA linears on the work-list kernels). No release, so it
+  (``serve_bridge.vllm.punica_wrapper``: LoRA linears on the work-list kernels). No release, so it
   measures the kernels alone. ``specialize_active_lora`` off: the kernels ignore the adapter
   count, so one LoRA CUDA graph per batch size serves every adapter mix.
 - ``steptrim``: the bundle variables (``LORAZOR_BUNDLE``, ``LORAZOR_ADAPTERS``) only: the
@@ -30,7 +30,7 @@ ratio is to the stock row of its own pass:
 - ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
   ``specialize_active_lora`` off.
 - ``stockfix`` (only when asked for): stock, plus the plugin's one registry read per step in
-  vLLM's worker LoRA manager (:mod:`serve_bridge.vllm_lora_manager`), installed in the engine's
+  vLLM's worker LoRA manager (:mod:`serve_bridge.vllm.lora_manager`), installed in the engine's
   process (the engine runs in-process here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU). The
   plugin installs that fix in every LoRazor mode, so this is the baseline that isolates what the
   kernels and release add beyond it.
@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from serve_bridge.steptrim import skip_fraction
-from serve_bridge.synthetic import write_model_config, write_random_adapters
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "
           "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner", "stockfix": "GPUModelRunner"}
 WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
            "both": "GridTrimPunicaWrapper", "nolora": None, "stockfix": "PunicaWrapperGPU"}
-# How vLLM's LRU worker LoRA manager reads its registry per step (serve_bridge.vllm_lora_manager);
+# How vLLM's LRU worker LoRA manager reads its registry per step (serve_bridge.vllm.lora_manager);
 # None without LoRA.
 REGISTRY = {mode: "once per step" for mode in MODES} | {"stock": "per adapter", "nolora": None}
 
@@ -415,7 +415,7 @@ def engine_classes(worker: Any) -> dict[str, str | None]:
     (``lora/model_manager.py:51``, filled at :164-177); and whether that worker manager's
     ``_apply_adapters`` is the plugin's (``"once per step"``) or vLLM's (``"per adapter"``). Without
     LoRA the runner has no ``lora_manager`` (the mixin tests for it, :70), and both are None."""
-    from serve_bridge.vllm_lora_manager import apply_adapters
+    from serve_bridge.vllm.lora_manager import apply_adapters
 
     runner = worker.model_runner
     manager = getattr(runner, "lora_manager", None)
@@ -521,7 +521,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     if mode == "stockfix":  # in this process, where the in-process engine's worker runs
-        from serve_bridge import vllm_lora_manager
+        from serve_bridge.vllm import lora_manager as vllm_lora_manager
 
         vllm_lora_manager.install()
     t0 = time.time()
@@ -548,7 +548,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     warmup = time.time() - t
     counters = None
     if mode in STEPTRIM_MODES:
-        from serve_bridge.rpc import lorazor_counters
+        from serve_bridge.vllm.rpc import lorazor_counters
 
         before = llm.collective_rpc(lorazor_counters)[0]
     # Offline, only final outputs, as LLM.generate asks for; open-loop needs every step's (TTFT).
@@ -607,13 +607,13 @@ PROFILE_SKIP = 40  # steps before the profiled window: past the ramp-up, to the 
 def profile_workload(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
                      n_steps: int, python: bool = False) -> str:
     """Add the workload again (request ids ``p<i>``), run :data:`PROFILE_SKIP` steps, profile the
-    next ``n_steps`` (:mod:`serve_bridge.step_profile`), with ``python`` the ``n_steps`` after those
+    next ``n_steps`` (:mod:`benchmarks.serving.step_profile`), with ``python`` the ``n_steps`` after those
     under cProfile too, abort what is left, and return the summary.
     With every request queued at once, the running batch fills up over the first steps (about ten
     new prompts per 2048-token step); after that, each step decodes the running requests and
     prefills the few that replace those finished: the mixed steps that make up most of an offline
     run."""
-    from serve_bridge.step_profile import profile_steps, python_profile, summarize
+    from benchmarks.serving.step_profile import profile_steps, python_profile, summarize
 
     ids = [f"p{i}" for i in range(len(prompts))]
     for i, rid in enumerate(ids):
@@ -695,7 +695,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else [])
     latency = bool(args.arrival_rate)
-    me = [sys.executable, "-m", "serve_bridge.bench"]
+    me = [sys.executable, "-m", "benchmarks.serving.bench"]
     prep_log = open(out / "prepare.log", "w")
     prep = subprocess.Popen(me + ["--phase", "prepare", "--adapters", *map(str, args.adapters)] + common,
                             stdout=prep_log, stderr=subprocess.STDOUT)

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from serve_bridge.step_profile import busy_time_us, profile_steps, python_profile, summarize
+from benchmarks.serving.step_profile import busy_time_us, profile_steps, python_profile, summarize
 
 
 def test_busy_time_is_the_union_of_intervals():

@@ -142,6 +142,21 @@ def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
     assert lines == [lines[0]] and "unknown task 'nope'" in lines[0] and "arith" in lines[0], err
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (["task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
+    (["engine=hf", "engine.batch_size=many"], "could not be converted to Integer"),
+    (["engine.batch_size=64"], "engine options need engine=hf or engine=vllm"),
+    (["task=nope"], "available: arith, gsm8k"),
+])
+def test_config_mistakes_are_one_line_and_exit_2(tmp_path: Path, overrides: list[str], match: str) -> None:
+    """The schema (calibrate/config.py) catches them while composing, before any work."""
+    proc = cli(tmp_path / "run", *overrides)
+    out, err = proc.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and match in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def _adapter_for_hidden(tmp: Path, hidden: int) -> Path:
     import torch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import pandas as pd
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.preview import PreviewDone, Workload, estimate, format_preview
-from calibrate.rundir import fingerprint
+from calibrate.rundir import fingerprint, write_atomic
 from labeling.engines.vllm.options import VLLMOptions
 from labeling.labels import LabelingPlan, build_requests, format_summary, run_labeling, summarize
 from labeling.tasks import SPLITS
@@ -300,8 +301,10 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
     fps = stage_fingerprints(ctx)
+    reason = ctx.engine_choice.reason if ctx.engine_choice is not None else f"engine={ctx.engine_options.name} (explicit)"
     if ctx.engine_choice is not None:
-        _say(ctx.engine_choice.reason)
+        _say(reason)
+    write_atomic(ctx.run.path("engine.json"), json.dumps({**asdict(ctx.engine_options), "why": reason}, indent=2))
     summaries = {}
     for name, (fn, _, _) in STAGES.items():
         if name not in wanted:

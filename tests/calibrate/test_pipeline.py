@@ -215,3 +215,4 @@ def test_preview_measures_the_first_shard_and_stops(tmp_path: Path, capsys) -> N
     assert stats["requests"] == 2 and stats["on_tokens"] > 0 and stats["seconds"] > 0
     assert not (tmp_path / "labels" / "shards" / "00001.done").exists()
     assert not (tmp_path / "stages" / "labels.json").exists()
+    assert json.loads((tmp_path / "engine.json").read_text())["device"] == "cpu"

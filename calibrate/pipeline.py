@@ -149,11 +149,11 @@ def stage_export(ctx: Context) -> dict:
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
     out = ctx.run.path("bundle")
+    trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
     entries = export_bundle(out, priced=priced, heads=heads, config={s: ctx.section(s) for s in CONFIG_SECTIONS},
-                            adapter_weights={a.name: a.path for a in ctx.adapters})
+                            adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
-    trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
     for a in ctx.adapter_names:
         plot_frontier(priced, front, sel, a, ctx.run.path("plots", f"frontier_{a}.png"))
         plot_k_curves(k_table(priced), a, ctx.run.path("plots", f"k_curves_{a}.png"))

@@ -167,6 +167,13 @@ class HostPunicaMetadata:
         (``punica_gpu.py:75-88``; ``max_loras`` is the slot count + 1, ``model_manager.py:378-383``),
         for ``mapping.index_mapping`` / ``mapping.prompt_mapping``. The copies are queued on the
         current stream; the host blocks are reused only once the previous copy has run."""
+        capacity, slots = self._token_indices.size, self._blocks[0].active.size
+        if len(index_mapping) > capacity or len(prompt_mapping) > capacity:
+            raise ValueError(f"HostPunicaMetadata.update: index_mapping ({len(index_mapping)}) and prompt_mapping "
+                             f"({len(prompt_mapping)}) must fit the wrapper's {capacity} token rows")
+        if len(lora_index_to_id) >= slots:
+            raise ValueError(f"HostPunicaMetadata.update: lora_index_to_id has {len(lora_index_to_id)} slots; the "
+                             f"kernel metadata holds at most {slots - 1} adapters")
         if self._uploaded is not None:
             self._uploaded.synchronize()
         key = tuple(lora_index_to_id)

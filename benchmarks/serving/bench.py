@@ -358,8 +358,11 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
                    lora_target_modules: Sequence[str] | None = None,
                    tensor_parallel_size: int = 1, compiled: bool = False,
-                   full_graphs: bool = False) -> dict[str, Any]:
-    """The device README's engine options, with max_loras = N, and the decode CUDA graph sizes;
+                   full_graphs: bool = False, max_loras: int | None = None,
+                   max_cpu_loras: int | None = None) -> dict[str, Any]:
+    """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
+    workload), ``max_cpu_loras`` 256 or the given one, at least max_loras, and the decode CUDA
+    graph sizes;
     ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
     ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
     module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
@@ -385,7 +388,8 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
                 compilation_config=compilation)
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
-    opts |= dict(enable_lora=True, max_loras=n_adapters, max_lora_rank=RANK, max_cpu_loras=256,
+    slots = max_loras or n_adapters
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or 256, slots),
                  specialize_active_lora=SPECIALIZE[mode])
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
@@ -394,15 +398,19 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     return opts
 
 
-def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path]) -> dict[str, str]:
+def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
+             slots: bool = True) -> dict[str, str]:
     """The subprocess environment of a mode: ``environ`` without any ``LORAZOR_*`` variable, plus
-    ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both."""
+    ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both; without
+    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     if mode in GRIDTRIM_MODES:
         env["LORAZOR_GRIDTRIM"] = "1"
     if mode in STEPTRIM_MODES:
         env |= {"LORAZOR_BUNDLE": str(bundle), "LORAZOR_ADAPTERS": ",".join(f"{k}={v}" for k, v in adapters.items()),
                 "LORAZOR_LOG_INTERVAL_S": "0"}
+        if not slots:
+            env["LORAZOR_SLOTS"] = "0"
     return env
 
 
@@ -431,6 +439,83 @@ def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
     want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode], "registry": REGISTRY[mode]}
     if found != want:
         raise RuntimeError(f"mode {mode}: the engine runs {found}, expected {want}")
+
+
+class SlotStats:
+    """Per scheduled step: running requests, distinct adapters holding a slot and distinct
+    adapters scheduled (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), read by wrapping the engine core's
+    ``scheduler.schedule`` on the instance. Needs the engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``LLMEngine.engine_core`` is then vLLM's
+    ``InprocClient``, whose ``engine_core`` holds the ``scheduler`` (``v1/engine/core_client.py:287``,
+    ``v1/engine/core.py:153``). Counting starts at :meth:`start`."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from serve_bridge.vllm.scheduler import scheduled_occupancy
+
+        self._reset()
+        self.on = False
+        self.scheduler_class = type(scheduler).__name__
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            now = time.perf_counter()
+            if self.on and self._last_busy is not None:
+                self.busy_s += now - self._last_busy  # the previous step, from its schedule to this one
+            out = original(*args, **kwargs)
+            self._last_busy = None
+            if self.on:
+                running, held, present = scheduled_occupancy(scheduler, out)
+                if running:
+                    self._last_busy = now
+                    self.steps += 1
+                    self.running += running
+                    self.held += held
+                    self.max_held = max(self.max_held, held)
+                    self.max_present = max(self.max_present, present)
+            return out
+
+        scheduler.schedule = schedule
+
+    @staticmethod
+    def attach(llm: Any) -> SlotStats | None:
+        """Stats on ``llm``'s scheduler, or None when the engine core runs in another process."""
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        return None if scheduler is None else SlotStats(scheduler)
+
+    def _reset(self) -> None:
+        self.steps = self.running = self.held = self.max_held = self.max_present = 0
+        self.busy_s, self._last_busy = 0.0, None
+
+    def start(self) -> None:
+        """Forget what was counted (warm-up) and count from the next step on."""
+        self._reset()
+        self.on = True
+
+    def summary(self) -> dict[str, float]:
+        """Means over the steps that scheduled work; ``step_ms`` is the mean time from such a
+        step's schedule to the next one's (the last step of the run is not timed)."""
+        n = max(1, self.steps)
+        return {"slot_steps": self.steps, "mean_running": self.running / n, "mean_slots_held": self.held / n,
+                "max_slots_held": self.max_held, "max_adapters_scheduled": self.max_present,
+                "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
+
+
+def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
+                    arrival_steps: Sequence[int] | None = None) -> dict[str, float]:
+    """The capacity model (:func:`serve_bridge.capacity.simulate`) on exactly this workload:
+    its steps, mean running requests and mean slots held, under the engine's ``max_num_seqs``
+    and token budget; open loop with each arrival's step (``arrival_steps``)."""
+    from serve_bridge import capacity
+
+    n = len(wl.adapter)
+    reqs = capacity.Requests(np.asarray(wl.adapter), np.asarray([len(p) for p in wl.prompt]),
+                             np.asarray(wl.max_tokens), np.asarray(wl.releases()),
+                             np.zeros(n, np.int64) if arrival_steps is None else np.asarray(arrival_steps, np.int64))
+    res = capacity.simulate(reqs, max_loras, release=release, max_num_seqs=opts["max_num_seqs"],
+                            token_budget=opts["max_num_batched_tokens"])
+    return {"model_steps": res.steps, "model_mean_running": res.mean_running,
+            "model_mean_slots_held": res.mean_occupancy}
 
 
 def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
@@ -509,9 +594,12 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
-               full_graphs: bool = False, profile_python: bool = False) -> None:
+               full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
+               slots: bool = True, max_cpu_loras: int | None = None) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
+    Slot statistics (:class:`SlotStats`) of the timed run go into the result beside the capacity
+    model's prediction for it (:func:`predicted_slots`).
     With ``profile_steps`` > 0, afterwards profile that many steps of a fresh copy of the workload
     (:func:`profile_workload`; with ``profile_python`` also under cProfile) into ``<result stem>_profile.md``."""
     import torch
@@ -525,9 +613,11 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
         vllm_lora_manager.install()
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **engine_options(n, capture_sizes, mode, lora_target_modules,
-                                                         tensor_parallel_size, compiled, full_graphs))
+    opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
+                          max_loras, max_cpu_loras)
+    llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
+    stats = SlotStats.attach(llm)
     per_rank = llm.collective_rpc(engine_classes)  # one per tensor-parallel rank
     for classes in per_rank:
         check_engine_classes(mode, classes)
@@ -560,6 +650,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     probe_before = host_probe_ms()
+    if stats is not None:
+        stats.start()
     timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
     # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
     if arrival_rate:
@@ -569,6 +661,16 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         elapsed, lengths, step_s = serve_offline(llm.llm_engine, prompts, params, loras)
         timing = step_summary(step_s)
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
+    slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
+    if stats is not None and mode != "nolora":
+        want = "ReleaseScheduler" if slot_info["slot_release"] else "Scheduler"
+        if stats.scheduler_class != want:
+            raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
+        slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}
+        step_s = max(slot_info["step_ms"], 1e-3) / 1e3  # open loop: arrivals to steps at the measured step time
+        arrival = ([int(t / step_s) for t in arrival_times(n_requests, arrival_rate, seed)]
+                   if arrival_rate else None)
+        slot_info |= predicted_slots(wl, opts["max_loras"], slot_info["slot_release"], opts, arrival)
     if lengths != wl.max_tokens:
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
@@ -588,7 +690,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
-           "arrival_rate": arrival_rate, **timing, **probe,
+           "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
     if profile_steps > 0:  # after the result is written: a failing profiler loses no measurement
@@ -678,6 +780,25 @@ def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], la
     return "\n".join(lines + [""] + notes) + "\n"
 
 
+SLOT_HEADER = ("| adapters | traffic | mode | max_loras | req/s | steps | mean running | mean slots held | "
+               "model: steps | model: mean running | model: mean slots held |")
+
+
+def slot_table(rows: list[dict[str, Any]]) -> str:
+    """Slot statistics of the rows that have them (:class:`SlotStats`) beside the capacity
+    model's prediction (:func:`predicted_slots`); empty when none has."""
+    have = [r for r in rows if "slot_steps" in r]
+    if not have:
+        return ""
+    lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
+    for r in have:
+        traffic = "skewed 80/20" if r["skewed"] else "uniform"
+        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
+                     f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
+                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     start = time.time()
     out, work = args.out, args.work
@@ -693,7 +814,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
         ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else []) + (
         ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
-        ["--profile-steps", str(args.profile_steps)] if args.profile_steps else [])
+        ["--profile-steps", str(args.profile_steps)] if args.profile_steps else []) + (
+        ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
+        ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
+        ["--no-slot-release"] if args.no_slot_release else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "benchmarks.serving.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -718,7 +842,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
                                                tensor_parallel_size=args.tensor_parallel_size,
                                                compiled=args.compiled, full_graphs=args.full_graphs)
-                                | {"max_loras": "N", "specialize_active_lora": "per mode"}),
+                                | {"max_loras": args.max_loras or "N",
+                                   "max_cpu_loras": f"max({args.max_cpu_loras or 256}, max_loras)",
+                                   "specialize_active_lora": "per mode"}),
+        "slots: " + ("steptrim/both keep vLLM's accounting (LORAZOR_SLOTS=0)" if args.no_slot_release else
+                     "steptrim/both hand a released request's adapter slot on (LoRazor's scheduler); mean running "
+                     "requests and slots held per scheduled step, beside the capacity model's prediction "
+                     "(serve_bridge.capacity on the same requests; open loop at the measured step time)"),
         "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
         "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
         "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter); "
@@ -732,14 +862,15 @@ def orchestrate(args: argparse.Namespace) -> int:
     notes: list[str] = []
 
     def flush() -> None:
-        (out / "bench.txt").write_text(render(preamble, rows, notes, latency))
+        (out / "bench.txt").write_text(render(preamble, rows, notes, latency) + slot_table(rows))
         (out / "bench.json").write_text(json.dumps({"preamble": preamble, "rows": rows, "notes": notes}, indent=1))
 
     flush()
     rc = 0
     for n in args.adapters:
         for pass_, mode in runs:
-            tag = _tag(n, args.skewed) + (f"_p{pass_ + 1}" if pass_ else "")
+            tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "") + (
+                f"_p{pass_ + 1}" if pass_ else "")
             label = f"N={n} {mode}" + (f" (pass {pass_ + 1})" if pass_ else "")
             left = args.budget_s - (time.time() - start)
             if left < args.min_run_s:
@@ -759,7 +890,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                 return 1
             env = mode_env(mode, dict(os.environ),
                            work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}",
-                           {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)})
+                           {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
+                           slots=not args.no_slot_release)
             result = out / f"{tag}_{mode}.json"
             result.unlink(missing_ok=True)
             t = time.time()
@@ -830,6 +962,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
+    ap.add_argument("--max-loras", type=int, default=None, metavar="M",
+                    help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
+                         "slot-bound workload: e.g. --adapters 512 --max-loras 32")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                    help="adapters vLLM keeps loaded in host memory (default 256; raised to max_loras); with "
+                         "fewer than the adapters served, adapters are reloaded from disk while serving")
+    ap.add_argument("--no-slot-release", action="store_true",
+                    help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
+                         "their adapter's slot")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
@@ -867,7 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
-                   args.profile_python)
+                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras)
         return 0
     return orchestrate(args)
 

@@ -10,14 +10,16 @@ directory that holds the released test set). A local directory mirrors the hub s
 The databases are not on the hub: ``db_dir`` must point at the Spider ``database`` folder
 holding ``<db_id>/<db_id>.sqlite``. Prompt: the schema (the ``CREATE TABLE`` statements read
 from the database file) and the question; output limit 256 tokens (paper). Q(·): execution
-match on a read-only copy of the database with a timeout (``labeling/evaluators/sql.py``).
+match in the SQL sandbox, on a private read-only copy of the database with a timeout and result
+caps (``labeling/evaluators/sql.py``); the schema is read the same way.
 """
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, database_path, execute_readonly, execution_match
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -29,12 +31,14 @@ SCHEMA_SQL = (
 
 
 def read_schema(db_path: Path) -> str:
-    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite."""
-    conn = connect_readonly(db_path)
+    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite (read in
+    the SQL sandbox, on a private copy); TaskError if the file is not a readable SQLite database."""
     try:
-        return "\n\n".join(row[0].strip() + ";" for row in conn.execute(SCHEMA_SQL))
-    finally:
-        conn.close()
+        rows = execute_readonly(db_path, SCHEMA_SQL)
+    except (sqlite3.Error, OSError) as err:
+        raise TaskError(f"task 'spider': cannot read the schema of {db_path} ({err}); replace it with the "
+                        f"database file from the Spider release.") from None
+    return "\n\n".join(row[0].strip() + ";" for row in rows)
 
 
 @dataclass

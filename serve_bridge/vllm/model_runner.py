@@ -19,7 +19,9 @@ itself lives in :mod:`serve_bridge.runtime`.
   ``_prepare_inputs`` (``gpu_model_runner.py:2252``): the mapping is what
   ``InputBatch.make_lora_inputs`` (``gpu_input_batch.py:979-1002``) computes from
   ``request_lora_mapping`` and ``lora_id_to_lora_request``, is masked by release position, and
-  goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``). Per-row
+  goes to ``_set_active_loras`` (``lora_model_runner_mixin.py:48``) with only the adapters the
+  masked mapping still uses: a released request's adapter need not be resident, so its slot
+  can serve another adapter (:mod:`serve_bridge.vllm.scheduler`). Per-row
   inputs: ``req_ids`` (:307), ``num_computed_tokens_cpu`` (:171, positions are
   ``num_computed + query offset`` as in ``gpu_model_runner.py:1969-1972``),
   ``num_tokens_no_spec`` (:157).
@@ -33,6 +35,9 @@ itself lives in :mod:`serve_bridge.runtime`.
   states of the sampled positions, one row per request in batch order — for
   ``sample_tokens``; the hook launches the step's decisions on them there (and, in calibration
   mode, records s_t and h_t from the same rows).
+- ``v1/worker/gpu_model_runner.py:4497`` ``sample_tokens``: with slot hand-back, the releases
+  decided in the step ride on the ``ModelRunnerOutput`` it returns (built fresh at :4711) as
+  ``RELEASES_ATTR``, for the scheduler (``docs/vllm_integration.md``, "Release-aware slots").
 
 Tensor parallelism (``tensor_parallel_size`` N > 1; pipeline parallelism is refused,
 ``serve_bridge.vllm.settings.require_supported_engine``). Every rank is a worker process with its own
@@ -84,7 +89,8 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
 from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
-from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_supported_engine
+from serve_bridge.vllm.settings import (RELEASES_ATTR, BridgeError, BridgeSettings, require_slot_engine,
+                                        require_supported_engine)
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
 
@@ -105,9 +111,12 @@ class LoRazorGPUModelRunner(_BaseRunner):
             raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
                               "plugin installs it only when one of them is set in every vLLM process.")
         require_supported_engine(vllm_config, calibration=settings.calibration)
+        if settings.slots:
+            require_slot_engine(vllm_config)
         hidden_size = vllm_config.model_config.get_hidden_size()
         runtime = build_runtime(settings, hidden_size, device,
                                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
+        runtime.report_releases = settings.slots
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None
@@ -142,11 +151,14 @@ class LoRazorGPUModelRunner(_BaseRunner):
         # What InputBatch.make_lora_inputs computes (gpu_input_batch.py:994-1000), kept in numpy: each
         # request's LoRA id repeated per scheduled and per sampled token, and the active LoRA requests.
         # Its tuples of numpy scalars would cost ~0.4 ms per 2k-token step to build and read back.
+        # Only the adapters of positions that still run with one are activated: a released
+        # request's adapter need not be resident (its slot may serve another adapter).
         per_request = input_batch.request_lora_mapping[:n]
         tokens, sampled = per_request.repeat(num_scheduled_tokens), per_request.repeat(num_sampled_tokens)
-        lora_requests = set(input_batch.lora_id_to_lora_request.values())
         step = self.lorazor.begin_step(input_batch.req_ids[:n], input_batch.num_computed_tokens_cpu[:n],
                                        num_scheduled_tokens, input_batch.num_tokens_no_spec[:n], tokens, sampled)
+        by_id = input_batch.lora_id_to_lora_request
+        lora_requests = {by_id[i] for i in step.adapter_ids}
         self._lorazor_groups = step.lora_groups
         self._set_active_loras(lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), lora_requests,
                                mapping_type)
@@ -175,6 +187,14 @@ class LoRazorGPUModelRunner(_BaseRunner):
             if capture is not None:
                 capture(state.sample_hidden_states)
             self.lorazor.decide(state.sample_hidden_states)
+        return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)
+        if self.lorazor.report_releases:
+            releases = self.lorazor.take_releases()
+            if releases:  # only steps that ran a forward decide, and those build a fresh output
+                setattr(out, RELEASES_ATTR, releases)
         return out
 
 

@@ -7,7 +7,8 @@ switches (``serve_bridge.vllm.settings``):
 
 - ``LORAZOR_BUNDLE`` (or the calibration switch, see ``serve_bridge.vllm.settings``): StepTrim.
   Installs the StepTrim runner; engine settings and the bundle are checked when that runner
-  starts.
+  starts. With a bundle, also the release-aware scheduler (slot hand-back,
+  :mod:`serve_bridge.vllm.scheduler`) unless ``LORAZOR_SLOTS=0``.
 - ``LORAZOR_GRIDTRIM=1``: GridTrim. Makes the CUDA platform name
   :class:`serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper` as its punica wrapper, so LoRA
   linears run LoRazor's work-list kernels.
@@ -57,6 +58,10 @@ def register() -> None:
         from serve_bridge.vllm.model_runner import install
 
         install()
+    if settings is not None and settings.slots:
+        from serve_bridge.vllm import scheduler
+
+        scheduler.install()
     if settings is not None and settings.calibration:
         from serve_bridge.vllm import prefix_cache
 

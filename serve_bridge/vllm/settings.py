@@ -17,6 +17,9 @@ workers), so all of them agree on whether it is active.
   adapter that is not served and on an adapter whose weights differ from the calibrated ones.
 - ``LORAZOR_LOG_INTERVAL_S``: seconds between counter summaries in the log (default 60,
   0 disables them).
+- ``LORAZOR_SLOTS``: slot hand-back (:mod:`serve_bridge.vllm.scheduler`): a released request
+  stops counting against ``max_loras``. On by default with a bundle; ``0``/``off`` keeps vLLM's
+  slot accounting (release then only trims LoRA work). Refused in calibration mode.
 
 GridTrim is switched on separately, and independently of the bundle:
 
@@ -42,6 +45,10 @@ SUPPORTED_VLLM = "0.26.0"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
 CALIBRATION_ENV = "LORAZOR_CALIBRATION"
+SLOTS_ENV = "LORAZOR_SLOTS"
+SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseScheduler"
+SLOT_EXECUTORS = ("uni", "mp")  # executors whose step output reaches the scheduler as the worker's object
+RELEASES_ATTR = "lorazor_releases"  # ModelRunnerOutput attribute: {req_id: r} decided in that step
 
 
 class BridgeError(RuntimeError):
@@ -57,12 +64,14 @@ class BridgeSettings:
     log_interval_s: seconds between counter summaries in the log (0 = never).
     calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
         policies, scorer and capture set are set over ``collective_rpc``.
+    slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
     """
 
     bundle: Path | None
     adapters: dict[str, str] = field(default_factory=dict)
     log_interval_s: float = 60.0
     calibration: bool = False
+    slots: bool = False
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
@@ -76,10 +85,15 @@ class BridgeSettings:
                               f"(its policies come over collective_rpc); unset one of them.")
         if not (bundle or calibration):
             return None
+        given = bool(env.get(SLOTS_ENV, "").strip())
+        slots = _switch(SLOTS_ENV, "for slot hand-back", env) if given else not calibration
+        if calibration and slots:
+            raise BridgeError(f"{SLOTS_ENV} is on in calibration mode ({CALIBRATION_ENV}): slot hand-back "
+                              f"serves a bundle's releases; unset {SLOTS_ENV}.")
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
-                              calibration=calibration)
+                              calibration=calibration, slots=slots)
 
 
 def _switch(name: str, purpose: str, environ: Mapping[str, str] | None) -> bool:
@@ -180,6 +194,29 @@ def require_supported_engine(vllm_config: Any, calibration: bool = False) -> Non
     if fixes:
         raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine "
                           f"settings: " + "; ".join(fixes) + ".")
+
+
+def require_slot_engine(vllm_config: Any) -> None:
+    """Refuse engine settings under which slot hand-back cannot work (``LORAZOR_SLOTS`` on).
+
+    - The scheduler must be LoRazor's (``scheduler_cls`` unset, which the plugin resolves to it,
+      or :data:`SCHEDULER_QUALNAME`): another one would keep counting released requests.
+    - The executor must be ``uni`` or ``mp``: the step output that carries learned releases
+      then reaches the scheduler as the driver worker's object, or pickled with its attributes.
+    """
+    fixes = []
+    cls = vllm_config.scheduler_config.scheduler_cls
+    name = cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    if name not in (None, SCHEDULER_QUALNAME):
+        fixes.append(f"use LoRazor's scheduler (unset scheduler_cls, or scheduler_cls={SCHEDULER_QUALNAME!r}), "
+                     f"not {name!r}")
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend not in SLOT_EXECUTORS:
+        fixes.append(f"use distributed_executor_backend 'mp' or 'uni' (found {backend!r}): learned releases "
+                     f"reach the scheduler with the step output only through those")
+    if fixes:
+        raise BridgeError(f"LoRazor slot hand-back ({SLOTS_ENV} is on by default with {BUNDLE_ENV}) cannot run "
+                          f"with these engine settings: " + "; ".join(fixes) + f"; or set {SLOTS_ENV}=0.")
 
 
 def _released_blocks_keyed() -> bool:

@@ -4,13 +4,16 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from benchmarks.serving import bench
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
 from benchmarks.serving.synthetic import lora_targets
+from tests.serve_bridge.test_slot_scheduler import sched  # noqa: F401 - fixture: the scheduler over a vLLM stand-in
 
 
 @pytest.fixture(scope="module")
@@ -429,3 +432,60 @@ def test_profile_python_needs_profile_steps(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--profile-python", "--out", "/nonexistent/out"])
     assert "--profile-python needs --profile-steps" in capsys.readouterr().err
+
+
+def test_slot_bound_options_env_and_table(tmp_path):
+    opts = bench.engine_options(512, mode="both", max_loras=32)
+    assert opts["max_loras"] == 32 and opts["max_cpu_loras"] == 256
+    assert bench.engine_options(1024, max_loras=512)["max_cpu_loras"] == 512  # vLLM needs max_cpu_loras ≥ max_loras
+    assert bench.engine_options(1024, max_loras=64, max_cpu_loras=1024)["max_cpu_loras"] == 1024
+    env = bench.mode_env("both", {"LORAZOR_SLOTS": "1", "X": "1"}, tmp_path, {"a00": tmp_path})
+    assert "LORAZOR_SLOTS" not in env and env["X"] == "1"  # hand-back on by default with the bundle
+    assert bench.mode_env("both", {}, tmp_path, {}, slots=False)["LORAZOR_SLOTS"] == "0"
+    assert "LORAZOR_SLOTS" not in bench.mode_env("gridtrim", {}, tmp_path, {}, slots=False)
+    row = {"mode": "both", "adapters": 512, "skewed": False, "req_per_s": 90.0, "max_loras": 32, "slot_steps": 600,
+           "mean_running": 200.04, "mean_slots_held": 27.0, "model_steps": 582, "model_mean_running": 208.7,
+           "model_mean_slots_held": 27.2}
+    table = bench.slot_table([row, {"mode": "stock", "adapters": 512, "skewed": False, "error": "timed out"}])
+    assert table.splitlines()[1] == bench.SLOT_HEADER
+    assert table.splitlines()[3] == "| 512 | uniform | both | 32 | 90.0 | 600 | 200.0 | 27.0 | 582 | 208.7 | 27.2 |"
+    assert bench.slot_table([{"mode": "stock"}]) == ""
+
+
+def test_slot_stats_and_prediction(sched):  # noqa: F811
+    from serve_bridge import capacity
+
+    wl = bench.make_workload(64, 96, seed=2, prompt_len=(5, 40), output_len=(3, 20))
+    requests = {}
+
+    class Scheduler:  # scheduled_occupancy reads requests / num_scheduled_tokens only
+        def __init__(self):
+            self.steps = 0
+
+        def schedule(self):
+            self.steps += 1
+            ids = [f"r{self.steps}", f"s{self.steps}"]
+            for j, rid in enumerate(ids):
+                requests[rid] = SimpleNamespace(num_computed_tokens=4, lora_request=SimpleNamespace(lora_int_id=j))
+            return SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in ids})
+
+    sched = Scheduler()
+    sched.requests = requests
+    stats = bench.SlotStats(sched)
+    assert stats.scheduler_class == "Scheduler"
+    sched.schedule()  # warm-up: not counted
+    stats.start()
+    for _ in range(3):
+        sched.schedule()
+    summary = stats.summary()
+    assert summary["slot_steps"] == 3 and summary["mean_running"] == 2 and summary["mean_slots_held"] == 2
+    assert summary["max_slots_held"] == summary["max_adapters_scheduled"] == 2
+    assert summary["step_ms"] >= 0
+    opts = bench.engine_options(64, max_loras=8)
+    pred = bench.predicted_slots(wl, 8, True, opts)
+    reqs = capacity.Requests(np.asarray(wl.adapter), np.asarray([len(p) for p in wl.prompt]),
+                             np.asarray(wl.max_tokens), np.asarray(wl.releases()), np.zeros(96, np.int64))
+    ref = capacity.simulate(reqs, 8, release=True, max_num_seqs=256, token_budget=2048)
+    assert pred == {"model_steps": ref.steps, "model_mean_running": ref.mean_running,
+                    "model_mean_slots_held": ref.mean_occupancy}
+    assert bench.predicted_slots(wl, 8, False, opts)["model_steps"] > pred["model_steps"]

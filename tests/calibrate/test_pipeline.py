@@ -53,6 +53,10 @@ def test_end_to_end_tiny(tiny_run: tuple[Path, dict]) -> None:
     bundle = load_bundle(tmp_path / "bundle", expected_hidden_size=576, expected_backbone="smollm2",
                          known_adapters=["arith-a"])
     assert set(bundle.adapters) == {"arith-a"}
+    entry = bundle.adapters["arith-a"]
+    if entry.policy != "none":  # the validation release points, for serve_bridge.capacity
+        hist = entry.stats["release_points"]
+        assert sum(hist["count"]) + hist["never"] == 3  # task.sizes.validation
     for name in ("candidates", "frontier", "selection", "k_table", "budget_comparison"):
         assert len(pd.read_csv(tmp_path / "sweep" / f"{name}.csv")) > 0
     assert (tmp_path / "plots" / "frontier_arith-a.png").stat().st_size > 1000

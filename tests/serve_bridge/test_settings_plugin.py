@@ -197,3 +197,22 @@ def test_register_refuses_v2_runner(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     with pytest.raises(BridgeError, match="V1 GPU model runner"):
         plugin.register()
+
+
+@pytest.mark.parametrize("slots,installed", [(None, True), ("0", False)])
+def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, installed):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
+    monkeypatch.delenv("LORAZOR_GRIDTRIM")
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    if slots is None:
+        monkeypatch.delenv("LORAZOR_SLOTS", raising=False)
+    else:
+        monkeypatch.setenv("LORAZOR_SLOTS", slots)
+    calls = []
+    for name in ("model_runner", "scheduler"):
+        stub = ModuleType(f"serve_bridge.vllm.{name}")
+        stub.install = lambda name=name: calls.append(name)
+        monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{name}", stub)
+        monkeypatch.setattr(sys.modules["serve_bridge.vllm"], name, stub, raising=False)
+    plugin.register()
+    assert calls == (["model_runner", "scheduler"] if installed else ["model_runner"])

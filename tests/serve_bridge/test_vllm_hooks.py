@@ -11,9 +11,10 @@ from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from serve_bridge.runtime import build_runtime, lora_group_count
-from serve_bridge.vllm.settings import BridgeSettings
+from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeSettings
 from tests.serve_bridge.test_runtime import H, _bundle, served  # noqa: F401 - served is a fixture
 
 
@@ -34,6 +35,9 @@ def hooks(monkeypatch):
 
         def set_active_loras(self, input_batch, num_scheduled, num_sampled=None, mapping_type=None):
             self.calls.append(("stock", mapping_type))
+
+        def sample_tokens(self, grammar_output):
+            return SimpleNamespace(req_ids=["stand-in output"])
 
     mapping_type = enum.Enum("LoRAMappingType", "LANGUAGE TOWER CONNECTOR")
     modules = {"vllm": ModuleType("vllm"), "vllm.v1": ModuleType("vllm.v1"),
@@ -78,3 +82,29 @@ def test_set_active_loras_masks_released_positions_and_hands_over_ints(hooks, tm
 
     runner.set_active_loras(batch, scheduled, None, mapping_type.TOWER)  # other mappings: vLLM's own
     assert runner.calls[-1] == ("stock", mapping_type.TOWER)
+
+
+def test_released_adapters_are_not_made_resident_and_releases_ride_on_the_output(hooks, tmp_path, served):  # noqa: F811
+    module, mapping_type = hooks
+    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt.add("a", "prof0", str(served["prof0"]), 4)  # profiled k = 0: released after its prefill
+    rt.add("c", "off", str(served["off"]), 4)
+    rt.report_releases = True
+    batch = SimpleNamespace(num_reqs=2, req_ids=["a", "c"], request_lora_mapping=np.array([3, 5], dtype=np.int32),
+                            lora_id_to_lora_request={3: "lora-3", 5: "lora-5"},
+                            num_computed_tokens_cpu=np.array([0, 0]), num_tokens_no_spec=np.array([4, 4]))
+    runner = object.__new__(module.LoRazorGPUModelRunner)
+    runner.calls, runner.lorazor, runner._lorazor_groups = [], rt, None
+    runner.set_active_loras(batch, np.array([4, 4], dtype=np.int32), None, mapping_type.LANGUAGE)
+    assert runner.calls[-1][2] == {"lora-3", "lora-5"}  # both prefill with their adapters
+    rt.decide(torch.zeros(2, H))
+    out = runner.sample_tokens(None)
+    assert getattr(out, RELEASES_ATTR) == {"a": 0}  # the scheduler learns a's release with this step's output
+    assert not hasattr(runner.sample_tokens(None), RELEASES_ATTR)  # reported once
+    batch.num_computed_tokens_cpu[:], batch.num_tokens_no_spec[:] = 4, 5
+    runner.set_active_loras(batch, np.array([1, 1], dtype=np.int32), None, mapping_type.LANGUAGE)
+    sampled, tokens, requests, _ = runner.calls[-1]
+    assert tokens == (0, 5) and requests == {"lora-5"}  # a's adapter need not be resident any more
+    assert runner._lorazor_groups == 2
+    rt.report_releases = False
+    assert not hasattr(runner.sample_tokens(None), RELEASES_ATTR)

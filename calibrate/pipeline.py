@@ -10,16 +10,21 @@ interrupted run resumes and a finished one is a no-op.
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import asdict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from calibrate.context import Context
 from calibrate.errors import ConfigError
-from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint
+from calibrate.preview import PreviewDone, Workload, estimate, format_preview
+from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint, write_atomic
 from calibrate.validate import validate
-from labeling.labels import build_requests, format_summary, run_labeling, summarize
+from labeling.engines.vllm.options import VLLMOptions
+from labeling.labels import LabelingPlan, build_requests, format_summary, run_labeling, summarize
 from labeling.tasks import SPLITS
 from labeling.trees import run_trees
 from predictors.candidates import Candidates, build_candidates
@@ -50,12 +55,42 @@ def stage_data(ctx: Context) -> dict:
     return counts
 
 
+def engine_label(ctx: Context) -> str:
+    """The run's engine in a few words (``hf (cpu)``, ``vllm (2 replicas × tensor_parallel_size 4)``)."""
+    e = ctx.engine_options
+    if isinstance(e, VLLMOptions):
+        return f"vllm ({e.data_parallel_size} replica(s) × tensor_parallel_size {e.tensor_parallel_size})"
+    return f"hf ({e.device})"
+
+
+def preview(ctx: Context, plan: LabelingPlan) -> float:
+    """Print the cost preview (calibrate/preview.py) and return its labeling estimate (seconds);
+    stop the run after it with ``preview=true``."""
+    work = Workload({split: len(ctx.task.load_split(split)) for split in SPLITS}, len(ctx.adapter_names),
+                    len(ctx.section("labeling")["points"]))
+    _say(format_preview(plan, work, engine_label(ctx)))
+    if ctx.cfg.preview:
+        raise PreviewDone
+    return estimate(plan, work)["labels"]["seconds"]
+
+
 def stage_labels(ctx: Context) -> dict:
-    """ON/OFF labels on the train split (resumable shards)."""
+    """ON/OFF labels on the train split (resumable shards); the cost preview after the first."""
     lab = ctx.section("labeling")
+    seen: dict[str, Any] = {}
+
+    def after_first(plan: LabelingPlan) -> None:
+        seen["plan"] = plan
+        seen["estimate_s"] = preview(ctx, plan)
+
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
                                  lab["points"], ctx.run.root / "labels", ctx.shard_requests,
-                                 shard_key=stage_fingerprints(ctx)["labels"])
+                                 shard_key=stage_fingerprints(ctx)["labels"], after_first=after_first,
+                                 progress=ctx.engine_options.progress)
+    if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
+        m = seen["plan"].measured()
+        _say(f"labels: {m.requests} requests, {m.tokens} generated tokens in {m.seconds:.1f} s of generation "
+             f"({m.tokens / max(m.seconds, 1e-9):.0f} tokens/s); the preview estimated {seen['estimate_s']:.1f} s")
     points.to_parquet(ctx.run.out("labels", "points.parquet"), index=False)
     np.save(ctx.run.out("labels", "features.npy"), feats)
     plot_positive_rate(points, ctx.run.out("plots", "positive_rate_per_t.png"))
@@ -264,7 +299,7 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
     """Run the configured stages in order, skipping those already done; return their summaries."""
     validate(ctx)
     wanted = list(ctx.cfg.stages)
-    if ctx.cfg.get("agreement", False) and "agreement" not in wanted:
+    if ctx.cfg.agreement and "agreement" not in wanted:
         wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
@@ -278,6 +313,10 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
             if why:
                 raise ConfigError(f"stage {name!r} needs the output of stage {u!r}, which has none ({why}); "
                                   f"add {u!r} to `stages`.")
+    reason = ctx.engine_choice.reason if ctx.engine_choice is not None else f"engine={ctx.engine_options.name} (explicit)"
+    if ctx.engine_choice is not None:
+        _say(reason)
+    write_atomic(ctx.run.path("engine.json"), json.dumps({**asdict(ctx.engine_options), "why": reason}, indent=2))
     summaries = {}
     for name, (fn, _, upstream) in STAGES.items():
         if name not in wanted:
@@ -286,15 +325,25 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
         if reason is None:
             _say(f"[{name}] cached")
             summaries[name] = ctx.run.summary(name)
-            continue
-        _say(f"[{name}] running" if reason in (NOT_RUN, CONFIG_CHANGED) else f"[{name}] recomputing: {reason}")
-        ctx.run.begin(name)
-        try:
-            summaries[name] = fn(ctx)
-        except BaseException:
-            ctx.run.discard(name)
-            raise
-        ctx.run.commit(name, fps[name], summaries[name], upstream)
+        else:
+            _say(f"[{name}] running" if reason in (NOT_RUN, CONFIG_CHANGED) else f"[{name}] recomputing: {reason}")
+            start = time.perf_counter()
+            ctx.run.begin(name)
+            try:
+                summaries[name] = fn(ctx)
+            except PreviewDone:
+                ctx.run.discard(name)
+                _say("preview=true: stopped after the preview; the measured shard is kept, so the same command "
+                     "without preview=true goes on from there.")
+                return summaries
+            except BaseException:
+                ctx.run.discard(name)
+                raise
+            ctx.run.commit(name, fps[name], summaries[name], upstream)
+            _say(f"[{name}] done in {time.perf_counter() - start:.1f} s")
+        if name == "labels" and ctx.cfg.preview:
+            _say("preview=true: labeling is already done, nothing left to preview.")
+            return summaries
     return summaries
 
 

@@ -3,6 +3,7 @@
 Layout (all paths relative to the run directory)::
 
     .hydra/                 Hydra's composed config (written by Hydra)
+    engine.json             the engine the run resolved to (engine=auto's choice) and why
     stages/<stage>.json     completion marker: {"fingerprint", "finished_at", "summary", "outputs"}
     data/<split>.jsonl      the examples each split resolved to (uid, question, reference)
     labels/shards/NNNNN.*   labeling shards (resumable), merged into

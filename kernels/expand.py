@@ -26,7 +26,7 @@ from kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
-CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/kernels/RESULTS.md)
+CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/results/2026-11-30-kernels.md)
 MAX_SLICES = 3
 _NO_UPPER_BOUND = 2**31 - 1
 
@@ -106,7 +106,7 @@ def default_block_n(rank: int) -> int:
     """Output columns per tile: 4096 B-tile elements (256 columns up to rank 16), at least 64.
 
     256 columns (with `CHUNK_TILES` tiles per item) was the fastest tile width of the H200 sweeps
-    in benchmarks/kernels/RESULTS.md at rank 8.
+    in benchmarks/results/2026-11-30-kernels.md at rank 8.
     """
     return max(64, 4096 // block_rank(rank))
 

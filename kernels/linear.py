@@ -22,7 +22,7 @@ from kernels.worklist import RowTileWorklist
 @dataclass(frozen=True)
 class LinearKnobs:
     """Tile and launch knobs of the unfused shrink + expand. The defaults are the H200 sweeps'
-    choice of 2026-11-30 (benchmarks/kernels/RESULTS.md), which serve_bridge launches with.
+    choice of 2026-11-30 (benchmarks/results/2026-11-30-kernels.md), which serve_bridge launches with.
 
     block_n: output columns per expand tile (None: `expand.default_block_n(rank)`); chunk_tiles:
     expand tiles per item; k_chunk: hidden columns per shrink item (one fp32 partial each);

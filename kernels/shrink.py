@@ -24,7 +24,7 @@ from kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_s
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
-NUM_WARPS = 2  # faster than 4 in every H200 sweep since 2026-11-30 (benchmarks/kernels/RESULTS.md)
+NUM_WARPS = 2  # faster than 4 in every H200 sweep since 2026-11-30 (benchmarks/results/2026-11-30-kernels.md)
 NUM_STAGES = 3  # Triton's default on sm_90
 MAX_SLICES = 3
 

@@ -131,7 +131,7 @@ def store_y_tile(acc, y_ptr, rows, row_mask, offs_out, n_mask, stride_ym, stride
 
     The add is a relaxed atomic add (16-byte `red.global.add` of 8 bf16/fp16): the program does
     not wait for y to be read. Per layer that measured 13–19% faster on the H200 than a load, add
-    and store, with or without the next tile's y prefetched (benchmarks/kernels/RESULTS.md,
+    and store, with or without the next tile's y prefetched (benchmarks/results/2026-11-30-kernels.md,
     2026-11-30). Each element of y belongs to one tile of one item, so no two adds meet and the
     result is deterministic."""
     y = y_ptr + rows[:, None] * stride_ym + offs_out[None, :] * stride_yn

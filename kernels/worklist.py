@@ -24,7 +24,7 @@ import torch
 
 from kernels.metadata import LoRABatchMeta
 
-PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/kernels/RESULTS.md, 2026-11-30)
+PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/results/2026-11-30-kernels.md, 2026-11-30)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ class BackboneError(ValueError):
     """A user-facing backbone problem (missing package, unknown dtype...)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class BackboneSpec:
     """Where a backbone comes from.
 
@@ -117,6 +117,17 @@ def load_backbone(spec: BackboneSpec, device: str = "cpu"):
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype]).to(device).eval()
     return model, tok
+
+
+def parameter_count(spec: BackboneSpec) -> int:
+    """The backbone's parameter count from its config alone: the model is built on the meta
+    device, so no weights are read (a hub id downloads only its config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_backbone_dir(spec))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return int(model.num_parameters())
 
 
 def stop_token_ids(generation_config, tokenizer, spec: BackboneSpec) -> set[int]:

@@ -221,7 +221,7 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
     """(:func:`ineligible_reason`, and when None the layer's ``kernels.linear.LinearConfig`` for
     x and y of these layouts) through the per-layer cache. Building the launch arguments costs
     about 0.2 ms of Python per call on the development CPU, the same order as the GPU host's
-    measured per-call cost in eager steps (``benchmarks/serve_bridge/BENCH.md``, 2026-11-29)."""
+    measured per-call cost in eager steps (``benchmarks/results/2026-11-29-host-path.md``, 2026-11-29)."""
     if torch.compiler.is_compiling():  # the traced op path rebuilds it at run time; keep it out of the trace
         return ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start), None
     key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), tuple(output_slices),

@@ -10,7 +10,7 @@ at every t ∈ T the response continues past — then labels it with ``label_res
 
 - hf: ``labeling/engines/hf.py`` on CUDA (``--hf-batch-size`` rows per batch), in bfloat16
   like vLLM (``--dtype``), OFF branches forked from the ON KV cache;
-- vllm: ``labeling/engines/vllm.py`` with conf/engine/vllm.yaml's defaults (plus ``--dtype``),
+- vllm: ``labeling/engines/vllm/`` with its defaults (``VLLMOptions``) (plus ``--dtype``),
   OFF branches replayed from prompt + ON prefix with a forced release position.
 
 It prints and writes (``DIR/compare.md``, ``DIR/compare.json``): generated tokens per second of
@@ -44,6 +44,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options: list[str]):
     from omegaconf import OmegaConf
 
-    from calibrate.resolvers import register
+    from calibrate.config import register
+    from labeling.engines.vllm.options import VLLMOptions
 
     register()
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
@@ -62,8 +64,7 @@ def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options
         cfg.engine = {"name": "hf", "device": "cuda", "batch_size": hf_batch_size, "progress": True}
     else:
         options = OmegaConf.from_dotlist(vllm_options)  # KEY=VALUE, values parsed as YAML
-        cfg.engine = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "engine" / "vllm.yaml")),
-                      "dtype": dtype, **OmegaConf.to_container(options)}
+        cfg.engine = {**asdict(VLLMOptions()), "dtype": dtype, **OmegaConf.to_container(options)}
     return cfg
 
 
@@ -183,7 +184,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--limit", type=int, default=0, help="first N train examples (0 = all)")
     ap.add_argument("--vllm-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a conf/engine/vllm.yaml key for the vllm engine (repeatable), "
+                    help="override a VLLMOptions key (engine=vllm) for the vllm engine (repeatable), "
                          "e.g. max_num_seqs=1024")
     ap.add_argument("--engines", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"],
                     help="engines to run now; the other's results are read from --out (an earlier run)")

@@ -16,7 +16,7 @@ import time
 from omegaconf import OmegaConf
 
 from calibrate.context import Context
-from calibrate.resolvers import register
+from calibrate.config import register
 from calibrate.rundir import RunDir
 from labeling.labels import build_requests
 from predictors.candidates import Candidates

@@ -7,6 +7,7 @@ holding ``train.jsonl`` / ``test.jsonl`` (``.json`` also accepted).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,15 @@ def carve_validation(rows: list[dict[str, Any]], split: str, val_size: int, seed
     val_size = min(val_size, len(rows))
     picked = order[:val_size] if split == "validation" else sorted(order[val_size:])
     return [rows[i] for i in (sorted(picked) if split == "validation" else picked)]
+
+
+@dataclass
+class PaperSplitOptions:
+    """The options of a task split by :func:`paper_split`: ``val_size`` rows of the official train
+    split become the validation split, chosen with ``seed``."""
+
+    val_size: int = 500
+    seed: int = 1234
 
 
 def paper_split(task: str, source: str, split: str, val_size: int, seed: int, test_split: str = "test",

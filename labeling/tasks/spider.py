@@ -16,11 +16,12 @@ caps (``labeling/evaluators/sql.py``); the schema is read the same way.
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, execute_readonly, execution_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 SCHEMA_SQL = (
@@ -59,18 +60,25 @@ def read_schema(db_path: Path) -> str:
     return "\n\n".join(row[0].strip() + ";" for row in rows)
 
 
-class SpiderTask(BaseTask):
+@dataclass
+class SpiderOptions(PaperSplitOptions):
+    """db_dir: the Spider release's ``database`` folder; test_split: the source split used as
+    test; timeout_s: execution timeout per query."""
+
+    source: str = "xlangai/spider"
+    hub_config: str | None = "spider"
+    db_dir: str | None = None
+    test_split: str = "validation"
+    max_new_tokens: int = 256
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class SpiderTask(BaseTask, SpiderOptions):
     name = "spider"
     required_fields = {"db_id": (str,), "query": (str,), "question": (str,)}
-
-    def __init__(self, source: str = "xlangai/spider", db_dir: str | None = None, max_new_tokens: int = 256,
-                 val_size: int = 500, seed: int = 1234, test_split: str = "validation",
-                 hub_config: str | None = "spider", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.db_dir, self.val_size, self.seed = source, db_dir, int(val_size), int(seed)
-        self.test_split, self.hub_config, self.timeout_s = test_split, hub_config, float(timeout_s)
-        self._schemas: dict[str, str] = {}
+    Options = SpiderOptions
+    _schemas: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def schema(self, db_id: str) -> str:
         """Schema text of ``db_id`` (cached); TaskError if the database file is missing."""

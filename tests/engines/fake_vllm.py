@@ -8,7 +8,7 @@ one-token decodes (and, optionally, a preemption recompute), hands the LoRA mapp
 same LoRA id are one model call on the request's own KV cache), collects the final-norm
 hidden state of each row's last scheduled position, calls ``capture`` and ``decide`` on
 them, and samples greedily. Finished requests reach the runtime at the next step, as in
-vLLM. So :class:`labeling.engines.vllm.VLLMEngine` can be tested end to end on CPU against
+vLLM. So :class:`labeling.engines.vllm.engine.VLLMEngine` can be tested end to end on CPU against
 the hf engine; only vLLM's kernels are missing.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from labeling.engines.hf import BASE
-from labeling.engines.vllm import Batch, VLLMRequest
+from labeling.engines.vllm.requests import Batch, VLLMRequest
 from serve_bridge.calibration import CalibrationRuntime
 
 

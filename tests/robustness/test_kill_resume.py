@@ -1,6 +1,6 @@
 """Three seeded SIGKILLs of `python -m calibrate` (in labels, sweep and export), each followed by a
 re-run: the final outputs equal the uninterrupted tiny run's. The 24-kill version over every stage
-is `python -m benchmarks.robustness.kill_resume` (benchmarks/robustness/RESULTS.md)."""
+is `python -m benchmarks.robustness.kill_resume` (benchmarks/results/2026-12-01-kill-resume.md)."""
 from __future__ import annotations
 
 import random

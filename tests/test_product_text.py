@@ -20,7 +20,7 @@ PATTERNS = {
     "a path outside the repository": re.compile(r"\.\./shared"),
     "the design outside the repository": re.compile(r"\bDESIGN §"),
 }
-CHECKED = ("*.py", "*.sh", "Makefile", "pyproject.toml", "docs/vllm_integration.md")
+CHECKED = ("*.py", "*.sh", "*.md", "*.yaml", "*.ipynb", "Makefile", "pyproject.toml")
 
 
 def _files() -> list[str]:

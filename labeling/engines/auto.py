@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from labeling.engines.hf import HFOptions
-from labeling.engines.vllm.options import VLLMOptions
-from serve_bridge.vllm.settings import SUPPORTED_VLLM
+from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions
 
 WEIGHT_SHARE = 0.5  # of the memory vLLM may use per GPU; the rest is KV cache and activations
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}

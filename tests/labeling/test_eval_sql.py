@@ -206,14 +206,14 @@ def test_wal_database_is_read_from_a_private_copy(tmp_path: Path, keep_wal: bool
 
 
 def test_slow_builtin_is_killed_within_its_timeout(db: Path) -> None:
-    """One replace() over 30 MB runs as a single VM instruction: the worker's interrupt cannot
+    """One replace() over 100 MB runs as a single VM instruction: the worker's interrupt cannot
     stop it, so the parent kills the worker; the next query gets a new one."""
     sandbox = SqlSandbox()
-    slow = "SELECT length(replace(printf('%.*c', 30000000, 'a'), 'a', 'bc'))"
+    slow = "SELECT length(replace(printf('%.*c', 100000000, 'a'), 'a', 'bc'))"
     assert sandbox.execute(db, ["SELECT 1"]) == [[(1,)]]
     start = time.monotonic()
     with pytest.raises(QueryTimeout, match="worker was killed"):
-        sandbox.execute(db, [slow], timeout_s=0.2, max_bytes=1 << 27)
+        sandbox.execute(db, [slow], timeout_s=0.1, max_bytes=1 << 27)
     assert time.monotonic() - start < 3.0
     assert sandbox.execute(db, ["SELECT count(*) FROM singer"]) == [[(len(ROWS),)]]
     assert sandbox.starts == 2

@@ -84,7 +84,7 @@ class LocalBackend:
         It drives vLLM V1's ``LLMEngine`` as ``LLM.generate`` does (``add_request``, then ``step()``
         while requests are unfinished: ``entrypoints/offline_utils.py:573-630``), asking for final
         outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
-        (``on<k>``, ``off<j>``); outputs carry them (``v1/engine/output_processor.py:371``). On an
+        (``on<k>``, ``off<j>``); outputs hold them (``v1/engine/output_processor.py:371``). On an
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
         from serve_bridge.vllm.rpc import lorazor_calibrate
 

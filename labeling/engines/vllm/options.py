@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from labeling.adapters import AdapterSpec
-from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV
+from serve_bridge.vllm.settings import (  # SUPPORTED_VLLM also serves engine=auto
+    BUNDLE_ENV, CALIBRATION_ENV, SUPPORTED_VLLM, V2_RUNNER_ENV)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 

@@ -1,19 +1,30 @@
-"""``python -m calibrate task=… backbone=… adapter=…``: the Hydra entry point."""
+"""``python -m calibrate task=… backbone=… adapter=…``: the Hydra entry point.
+
+User mistakes end in one line on stderr and exit code 2: a config Hydra cannot compose (an
+unknown group option or key, a value of the wrong type) and the pipeline's own
+:data:`calibrate.errors.UserError`. Bugs still raise with their traceback.
+"""
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from calibrate.resolvers import register
+from calibrate.config import register
 
 register()
+_composed = False  # set once Hydra composed a config: later errors are not config errors
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    global _composed
+    _composed = True
     from calibrate.context import Context
     from calibrate.errors import UserError
     from calibrate.pipeline import format_final, run_pipeline
@@ -24,12 +35,46 @@ def main(cfg: DictConfig) -> None:
     try:
         summaries = run_pipeline(Context(cfg, run))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(str(e))
     table = format_final(summaries)
     if table:
         print("\n" + table, flush=True)
 
 
+def fail(message: str) -> None:
+    print("error: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)  # one line
+    sys.exit(2)
+
+
+def config_error(err: Exception) -> str:
+    """One line for a composition error: Hydra's message and its cause's first line."""
+    parts = [str(e).strip().splitlines()[0].rstrip(".") for e in (err, err.__cause__) if e is not None and str(e).strip()]
+    text = ": ".join(parts)
+    lines = str(err).splitlines()
+    if any(line.startswith("Available options") for line in lines):  # an unknown group option
+        start = next(i for i, line in enumerate(lines) if line.startswith("Available options"))
+        known = []
+        for line in lines[start + 1:]:
+            if not line.startswith("\t"):
+                break
+            if not line.strip().startswith("base"):
+                known.append(line.strip())
+        text += f"; available: {', '.join(known)}"
+    if "not in 'AutoOptions'" in text:
+        text += " (engine=auto has only `progress`; engine options need engine=hf or engine=vllm)"
+    return text
+
+
+def cli() -> None:
+    """Run :func:`main`, with composition errors as one line and exit code 2."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let them reach us instead of Hydra's report
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        if _composed:
+            raise
+        fail(config_error(err))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

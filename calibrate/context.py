@@ -5,16 +5,21 @@ whose generation stages are cached starts in a second.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from calibrate.config import ENGINES
 from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter, weights_file
-from labeling.backbone import BackboneSpec, load_backbone, resolve_backbone_dir, stop_token_ids
+from labeling.backbone import (BackboneError, BackboneSpec, load_backbone, parameter_count, resolve_backbone_dir,
+                               stop_token_ids)
+from labeling.engines.auto import AutoOptions, EngineChoice, MachineFacts, probe_facts, resolve_engine
+from labeling.engines.hf import HFOptions
+from labeling.engines.vllm.options import VLLMOptions
 from labeling.tasks import Task, build_task
 from serve_bridge.bundle import file_sha256
 
@@ -22,15 +27,19 @@ from serve_bridge.bundle import file_sha256
 VLLM_DEFAULT_MAX_NUM_SEQS = 1024
 # The engine keys that stage fingerprints include (see Context.fingerprint_section).
 ENGINE_IDENTITY = ("name", "dtype", "device")
-VLLM_DEFAULTS = Path(__file__).resolve().parents[1] / "conf" / "engine" / "vllm.yaml"
 
 
 class Context:
-    """Config + run dir + lazily built task, backbone and engine."""
+    """Config + run dir + lazily built task, backbone and engine.
 
-    def __init__(self, cfg: DictConfig, run: RunDir) -> None:
+    facts: the machine facts ``engine=auto`` decides on (:mod:`labeling.engines.auto`); probed
+    when first needed unless given (tests inject them).
+    """
+
+    def __init__(self, cfg: DictConfig, run: RunDir, facts: MachineFacts | None = None) -> None:
         self.cfg = cfg
         self.run = run
+        self._facts = facts
 
     def section(self, name: str) -> dict[str, Any]:
         """A plain-dict copy of one config group (for fingerprints and kwargs)."""
@@ -42,7 +51,8 @@ class Context:
         Every key, except:
 
         - ``engine``: only what changes the generated tokens — which engine, and its numerics
-          (``dtype``, ``device``). Switching hf↔vllm therefore recomputes the generation stages,
+          (``dtype``, ``device``), of the engine the run resolved to (``engine=auto`` counts as
+          the engine it chose). Switching hf↔vllm therefore recomputes the generation stages,
           while throughput knobs (batch sizes, memory fraction, parallelism, progress bars) keep
           a run's cache;
         - ``backbone.gguf_dir``: where the GGUF file lies, not which model it is (``gguf_file``
@@ -51,14 +61,41 @@ class Context:
           ``adapter_config.json``), not by path. New weights at the same path recompute; the same
           adapter elsewhere (another machine, the installed package) keeps the cache.
         """
-        section = self.section(name)
         if name == "engine":
-            return {k: section[k] for k in ENGINE_IDENTITY if k in section}
+            options = asdict(self.engine_options)
+            return {k: options[k] for k in ENGINE_IDENTITY if k in options}
+        section = self.section(name)
         if name == "backbone":
             section.pop("gguf_dir", None)
         if name == "adapter":
             section["adapters"] = self._adapter_identities
         return section
+
+    @cached_property
+    def _engine_config(self) -> AutoOptions | HFOptions | VLLMOptions:
+        """The ``engine`` group as its options dataclass (its ``name`` picks the class)."""
+        e = self.section("engine")
+        if e["name"] not in ENGINES:
+            raise ConfigError(f"engine.name={e['name']!r}: choose the engine with engine=auto (the default), "
+                              f"engine=hf (transformers + peft, CPU or GPU) or engine=vllm (GPU).")
+        return ENGINES[e["name"]](**e)
+
+    @cached_property
+    def engine_choice(self) -> EngineChoice | None:
+        """What ``engine=auto`` resolved to and why (None for an explicit engine)."""
+        options = self._engine_config
+        if not isinstance(options, AutoOptions):
+            return None
+        facts = self._facts if self._facts is not None else probe_facts()
+        return resolve_engine(facts, lambda: parameter_count(self.backbone_spec), self.backbone_spec.name, options)
+
+    @cached_property
+    def engine_options(self) -> HFOptions | VLLMOptions:
+        """The options of the engine this run uses: the explicit ``engine=hf|vllm``, or what
+        ``engine=auto`` chose."""
+        if self.engine_choice is not None:
+            return self.engine_choice.options
+        return self._engine_config  # type: ignore[return-value]
 
     @cached_property
     def _adapter_identities(self) -> list[dict[str, str]]:
@@ -73,31 +110,34 @@ class Context:
     @property
     def shard_requests(self) -> int:
         """Requests per labeling shard: ``labeling.shard_requests``, or with ``auto`` what keeps
-        the engine busy — two hf batches (``engine.batch_size``), or every vLLM replica's full
-        batch (``max_num_seqs`` × ``data_parallel_size``; ``max_num_seqs: null`` counts as
-        1024, vLLM's default on ≥ 70 GiB GPUs, see conf/engine/vllm.yaml)."""
-        n = self.section("labeling")["shard_requests"]
+        the engine busy — two hf batches (``batch_size``), or every vLLM replica's full batch
+        (``max_num_seqs`` × ``data_parallel_size``; ``max_num_seqs`` None counts as 1024, vLLM's
+        default on ≥ 70 GiB GPUs)."""
+        n = self.cfg.labeling.shard_requests
         if n == "auto":
-            e = self.section("engine")
-            if e["name"] == "vllm":
-                return int(e.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS) * int(e.get("data_parallel_size", 1))
-            return 2 * int(e.get("batch_size", 16))
-        if not isinstance(n, int) or n < 1:
+            e = self.engine_options
+            if isinstance(e, VLLMOptions):
+                return (e.max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS) * e.data_parallel_size
+            return 2 * e.batch_size
+        if not str(n).isdigit() or int(n) < 1:
             raise ConfigError(f"labeling.shard_requests={n!r}: use a positive integer or auto.")
-        return n
+        return int(n)
 
     @cached_property
     def task(self) -> Task:
         t = self.section("task")
-        return build_task(t["name"], sizes=t.get("sizes"), **t.get("options", {}))
+        return build_task(t["name"], sizes=t["sizes"], **t["options"])
 
     @cached_property
     def adapters(self) -> list[AdapterSpec]:
-        specs = [AdapterSpec(name=a["name"], path=str(a["path"]), task=a.get("task"))
-                 for a in self.section("adapter")["adapters"]]
-        if not specs:
+        entries = self.section("adapter")["adapters"]
+        if not entries:
             raise AdapterError("adapter.adapters is empty: list at least one {name, path} "
                                "(see conf/adapter/custom.yaml).")
+        if any(not {"name", "path"} <= set(a) <= {"name", "path", "task"} for a in entries):
+            raise AdapterError(f"adapter.adapters: each entry is {{name, path}} with an optional task, got {entries} "
+                               "(conf/adapter).")
+        specs = [AdapterSpec(name=a["name"], path=str(a["path"]), task=a.get("task")) for a in entries]
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names must be unique, got {names} (conf/adapter).")
@@ -134,54 +174,53 @@ class Context:
     @cached_property
     def backbone_spec(self) -> BackboneSpec:
         b = self.section("backbone")
-        return BackboneSpec(name=b["name"], hf_id=b.get("hf_id"), gguf_package=b.get("gguf_package"),
-                            gguf_file=b.get("gguf_file"), gguf_dir=b.get("gguf_dir"),  # +backbone.gguf_dir=…
-                            dtype=b.get("dtype", "float32"), extra_stop_tokens=tuple(b.get("extra_stop_tokens") or ()))
+        return BackboneSpec(**{**b, "extra_stop_tokens": tuple(b["extra_stop_tokens"])})
 
     def check_adapters(self) -> None:
-        """Validate every adapter against the backbone's hidden size, before loading weights."""
+        """Validate every adapter against the backbone (hidden size, base model), before loading weights."""
         from transformers import AutoConfig
 
-        hidden = AutoConfig.from_pretrained(resolve_backbone_dir(self.backbone_spec)).hidden_size
+        b = self.backbone_spec
+        try:
+            config = AutoConfig.from_pretrained(resolve_backbone_dir(b))
+        except OSError as err:
+            raise BackboneError(f"backbone '{b.name}': cannot read its config ({str(err).splitlines()[0]}).") from err
+        names = [n for n in (b.name, b.hf_id, b.gguf_file, config.name_or_path) if n]
         for spec in self.adapters:
-            validate_adapter(spec, hidden)
+            validate_adapter(spec, config.hidden_size, names)
 
     @cached_property
     def engine(self):
-        e = self.section("engine")
-        if e["name"] == "vllm":
+        e = self.engine_options
+        if isinstance(e, VLLMOptions):
             return self.vllm_engine(e)
-        if e["name"] != "hf":
-            raise ConfigError(f"engine={e['name']!r} is unknown; use engine=hf (transformers + peft, CPU or GPU) "
-                              f"or engine=vllm (GPU).")
         from labeling.engines.hf import HFEngine
 
         self.check_adapters()
-        model, tok = load_backbone(self.backbone_spec, device=e.get("device", "cpu"))
+        model, tok = load_backbone(self.backbone_spec, device=e.device)
         return HFEngine(model, tok, self.adapters, stop_token_ids(model.generation_config, tok, self.backbone_spec),
-                        batch_size=e.get("batch_size", 16), progress=e.get("progress", True))
+                        batch_size=e.batch_size, progress=e.progress)
 
-    def vllm_engine(self, options: dict[str, Any]):
-        """A :class:`labeling.engines.vllm.VLLMEngine` with ``options`` (conf/engine/vllm.yaml keys)."""
+    def vllm_engine(self, options: VLLMOptions):
+        """A :class:`labeling.engines.vllm.engine.VLLMEngine` with ``options``."""
         try:
             import vllm  # noqa: F401
         except ImportError as err:
             raise ConfigError("engine=vllm needs vllm==0.26.0 and a GPU: pip install 'lorazor[vllm]'") from err
-        from labeling.engines.vllm import VLLMEngine
+        from labeling.engines.vllm.engine import VLLMEngine
 
         self.check_adapters()
         try:
             return VLLMEngine.from_config(self.backbone_spec, self.adapters, options)
         except UserError:
             raise
-        except ValueError as err:  # an unknown option, an adapter rank beyond vLLM's
+        except ValueError as err:  # an adapter rank beyond vLLM's, a bad max_lora_rank, too few GPUs
             raise ConfigError(f"engine=vllm: {err}") from err
 
     @cached_property
     def agreement_engine(self):
         """The engine the agreement stage realizes the bundle on: the run's engine if it is
-        vLLM, else a vLLM engine with conf/engine/vllm.yaml's defaults (tests inject another)."""
-        if self.section("engine")["name"] == "vllm":
+        vLLM, else a vLLM engine with its defaults (tests inject another)."""
+        if isinstance(self.engine_options, VLLMOptions):
             return self.engine
-        defaults = OmegaConf.to_container(OmegaConf.load(VLLM_DEFAULTS), resolve=True)
-        return self.vllm_engine(defaults)  # type: ignore[arg-type]
+        return self.vllm_engine(VLLMOptions())

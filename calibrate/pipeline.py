@@ -1,22 +1,30 @@
 """The calibration stages, in order: data → labels → heads → sweep → export → test
 (→ agreement, with ``agreement=true``).
 
-Each stage reads its inputs from the run directory, writes its outputs there, and records a
-marker with its fingerprint (see :mod:`calibrate.rundir`). ``run_pipeline`` skips finished
-stages, so an interrupted run resumes and a finished one is a no-op.
+``run_pipeline`` first validates the config and every input (:mod:`calibrate.validate`). Each
+stage reads its inputs from the run directory (``ctx.run.path``) and writes its outputs into its
+scratch directory (``ctx.run.out``); when it returns, they are published with its marker (see
+:mod:`calibrate.rundir`). ``run_pipeline`` skips finished stages whose outputs are intact, so an
+interrupted run resumes and a finished one is a no-op.
 """
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import asdict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from calibrate.context import Context
 from calibrate.errors import ConfigError
-from calibrate.rundir import fingerprint
-from labeling.labels import build_requests, format_summary, run_labeling, summarize
+from calibrate.preview import PreviewDone, Workload, estimate, format_preview
+from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint, write_atomic
+from calibrate.validate import validate
+from labeling.engines.vllm.options import VLLMOptions
+from labeling.labels import LabelingPlan, build_requests, format_summary, run_labeling, summarize
 from labeling.tasks import SPLITS
 from labeling.trees import run_trees
 from predictors.candidates import Candidates, build_candidates
@@ -40,7 +48,7 @@ def stage_data(ctx: Context) -> dict:
     counts = {}
     for split in SPLITS:
         rows = ctx.task.load_split(split)
-        with ctx.run.path("data", f"{split}.jsonl").open("w") as f:
+        with ctx.run.out("data", f"{split}.jsonl").open("w") as f:
             for ex in rows:
                 f.write(json.dumps({"uid": ex.uid, "question": ex.question, "reference": ex.reference}) + "\n")
         counts[split] = len(rows)
@@ -48,15 +56,45 @@ def stage_data(ctx: Context) -> dict:
     return counts
 
 
+def engine_label(ctx: Context) -> str:
+    """The run's engine in a few words (``hf (cpu)``, ``vllm (2 replicas × tensor_parallel_size 4)``)."""
+    e = ctx.engine_options
+    if isinstance(e, VLLMOptions):
+        return f"vllm ({e.data_parallel_size} replica(s) × tensor_parallel_size {e.tensor_parallel_size})"
+    return f"hf ({e.device})"
+
+
+def preview(ctx: Context, plan: LabelingPlan) -> float:
+    """Print the cost preview (calibrate/preview.py) and return its labeling estimate (seconds);
+    stop the run after it with ``preview=true``."""
+    work = Workload({split: len(ctx.task.load_split(split)) for split in SPLITS}, len(ctx.adapter_names),
+                    len(ctx.section("labeling")["points"]))
+    _say(format_preview(plan, work, engine_label(ctx)))
+    if ctx.cfg.preview:
+        raise PreviewDone
+    return estimate(plan, work)["labels"]["seconds"]
+
+
 def stage_labels(ctx: Context) -> dict:
-    """ON/OFF labels on the train split (resumable shards)."""
+    """ON/OFF labels on the train split (resumable shards); the cost preview after the first."""
     lab = ctx.section("labeling")
+    seen: dict[str, Any] = {}
+
+    def after_first(plan: LabelingPlan) -> None:
+        seen["plan"] = plan
+        seen["estimate_s"] = preview(ctx, plan)
+
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
                                  lab["points"], ctx.run.root / "labels", ctx.shard_requests,
-                                 shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts)
-    points.to_parquet(ctx.run.path("labels", "points.parquet"), index=False)
-    np.save(ctx.run.path("labels", "features.npy"), feats)
-    plot_positive_rate(points, ctx.run.path("plots", "positive_rate_per_t.png"))
+                                 shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts,
+                                 after_first=after_first, progress=ctx.engine_options.progress)
+    if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
+        m = seen["plan"].measured()
+        _say(f"labels: {m.requests} requests, {m.tokens} generated tokens in {m.seconds:.1f} s of generation "
+             f"({m.tokens / max(m.seconds, 1e-9):.0f} tokens/s); the preview estimated {seen['estimate_s']:.1f} s")
+    points.to_parquet(ctx.run.out("labels", "points.parquet"), index=False)
+    np.save(ctx.run.out("labels", "features.npy"), feats)
+    plot_positive_rate(points, ctx.run.out("plots", "positive_rate_per_t.png"))
     s = summarize(points)
     _say(format_summary(s))
     if not (s["points"] and 0 < s["positive_rate"] < 1):
@@ -68,11 +106,11 @@ def stage_heads(ctx: Context) -> dict:
     points = pd.read_parquet(ctx.run.path("labels", "points.parquet"))
     feats = np.load(ctx.run.path("labels", "features.npy"))
     heads = fit_heads(points, feats, lam=float(ctx.section("predictor")["lam"]))
-    save_heads(ctx.run.path("heads", "heads.safetensors"), heads)
+    save_heads(ctx.run.out("heads", "heads.safetensors"), heads)
     sw = ctx.section("sweep")
     cands = build_candidates(heads, points, feats, n_quantiles=int(sw["n_tau"]), ks=sw["ks"],
                              skip_levels=sw["skip_levels"])
-    cands.save(ctx.run.path("heads", "candidates.json"))
+    cands.save(ctx.run.out("heads", "candidates.json"))
     for h in heads.values():
         _say(f"head {h.adapter}: {h.status}, {h.n_requests} requests, {h.n_points} points, "
              f"{h.positives} positive" + (f" — {h.message}" if h.message else ""))
@@ -87,14 +125,14 @@ def stage_sweep(ctx: Context) -> dict:
                       ctx.engine.hidden_size)
     tp = run_trees(ctx.engine, ctx.task, ctx.task.load_split("validation"), ctx.adapter_names, scorer,
                    ForkPlanner(cands.taus, cands.ks), ctx.adapter_parts)
-    save_trees(ctx.run.path("sweep", "trees.parquet"), tp.trees)
+    save_trees(ctx.run.out("sweep", "trees.parquet"), tp.trees)
     priced = price(tp.trees, cands, confidence=float(ctx.section("sweep")["confidence"]))
     front = pareto(priced)
     budget = float(ctx.section("export")["budget"])
     rules = [*DEFAULT_RULES, f"budget={budget:g}"]
     tables = {"candidates": priced, "frontier": front, "selection": select(priced, rules),
               "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, budget)}
-    write_tables(ctx.run.root / "sweep", tables)
+    write_tables(ctx.run.out("sweep"), tables)
     cost = sweep_cost(tp.trees, cands)
     full = {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")}
     full_tokens = sum(t.on_length for t in tp.trees)
@@ -115,12 +153,12 @@ def stage_export(ctx: Context) -> dict:
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
-    out = ctx.run.path("bundle")
-    entries = export_bundle(out, priced=priced, heads=heads, config={s: ctx.section(s) for s in CONFIG_SECTIONS},
-                            adapter_weights={a.name: a.path for a in ctx.adapters})
+    trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
+    entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads,
+                            config={s: ctx.section(s) for s in CONFIG_SECTIONS},
+                            adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
-    trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
     budget = parse_rule(rule).max_loss
     why = {}
     for a in ctx.adapter_names:
@@ -128,16 +166,16 @@ def stage_export(ctx: Context) -> dict:
         param = e.tau if e.policy == "learned" else e.k
         releases = release_points(trees, a, e.policy, param) if e.policy != "none" else []
         why[a] = explain(priced, a, rule, ex["policy"], releases)
-        plot_frontier(priced, front, sel, a, ctx.run.path("plots", f"frontier_{a}.png"), rule=rule, budget=budget,
+        plot_frontier(priced, front, sel, a, ctx.run.out("plots", f"frontier_{a}.png"), rule=rule, budget=budget,
                       note=why[a])
-        plot_k_curves(k_table(priced), a, ctx.run.path("plots", f"k_curves_{a}.png"))
+        plot_k_curves(k_table(priced), a, ctx.run.out("plots", f"k_curves_{a}.png"))
         if e.policy != "none":
-            plot_release_histogram(releases, ctx.run.path("plots", f"release_hist_{a}.png"),
+            plot_release_histogram(releases, ctx.run.out("plots", f"release_hist_{a}.png"),
                                    title=f"{a}: validation release points ({e.policy} {param:.3g})")
     chosen = {e.name: {"policy": e.policy, "tau": e.tau, "k": e.k, "val_skip": e.stats["val_skip"],
                        "val_loss_points": e.stats["val_loss_points"], "val_loss_high": e.stats["val_loss_high"],
                        "why": why[e.name]} for e in entries}
-    _say(f"export: bundle at {out} (rule {rule}, policy {ex['policy']})")
+    _say(f"export: bundle at {ctx.run.path('bundle')} (rule {rule}, policy {ex['policy']})")
     return {"rule": rule, "policy": ex["policy"], "adapters": chosen}
 
 
@@ -179,7 +217,7 @@ def stage_test(ctx: Context) -> dict:
                      "test_skip": r["skip"], "test_loss_points": r["loss_points"],
                      "test_full_accuracy": r["full_accuracy"], "test_policy_accuracy": r["policy_accuracy"]})
     df = pd.DataFrame(rows)
-    write_tables(ctx.run.root / "test", {"realized": df})
+    write_tables(ctx.run.out("test"), {"realized": df})
     return {"rows": df.to_dict(orient="records")}
 
 
@@ -222,8 +260,8 @@ def stage_agreement(ctx: Context) -> dict:
                                       and abs(row["accuracy_diff_points"]) <= AGREEMENT_BAND)
             rows.append(row)
     df = pd.DataFrame(rows)
-    write_tables(ctx.run.root / "agreement", {"agreement": df})
-    plot_agreement(df, ctx.run.path("plots", "agreement.png"), band=AGREEMENT_BAND)
+    write_tables(ctx.run.out("agreement"), {"agreement": df})
+    plot_agreement(df, ctx.run.out("plots", "agreement.png"), band=AGREEMENT_BAND)
     summary = agreement_summary(df)
     _say(summary)
     return {"realized_by": realized_by, "summary": summary, "rows": json.loads(df.to_json(orient="records"))}
@@ -267,24 +305,53 @@ def stage_fingerprints(ctx: Context) -> dict[str, str]:
 
 def run_pipeline(ctx: Context) -> dict[str, dict]:
     """Run the configured stages in order, skipping those already done; return their summaries."""
+    validate(ctx)
     wanted = list(ctx.cfg.stages)
-    if ctx.cfg.get("agreement", False) and "agreement" not in wanted:
+    if ctx.cfg.agreement and "agreement" not in wanted:
         wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
+    for name in ctx.run.recover():
+        _say(f"[{name}] finished publishing the outputs an interrupted run had committed")
     fps = stage_fingerprints(ctx)
+    for name in wanted:  # a stage run without its input stage reads that stage's last intact output
+        for u in STAGES[name][2]:
+            why = None if u in wanted else ctx.run.intact(u)
+            if why:
+                raise ConfigError(f"stage {name!r} needs the output of stage {u!r}, which has none ({why}); "
+                                  f"add {u!r} to `stages`.")
+    reason = ctx.engine_choice.reason if ctx.engine_choice is not None else f"engine={ctx.engine_options.name} (explicit)"
+    if ctx.engine_choice is not None:
+        _say(reason)
+    write_atomic(ctx.run.path("engine.json"), json.dumps({**asdict(ctx.engine_options), "why": reason}, indent=2))
     summaries = {}
-    for name, (fn, _, _) in STAGES.items():
+    for name, (fn, _, upstream) in STAGES.items():
         if name not in wanted:
             continue
-        if ctx.run.done(name, fps[name]):
+        reason = ctx.run.stale(name, fps[name], upstream)
+        if reason is None:
             _say(f"[{name}] cached")
             summaries[name] = ctx.run.summary(name)
-            continue
-        _say(f"[{name}] running")
-        summaries[name] = fn(ctx)
-        ctx.run.mark_done(name, fps[name], summaries[name])
+        else:
+            _say(f"[{name}] running" if reason in (NOT_RUN, CONFIG_CHANGED) else f"[{name}] recomputing: {reason}")
+            start = time.perf_counter()
+            ctx.run.begin(name)
+            try:
+                summaries[name] = fn(ctx)
+            except PreviewDone:
+                ctx.run.discard(name)
+                _say("preview=true: stopped after the preview; the measured shard is kept, so the same command "
+                     "without preview=true goes on from there.")
+                return summaries
+            except BaseException:
+                ctx.run.discard(name)
+                raise
+            ctx.run.commit(name, fps[name], summaries[name], upstream)
+            _say(f"[{name}] done in {time.perf_counter() - start:.1f} s")
+        if name == "labels" and ctx.cfg.preview:
+            _say("preview=true: labeling is already done, nothing left to preview.")
+            return summaries
     return summaries
 
 

@@ -9,6 +9,6 @@ from omegaconf import OmegaConf
 DATA_DIR = Path(__file__).resolve().parents[1] / "labeling" / "data"
 
 
-def register() -> None:
+def register_resolvers() -> None:
     if not OmegaConf.has_resolver("lorazor_data"):
         OmegaConf.register_new_resolver("lorazor_data", lambda rel: str(DATA_DIR / rel))

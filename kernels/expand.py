@@ -26,7 +26,7 @@ from kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
-CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/kernels/RESULTS.md)
+CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/results/2026-11-30-kernels.md)
 MAX_SLICES = 3
 _NO_UPPER_BOUND = 2**31 - 1
 
@@ -106,7 +106,7 @@ def default_block_n(rank: int) -> int:
     """Output columns per tile: 4096 B-tile elements (256 columns up to rank 16), at least 64.
 
     256 columns (with `CHUNK_TILES` tiles per item) was the fastest tile width of the H200 sweeps
-    in benchmarks/kernels/RESULTS.md at rank 8.
+    in benchmarks/results/2026-11-30-kernels.md at rank 8.
     """
     return max(64, 4096 // block_rank(rank))
 
@@ -123,6 +123,9 @@ def check_b(lora_b: Sequence[torch.Tensor], y: torch.Tensor,
     if any(b.shape[2] != b3[0].shape[2] or b.stride()[1:] != b3[0].stride()[1:] for b in b3):
         raise ValueError("all B slices must share the rank and the [out, rank] strides")
     needed = offset_start + sum(b.shape[1] for b in b3)
+    if y.dim() != 2 or offset_start < 0:
+        raise ValueError(f"y of shape {tuple(y.shape)} at offset_start={offset_start}: expected [M, N] and an "
+                         f"offset ≥ 0")
     if y.shape[1] < needed:
         raise ValueError(f"y has {y.shape[1]} columns, slices need {needed}")
     return b3
@@ -188,8 +191,10 @@ def lora_expand(partials: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch
     `[max_loras, (1,) N_s, rank]` (fp16/bf16); y: `[M, ≥ offset_start + ΣN_s]`, slices written
     back to back from `offset_start`. Rows of tokens without an adapter are untouched. The
     semantics are `reference.expand_reference`'s. An item writes `chunk_tiles` tiles of `block_n`
-    columns (default `default_block_n(rank)`).
+    columns (default `default_block_n(rank)`). The metadata and the schedule are checked against y
+    first (shapes and dtypes only: `RowTileWorklist.check`, `GridTrimPlan.check`).
     """
+    schedule.check(meta, y.shape[0])
     launch_expand(expand_config(lora_b, y, offset_start, block_n, chunk_tiles), partials, y, meta, schedule,
                   add_inputs=add_inputs, num_programs=num_programs)
 
@@ -199,9 +204,10 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
                   num_programs: int | None = None) -> None:
     """:func:`lora_expand` with a prebuilt `config`, for a y of the width, dtype and strides it was
     built for (the caller's contract: not re-checked, that is what the config saves)."""
-    if partials.shape[1] != config.slices or partials.shape[2] < y.shape[0] or partials.shape[3] != config.rank:
-        raise ValueError(f"partials {tuple(partials.shape)} do not match {config.slices} slices of "
-                         f"rank {config.rank} for {y.shape[0]} tokens")
+    if partials.dim() != 4 or partials.shape[1] != config.slices or partials.shape[2] < y.shape[0] \
+            or partials.shape[3] != config.rank or partials.dtype != torch.float32:
+        raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype} do not match {config.slices} slices "
+                         f"of rank {config.rank} for {y.shape[0]} tokens (float32)")
     ps, pc, pm, pr = partials.stride()
     common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm,
                   stride_pr=pr, N_SPLITS=partials.shape[0], ADD_INPUTS=add_inputs)

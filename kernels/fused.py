@@ -53,7 +53,7 @@ class FusedConfig:
     block_n: int = 512
     col_chunks: int = 2
     block_k: int = 256
-    programs_per_sm: int = 8  # the fused launch's own sweep (benchmarks/kernels/RESULTS.md)
+    programs_per_sm: int = 8  # the fused launch's own sweep (benchmarks/results/2026-11-30-kernels.md)
     num_warps: int = 4
     num_stages: int = 4
     k_groups: int = 4

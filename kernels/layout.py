@@ -1,6 +1,6 @@
 """Weight views and the split-K partials buffer shared by shrink and expand.
 
-Weights use vLLM's stacked layout (vllm/lora/ops/triton_ops/utils.py:42-47, 97-101):
+Weights use vLLM's stacked layout:
 A of a slice is `[max_loras, (1,) rank, hidden]`, B is `[max_loras, (1,) out_features, rank]`.
 
 Shrink splits the hidden dimension into chunks of `K_CHUNK` and writes one fp32 partial per

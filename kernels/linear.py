@@ -22,7 +22,7 @@ from kernels.worklist import RowTileWorklist
 @dataclass(frozen=True)
 class LinearKnobs:
     """Tile and launch knobs of the unfused shrink + expand. The defaults are the H200 sweeps'
-    choice (benchmarks/kernels/RESULTS.md, tenth session), which serve_bridge launches with.
+    choice of 2026-11-30 (benchmarks/results/2026-11-30-kernels.md), which serve_bridge launches with.
 
     block_n: output columns per expand tile (None: `expand.default_block_n(rank)`); chunk_tiles:
     expand tiles per item; k_chunk: hidden columns per shrink item (one fp32 partial each);
@@ -83,7 +83,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     knobs: LinearKnobs = LinearKnobs(), num_programs: int | None = None,
                     fused: bool | FusedConfig = False) -> None:
     """`y[m, slice s cols] (+)= bf(scale · x[m] @ A_s[id_m]ᵀ) @ B_s[id_m]ᵀ` for tokens with an
-    adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear` (punica_gpu.py:203-264).
+    adapter, as vLLM's `PunicaWrapperGPU.add_lora_linear`.
 
     Unfused (default): shrink then expand with `knobs`, through `partials` from
     `layout.partials_buffer(len(lora_a), M, rank, K, k_chunk=knobs.k_chunk)`. `fused=True` (or a

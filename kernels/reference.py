@@ -41,10 +41,9 @@ def expand_reference(inter: torch.Tensor, lora_b: Sequence[torch.Tensor], y: tor
 
     For slice s with columns `[c_s, c_s + N_s)` (c_0 = offset_start, slices back to back):
     `y[m, c_s:c_s+N_s] = (y[m, ...] if add_inputs else 0) + bf(inter[s, m]) @ B_s[id_m]ᵀ`,
-    where bf casts the fp32 intermediate to the weights' dtype (as vLLM's expand does,
-    lora_expand_op.py:231-235). The products are summed in fp32 and rounded to y's dtype, and
-    that is added to y with one more rounding, which is vLLM's rounding too (kernel_utils.py:
-    215-234 rounds the accumulator, then adds the loaded output). Rows of tokens without an
+    where bf casts the fp32 intermediate to the weights' dtype (as vLLM's expand does). The
+    products are summed in fp32 and rounded to y's dtype, and that is added to y with one more
+    rounding, which is vLLM's rounding too (it rounds the accumulator, then adds the loaded output). Rows of tokens without an
     adapter are left untouched.
     """
     out = y.clone()

@@ -24,7 +24,7 @@ from kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_s
 from kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
-NUM_WARPS = 2  # faster than 4 in every H200 sweep since the ninth session (benchmarks/kernels/RESULTS.md)
+NUM_WARPS = 2  # faster than 4 in every H200 sweep since 2026-11-30 (benchmarks/results/2026-11-30-kernels.md)
 NUM_STAGES = 3  # Triton's default on sm_90
 MAX_SLICES = 3
 
@@ -93,8 +93,8 @@ def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tenso
                          f"{[a.dtype for a in a3]}")
     if any(a.shape[1:] != a3[0].shape[1:] or a.stride() != a3[0].stride() for a in a3):
         raise ValueError("all A slices must share shape [rank, hidden] and strides")
-    if x.shape[1] != a3[0].shape[2]:
-        raise ValueError(f"x has {x.shape[1]} features, A expects {a3[0].shape[2]}")
+    if x.dim() != 2 or x.shape[1] != a3[0].shape[2]:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected [M, {a3[0].shape[2]}] (A's hidden size)")
     return a3
 
 
@@ -153,8 +153,10 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], partials: torch
     partials: `[cdiv(K, k_chunk), slices, ≥M, rank]` fp32 (see `layout.partials_buffer`); only
     rows of tokens with an adapter are written. `schedule` picks the launch design;
     `num_programs` sizes the persistent grid (default: `persistent_programs`); `k_groups` as in
-    `shrink_config`.
+    `shrink_config`. The metadata and the schedule are checked against x first (shapes and
+    dtypes only: `RowTileWorklist.check`, `GridTrimPlan.check`).
     """
+    schedule.check(meta, x.shape[0])
     launch_shrink(shrink_config(x, lora_a, k_chunk, k_groups=k_groups), x, partials, meta, schedule, scale,
                   num_programs=num_programs)
 
@@ -164,8 +166,8 @@ def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor,
                   num_programs: int | None = None) -> None:
     """:func:`lora_shrink` with a prebuilt `config`, for an x of the width, dtype and strides it
     was built for (the caller's contract: not re-checked, that is what the config saves)."""
-    if tuple(partials.shape[:2]) != (config.splits, config.slices) or partials.shape[2] < x.shape[0] \
-            or partials.shape[3] != config.rank or partials.dtype != torch.float32:
+    if partials.dim() != 4 or tuple(partials.shape[:2]) != (config.splits, config.slices) \
+            or partials.shape[2] < x.shape[0] or partials.shape[3] != config.rank or partials.dtype != torch.float32:
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
                          f"[{config.splits}, {config.slices}, ≥{x.shape[0]}, {config.rank}] float32")
     ps, pc, pm, pr = partials.stride()

@@ -127,13 +127,12 @@ def load_b_tile(b_ptr, lora, offs_n, n_mask, rank, stride_bl, stride_bn, stride_
 def store_y_tile(acc, y_ptr, rows, row_mask, offs_out, n_mask, stride_ym, stride_yn,
                  ADD_INPUTS: tl.constexpr):
     """`y[rows, offs_out] (+)= acc`: acc (fp32 `[BLOCK_M, BLOCK_N]`) is rounded to y's dtype, then
-    added to y with one more rounding, as vLLM's expand adds (kernel_utils.py:215-234 in vLLM
-    0.26.0's lora/ops/triton_ops).
+    added to y with one more rounding, as vLLM 0.26's expand adds.
 
     The add is a relaxed atomic add (16-byte `red.global.add` of 8 bf16/fp16): the program does
     not wait for y to be read. Per layer that measured 13–19% faster on the H200 than a load, add
-    and store, with or without the next tile's y prefetched (benchmarks/kernels/RESULTS.md, tenth
-    session). Each element of y belongs to one tile of one item, so no two adds meet and the
+    and store, with or without the next tile's y prefetched (benchmarks/results/2026-11-30-kernels.md,
+    2026-11-30). Each element of y belongs to one tile of one item, so no two adds meet and the
     result is deterministic."""
     y = y_ptr + rows[:, None] * stride_ym + offs_out[None, :] * stride_yn
     y_mask = row_mask[:, None] & n_mask[None, :]

@@ -24,7 +24,7 @@ import torch
 
 from kernels.metadata import LoRABatchMeta
 
-PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/kernels/RESULTS.md, ninth and tenth sessions)
+PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/results/2026-11-30-kernels.md, 2026-11-30)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,12 @@ class RowTileWorklist:
     def in_block(cls, block: torch.Tensor, capacity: int, block_m: int = 16) -> RowTileWorklist:
         """Buffers that are views of `block` (int32, `block_size(capacity, block_m)` entries, laid
         out as `host_tiles` writes them: tile_lora, tile_tokens row by row, then num_tiles)."""
-        assert block.dtype == torch.int32 and block.numel() == cls.block_size(capacity, block_m)
+        if block.dtype != torch.int32 or block.dim() != 1:
+            raise TypeError(f"RowTileWorklist.in_block: block must be a 1-D int32 tensor, got {block.dtype} "
+                            f"of shape {tuple(block.shape)}")
+        if block_m < 1 or capacity < 0 or block.numel() != cls.block_size(capacity, block_m):
+            raise ValueError(f"RowTileWorklist.in_block: block has {block.numel()} entries, capacity={capacity} "
+                             f"tiles of block_m={block_m} need {cls.block_size(capacity, block_m)}")
         tile_lora, tile_tokens, num_tiles = block.split([capacity, capacity * block_m, 1])
         return cls(block_m=block_m, tile_lora=tile_lora, tile_tokens=tile_tokens.view(capacity, block_m),
                    num_tiles=num_tiles, positions=torch.arange(capacity, dtype=torch.int64, device=block.device))
@@ -75,11 +80,24 @@ class RowTileWorklist:
         """Number of tile entries the buffers hold."""
         return self.positions.numel()
 
-    def update(self, meta: LoRABatchMeta) -> None:
-        """Rewrite the list in place for `meta` (device ops only, CUDA-graph capturable).
+    def check(self, meta: LoRABatchMeta, num_tokens: int | None = None) -> None:
+        """Raise ValueError/TypeError unless `meta` is well formed (`LoRABatchMeta.check`), on this
+        list's device, and the list has room for every tile its tokens and slots can need
+        (`capacity_for`); `num_tokens`: the batch's rows. Shapes only: no device sync."""
+        meta.check(num_tokens)
+        if meta.slot_lora_ids.device != self.tile_lora.device:
+            raise ValueError(f"RowTileWorklist on {self.tile_lora.device}, metadata on {meta.slot_lora_ids.device}")
+        needed = self.capacity_for(meta.token_lora_mapping.numel(), meta.num_slots, self.block_m)
+        if self.capacity < needed:
+            raise ValueError(f"RowTileWorklist holds {self.capacity} tiles but a batch of "
+                             f"{meta.token_lora_mapping.numel()} tokens over {meta.num_slots} slots can need {needed}: "
+                             f"allocate it with RowTileWorklist.allocate(max_tokens, max_slots)")
 
-        Tiles are ordered by slot, then by row offset within the slot.
+    def update(self, meta: LoRABatchMeta) -> None:
+        """Rewrite the list in place for `meta` (device ops only, CUDA-graph capturable), after
+        `check`ing that it fits. Tiles are ordered by slot, then by row offset within the slot.
         """
+        self.check(meta)
         counts = meta.num_tokens_per_slot.to(torch.int64)
         active = meta.slot_lora_ids >= 0
         tiles = torch.where(active, (counts + self.block_m - 1) // self.block_m, 0)
@@ -105,10 +123,17 @@ def host_tiles(num_tokens_per_slot: np.ndarray, slot_lora_ids: np.ndarray, slot_
     Tiles are ordered by slot, then by row offset; entries past the count keep old values (garbage,
     as on the device). Returns the number of tiles."""
     capacity = (out.size - 1) // (1 + block_m)
+    if out.dtype != np.int32 or out.size != RowTileWorklist.block_size(capacity, block_m):
+        raise ValueError(f"host_tiles: out must be an int32 block of block_size(capacity, {block_m}) entries, got "
+                         f"{out.dtype} [{out.size}]")
+    if not num_tokens_per_slot.size == slot_lora_ids.size == slot_start_loc.size - 1:
+        raise ValueError(f"host_tiles: {slot_lora_ids.size} slot ids, {num_tokens_per_slot.size} counts and "
+                         f"{slot_start_loc.size} start offsets (expected S, S, S+1)")
     counts = num_tokens_per_slot.astype(np.int64)
     tiles = np.where(slot_lora_ids >= 0, -(-counts // block_m), 0)
     total = int(tiles.sum())
-    assert total <= capacity, f"{total} tiles exceed the list's {capacity} entries"
+    if total > capacity:
+        raise ValueError(f"host_tiles: the batch needs {total} tiles but out holds {capacity}")
     slot = np.repeat(np.arange(tiles.size), tiles)
     row0 = (np.arange(total) - (np.cumsum(tiles) - tiles)[slot]) * block_m
     out[:total] = slot_lora_ids[slot]

@@ -7,10 +7,14 @@ clear message instead of a shape error deep inside peft.
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class AdapterError(ValueError):
@@ -41,24 +45,81 @@ def weights_file(spec: AdapterSpec) -> Path:
     return d / "adapter_model.safetensors"
 
 
-def validate_adapter(spec: AdapterSpec, hidden_size: int) -> dict:
-    """Check that ``spec`` is a LoRA adapter for a backbone of ``hidden_size``; return its config.
-
-    Every lora_A that reads the residual stream (q/k/v/gate/up projections) must have
-    ``hidden_size`` input features.
-    """
-    f = weights_file(spec)
-    config = json.loads((Path(spec.path) / "adapter_config.json").read_text())
+def read_adapter_config(spec: AdapterSpec) -> dict[str, Any]:
+    """``adapter_config.json`` of ``spec`` checked as a LoRA config: peft_type LORA, a positive
+    integer rank ``r`` (and ``rank_pattern`` ranks), a positive ``lora_alpha``, target modules."""
+    path = Path(spec.path) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise AdapterError(f"adapter '{spec.name}': {path} is not valid UTF-8 ({err.reason}).") from err
+    except json.JSONDecodeError as err:
+        raise AdapterError(f"adapter '{spec.name}': {path}:{err.lineno} is not valid JSON ({err.msg}); "
+                           f"save the adapter with peft's save_pretrained.") from err
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter '{spec.name}': {path} holds a JSON {type(config).__name__}, not an object.")
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"adapter '{spec.name}': {spec.path} is a {config.get('peft_type')!r} adapter, not LORA.")
-    with safe_open(str(f), framework="pt") as st:
-        for key in st.keys():
-            if "lora_A" in key and any(p in key for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-                in_features = st.get_slice(key).get_shape()[-1]
-                if in_features != hidden_size:
-                    raise AdapterError(
-                        f"adapter '{spec.name}': {f} was built for hidden size {in_features} "
-                        f"({key}), but the backbone has hidden size {hidden_size}. "
-                        f"Use an adapter trained for this backbone (conf/backbone) or pick the matching backbone."
-                    )
+    ranks = {"r": config.get("r"), **{f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()}}
+    for key, r in ranks.items():
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise AdapterError(f"adapter '{spec.name}': {path} has {key}={r!r}; "
+                               f"a LoRA rank must be a positive integer.")
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"adapter '{spec.name}': {path} has lora_alpha={alpha!r}; use a positive number.")
+    targets = config.get("target_modules")
+    if not targets or not (isinstance(targets, str) or all(isinstance(t, str) for t in targets)):
+        raise AdapterError(f"adapter '{spec.name}': {path} has target_modules={targets!r}; "
+                           f"name the modules the adapter patches.")
+    return config
+
+
+def base_model_matches(base: str, backbone_names: Sequence[str]) -> bool:
+    """True iff the adapter's ``base_model_name_or_path`` could name a backbone known by
+    ``backbone_names`` (its config name, hub id, GGUF file...): the last path component of
+    each, lower-cased with only letters and digits kept, contains the other."""
+    def norm(name: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", name.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0].lower())
+
+    b = norm(base)
+    return any(n and (n in b or b in n) for n in map(norm, backbone_names) if len(n) >= 3)
+
+
+def validate_adapter(spec: AdapterSpec, hidden_size: int, backbone_names: Sequence[str] = ()) -> dict:
+    """Check that ``spec`` is a LoRA adapter for a backbone of ``hidden_size``; return its config.
+
+    Checks, before any weight is loaded: the config (:func:`read_adapter_config`); that its
+    ``base_model_name_or_path``, if set, names the backbone (:func:`base_model_matches`, when
+    ``backbone_names`` are given); that the safetensors file is complete and holds LoRA pairs
+    whose lora_A is [r, in] and lora_B [out, r] with the config's rank; and that every lora_A
+    reading the residual stream (q/k/v/gate/up projections) has ``hidden_size`` input features.
+    """
+    f = weights_file(spec)
+    config = read_adapter_config(spec)
+    base = config.get("base_model_name_or_path")
+    if backbone_names and isinstance(base, str) and base and not base_model_matches(base, backbone_names):
+        raise AdapterError(f"adapter '{spec.name}': its adapter_config.json names base model {base!r}, but the "
+                           f"backbone is {backbone_names[0]!r}. Use an adapter trained for this backbone.")
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            shapes = {key: st.get_slice(key).get_shape() for key in st.keys()}
+    except SafetensorError as err:
+        raise AdapterError(f"adapter '{spec.name}': {f} is not a complete safetensors file ({err}); "
+                           f"save the adapter again.") from err
+    pairs = {k: k.replace("lora_A", "lora_B") for k in shapes if "lora_A" in k}
+    if not pairs:
+        raise AdapterError(f"adapter '{spec.name}': {f} holds no LoRA weights (no lora_A tensors).")
+    for key_a, key_b in pairs.items():
+        a, b = shapes[key_a], shapes.get(key_b)
+        rank_ok = config.get("rank_pattern") or a[0] == config["r"]
+        if b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or not rank_ok:
+            raise AdapterError(f"adapter '{spec.name}': {f} has {key_a} of shape {list(a)} and {key_b} of shape "
+                               f"{list(b) if b else 'missing'}; expected [r, in] and [out, r] with r={config['r']}.")
+        if any(p in key_a for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) and a[-1] != hidden_size:
+            raise AdapterError(
+                f"adapter '{spec.name}': {f} was built for hidden size {a[-1]} "
+                f"({key_a}), but the backbone has hidden size {hidden_size}. "
+                f"Use an adapter trained for this backbone (conf/backbone) or pick the matching backbone."
+            )
     return config

@@ -22,13 +22,13 @@ class BackboneError(ValueError):
     """A user-facing backbone problem (missing package, unknown dtype...)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class BackboneSpec:
     """Where a backbone comes from.
 
     name: short name, also the cache key (``smollm2``, ``llama3b``...).
     hf_id: hub id or local directory (ignored when ``gguf_package`` is set).
-    gguf_package / gguf_file: the Python package carrying a GGUF, and the file inside it.
+    gguf_package / gguf_file: the Python package holding a GGUF, and the file inside it.
     gguf_dir: a directory holding ``gguf_file``, used instead of the package when set
         (e.g. on a GPU box where the GGUF was copied by hand).
     dtype: compute dtype name (``float32`` on CPU, ``bfloat16`` on GPU).
@@ -87,7 +87,7 @@ def resolve_backbone_dir(spec: BackboneSpec) -> str:
     src = _gguf_dir(spec)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, dtype=torch.float32)
-    # A de-quantized GGUF model refuses save_pretrained while it still carries its
+    # A de-quantized GGUF model refuses save_pretrained while it still has its
     # quantization config; rebuild a plain model of the same class from the weights.
     config = model.config
     del config.quantization_config
@@ -117,6 +117,17 @@ def load_backbone(spec: BackboneSpec, device: str = "cpu"):
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype]).to(device).eval()
     return model, tok
+
+
+def parameter_count(spec: BackboneSpec) -> int:
+    """The backbone's parameter count from its config alone: the model is built on the meta
+    device, so no weights are read (a hub id downloads only its config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_backbone_dir(spec))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return int(model.num_parameters())
 
 
 def stop_token_ids(generation_config, tokenizer, spec: BackboneSpec) -> set[int]:

@@ -7,22 +7,30 @@ The feature is h_t, the final-norm hidden state of forward t. A t the response d
 continue past (t ≥ L−1) has OFF = ON, is never risky, and is not a decision point, so it
 is not labeled.
 
-Work is split into shards of requests; each shard is written atomically with a marker, so
-an interrupted run resumes at the first unfinished shard and yields identical labels
-(greedy decoding, fixed shard composition).
+Work is split into shards of requests; each shard's files are written via renames, then its
+marker with their sha256 and what it generated in how long (:class:`ShardStats`), so an
+interrupted run resumes at the first unfinished shard and yields identical labels (greedy
+decoding, fixed shard composition), a shard whose files no longer match its marker is labeled
+again, and progress and cost estimates count the shards done before.
 """
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
+from calibrate.rundir import write_atomic
 from labeling.tasks import Example, Task
 from labeling.tasks.mix import PART_KEY
+from serve_bridge.bundle import file_sha256
 
 if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and readers need neither
     from labeling.engines.hf import GenRequest, GenResult, HFEngine
@@ -70,14 +78,71 @@ def label_results(engine: HFEngine, task: Task, pairs: Sequence[tuple[Example, G
     return df, h
 
 
+@dataclass(frozen=True)
+class ShardStats:
+    """What one labeling shard generated, and in how long (recorded in its ``.done`` marker).
+
+    on_tokens: ON response tokens; off_branches / off_tokens: OFF continuations and the tokens
+    they generated (after the shared prefix); seconds: the engine's ``generate`` wall time.
+    """
+
+    requests: int
+    points: int
+    on_tokens: int
+    off_branches: int
+    off_tokens: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return self.on_tokens + self.off_tokens
+
+    @classmethod
+    def measure(cls, results: Sequence[GenResult], points: int, seconds: float) -> ShardStats:
+        from labeling.engines.hf import generated_tokens
+
+        on = sum(len(r.tokens) for r in results)
+        return cls(requests=len(results), points=points, on_tokens=on, off_branches=sum(len(r.branches) for r in results),
+                   off_tokens=sum(generated_tokens(r) for r in results) - on, seconds=seconds)
+
+
+@dataclass
+class LabelingPlan:
+    """The shards of a labeling run: ``requests`` in shards of ``shard_requests``, and the stats
+    of those already done (in this run or a resumed one)."""
+
+    requests: int
+    shard_requests: int
+    done: dict[int, ShardStats]
+
+    @property
+    def shards(self) -> int:
+        return (self.requests + self.shard_requests - 1) // self.shard_requests
+
+    def measured(self) -> ShardStats | None:
+        """All done shards' stats summed (None before the first)."""
+        if not self.done:
+            return None
+        rows = list(self.done.values())
+        return ShardStats(*(sum(getattr(r, f) for r in rows) for f in ShardStats.__dataclass_fields__))
+
+
+# after_first(plan): called once, as soon as at least one shard is done and before the next starts
+# (or after the only one); it may raise to stop labeling there (the done shards are kept).
+AfterFirst = Callable[[LabelingPlan], None]
+
+
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
-                 points: Sequence[int], out_dir: Path, shard_requests: int,
-                 shard_key: str = "", parts: Mapping[int, str | None] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+                 points: Sequence[int], out_dir: Path, shard_requests: int, shard_key: str = "",
+                 parts: Mapping[int, str | None] | None = None, after_first: AfterFirst | None = None,
+                 progress: bool = False) -> tuple[pd.DataFrame, np.ndarray]:
     """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
 
     Finished shards are reused only by a run with the same ``shard_key`` (the caller's config
     fingerprint) and the same ``shard_requests``, which fix each shard's composition; any other
-    run starts the shards afresh. ``parts``: slot → task part, as in :func:`build_requests`."""
+    run starts the shards afresh. ``parts``: slot → task part, as in :func:`build_requests`.
+    ``progress``: a bar over all requests (shards done before a resume count as done) with
+    requests/s, generated tokens/s and an ETA."""
     t_set = frozenset(int(t) for t in points)
     pairs = build_requests(engine, task, examples, range(len(adapter_names)), parts)
     shard_dir = out_dir / "shards"
@@ -85,27 +150,83 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
     stamp = shard_dir / "LAYOUT"
     if shard_dir.is_dir() and (not stamp.is_file() or stamp.read_text() != layout):
         shutil.rmtree(shard_dir)
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(layout)
-    n_shards = (len(pairs) + shard_requests - 1) // shard_requests
-    frames, feats = [], []
-    for i in range(n_shards):
+    write_atomic(stamp, layout)
+    plan = LabelingPlan(len(pairs), shard_requests, {})
+    for i in range(plan.shards):
         done = shard_dir / f"{i:05d}.done"
-        pq, npy = shard_dir / f"{i:05d}.parquet", shard_dir / f"{i:05d}.npy"
-        if not done.is_file():
+        reason = _shard_stale(done, _shard_files(shard_dir, i))
+        if reason is None:
+            plan.done[i] = ShardStats(**json.loads(done.read_text())["stats"])
+        elif reason != "not labeled yet":
+            print(f"labels shard {i + 1}/{plan.shards}: {reason}; labeling it again", flush=True)
+
+    def new_bar() -> tqdm:
+        return tqdm(total=len(pairs), initial=sum(s.requests for s in plan.done.values()), desc="labels", unit="req",
+                    disable=not progress, dynamic_ncols=True)
+
+    bar = new_bar()
+    tokens, seconds, told = 0, 0.0, False
+    frames, feats = [], []
+    for i in range(plan.shards):
+        files = _shard_files(shard_dir, i)
+        if i not in plan.done:
+            if plan.done and after_first is not None and not told:
+                told = True
+                bar.close()  # the preview prints between two bars, not across one
+                after_first(plan)
+                bar = new_bar()
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
+            start = time.perf_counter()
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
-                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{n_shards}")
+                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{plan.shards}")
+            stats = ShardStats.measure(results, 0, time.perf_counter() - start)
             df, h = label_results(engine, task, chunk, results, adapter_names)
-            df.to_parquet(pq.with_suffix(".parquet.tmp"), index=False)
-            np.save(npy.with_suffix(".tmp.npy"), h)
-            pq.with_suffix(".parquet.tmp").replace(pq)
-            npy.with_suffix(".tmp.npy").replace(npy)
-            done.write_text(str(len(df)))
-        frames.append(pd.read_parquet(pq))
-        feats.append(np.load(npy))
+            stats = replace(stats, points=len(df))
+            _write_shard(shard_dir / f"{i:05d}.done", files, df, h, stats)
+            plan.done[i] = stats
+            tokens, seconds = tokens + stats.tokens, seconds + stats.seconds
+            bar.set_postfix_str(f"{tokens / max(seconds, 1e-9):.0f} tokens/s", refresh=False)
+            bar.update(stats.requests)
+        frames.append(pd.read_parquet(files["points"]))
+        feats.append(np.load(files["features"]))
+    bar.close()
+    if after_first is not None and not told and tokens:  # the only shard ran in this call
+        after_first(plan)
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=POINT_COLUMNS)
     return df, np.concatenate(feats) if feats else np.zeros((0, engine.hidden_size), np.float32)
+
+
+def _shard_files(shard_dir: Path, i: int) -> dict[str, Path]:
+    return {"points": shard_dir / f"{i:05d}.parquet", "features": shard_dir / f"{i:05d}.npy"}
+
+
+def _write_shard(done: Path, files: dict[str, Path], df: pd.DataFrame, h: np.ndarray, stats: ShardStats) -> None:
+    """Write one shard's points and features (each via a rename), then its marker with their sha256
+    and the shard's stats."""
+    tmp_pq = files["points"].with_name(files["points"].name + ".tmp")
+    tmp_npy = files["features"].with_suffix(".tmp.npy")
+    done.unlink(missing_ok=True)
+    df.to_parquet(tmp_pq, index=False)
+    np.save(tmp_npy, h)
+    tmp_pq.replace(files["points"])
+    tmp_npy.replace(files["features"])
+    write_atomic(done, json.dumps({"rows": len(df), "stats": asdict(stats),
+                                   "sha256": {k: file_sha256(p) for k, p in files.items()}}))
+
+
+def _shard_stale(done: Path, files: dict[str, Path]) -> str | None:
+    """None iff the shard's marker exists and its files have the sha256 it recorded, else why not."""
+    if not done.exists():
+        return "not labeled yet"
+    try:
+        record = json.loads(done.read_text())
+        recorded, _ = record["sha256"], ShardStats(**record["stats"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its marker {done.name} is unreadable"
+    for key, path in files.items():
+        if not path.is_file() or file_sha256(path) != recorded.get(key):
+            return f"{path.name} differs from the sha256 its marker recorded"
+    return None
 
 
 def summarize(points: pd.DataFrame) -> dict:

@@ -3,7 +3,7 @@
 One ON generation per (request, adapter) records s_t at every forward (all heads evaluated
 by one StepTrim scorer) and forks an OFF continuation exactly at the distinct release
 points of the candidates (``predictors.sweep.ForkPlanner``). Every candidate is then priced
-from these trees without regenerating (DESIGN §3.5). Backbone-only rows ride in the same
+from these trees without regenerating (docs/design.md §3.5). Backbone-only rows ride in the same
 batches to report each adapter's lift on its own requests.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sweep candidates: learned thresholds τ per adapter and profiled release points k (DESIGN §3.5).
+"""Sweep candidates: learned thresholds τ per adapter and profiled release points k (docs/design.md §3.5).
 
 τ candidates per adapter, the union of two grids, rounded to float32 and deduplicated:
 

@@ -1,4 +1,4 @@
-"""Bundle entries from calibration results (DESIGN §3.6): heads + selection → AdapterEntry.
+"""Bundle entries from calibration results (docs/design.md §3.6): heads + selection → AdapterEntry.
 
 The export stage picks, per adapter, the candidate that one selection rule chose for one
 policy kind, and records the calibration numbers beside it. A rule that fell back to
@@ -7,22 +7,37 @@ never-release, or a learned choice for an adapter without an ok head, exports ``
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from predictors.frontier import DEFAULT_RULES, POLICIES, frontier_summary, pareto, select
 from predictors.heads import Head
+from predictors.sweep import RequestTree, release_points
 from serve_bridge.bundle import MANIFEST, AdapterEntry, adapter_fingerprint, config_fingerprint, write_bundle
 
 
+def release_distribution(releases: Sequence[int | None]) -> dict[str, Any]:
+    """Validation release points as plain JSON: distinct r, their counts, and the requests
+    never released within their response (``stats['release_points']``, read by
+    :mod:`serve_bridge.capacity`)."""
+    values, counts = np.unique([r for r in releases if r is not None], return_counts=True)
+    return {"r": values.astype(int).tolist(), "count": counts.astype(int).tolist(),
+            "never": sum(r is None for r in releases)}
+
+
 def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier: pd.DataFrame, rule: str,
-                   policy: str, adapter_weights: Mapping[str, str | Path]) -> list[AdapterEntry]:
+                   policy: str, adapter_weights: Mapping[str, str | Path],
+                   trees: Sequence[RequestTree] | None = None) -> list[AdapterEntry]:
     """One :class:`AdapterEntry` per adapter of ``adapter_weights`` (name → safetensors file or peft dir).
 
     selection: :func:`predictors.frontier.select` output holding ``rule``; frontier:
-    :func:`predictors.frontier.pareto` output; policy: ``learned`` or ``profiled``.
+    :func:`predictors.frontier.pareto` output; policy: ``learned`` or ``profiled``; trees: the
+    validation request trees, whose release points under the chosen candidate go into
+    ``stats['release_points']`` (:func:`release_distribution`).
     """
     if policy not in POLICIES:
         raise ValueError(f"export policy {policy!r}: use one of {POLICIES} (conf export.policy).")
@@ -44,11 +59,15 @@ def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier:
         fp = adapter_fingerprint(weights)
         if row["fallback"] or (policy == "learned" and not (head and head.ok)):
             entries.append(AdapterEntry(adapter, fp, "none", stats=stats))
-        elif policy == "learned":
-            entries.append(AdapterEntry(adapter, fp, "learned", tau=float(row["param"]), weight=head.weight,
-                                        bias=head.bias, stats=stats))
         else:
-            entries.append(AdapterEntry(adapter, fp, "profiled", k=int(row["param"]), stats=stats))
+            if trees is not None:
+                stats["release_points"] = release_distribution(
+                    release_points(trees, adapter, policy, float(row["param"])))
+            if policy == "learned":
+                entries.append(AdapterEntry(adapter, fp, "learned", tau=float(row["param"]), weight=head.weight,
+                                            bias=head.bias, stats=stats))
+            else:
+                entries.append(AdapterEntry(adapter, fp, "profiled", k=int(row["param"]), stats=stats))
     return entries
 
 
@@ -61,17 +80,19 @@ def resolve_rule(rule: str, budget: float) -> str:
 
 
 def export_bundle(out_dir: str | Path, *, priced: pd.DataFrame, heads: Mapping[str, Head],
-                  config: Mapping[str, Mapping], adapter_weights: Mapping[str, str | Path]) -> list:
+                  config: Mapping[str, Mapping], adapter_weights: Mapping[str, str | Path],
+                  trees: Sequence[RequestTree] | None = None) -> list:
     """Select the operating point of ``config['export']`` (rule, budget, policy) from the priced
     candidates and write the bundle to ``out_dir`` (an existing bundle there is replaced).
 
     ``config`` holds the run's config sections (:data:`CONFIG_SECTIONS`); their fingerprint
-    goes into the manifest. Returns the written :class:`AdapterEntry` list.
+    goes into the manifest; ``trees`` adds each adapter's validation release points to its stats.
+    Returns the written :class:`AdapterEntry` list.
     """
     ex = config["export"]
     rule = resolve_rule(ex["rule"], ex["budget"])
     selection = select(priced, [*DEFAULT_RULES, rule])
-    entries = bundle_entries(heads, selection, pareto(priced), rule, ex["policy"], adapter_weights)
+    entries = bundle_entries(heads, selection, pareto(priced), rule, ex["policy"], adapter_weights, trees)
     out = Path(out_dir)
     if (out / MANIFEST).is_file():
         shutil.rmtree(out)

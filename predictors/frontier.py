@@ -1,4 +1,4 @@
-"""Pareto frontiers, selection rules, the budget comparison and k tables (DESIGN §3.5).
+"""Pareto frontiers, selection rules, the budget comparison and k tables (docs/design.md §3.5).
 
 Inputs are the priced table of :func:`predictors.sweep.price` (one row per candidate:
 adapter, policy, param, accuracy %, loss_points, skip ∈ [0, 1], n_requests, full_accuracy).

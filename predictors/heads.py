@@ -1,4 +1,4 @@
-"""Release-risk heads: one L2-regularised linear logistic head per adapter (DESIGN §3.4, Eq. 13).
+"""Release-risk heads: one L2-regularised linear logistic head per adapter (docs/design.md §3.4, Eq. 13).
 
 Orientation: a labeled point (i, t) has y = 1 iff releasing after forward t is *risky*
 (Q(ON) = 1 and Q(OFF_t) = 0). The head's score s = wᵀh + b is the logit of P(risky | h),
@@ -19,7 +19,7 @@ every point j of request i, Σ_j sw_j BCE_j = Σ_i (1/|T_i|) Σ_t BCE_{i,t}, hen
     J = (1/N) Σ_j sw_j BCE_j + (λ/2)‖w‖² = λ · [ (1/(λN)) Σ_j sw_j BCE_j + ½‖w‖² ],
 
 which is λ·S for C = 1/(λN). λ > 0 is a constant factor, so argmin J = argmin S: the
-DESIGN's C = 1/(λN) is exact (no missing factor). ``tests/predictors/test_heads.py``
+docs/design.md's C = 1/(λN) is exact (no missing factor). ``tests/predictors/test_predictor_heads.py``
 checks it against direct float64 minimisation of J.
 
 Features are centered before fitting and the centering is folded back into the bias

@@ -1,4 +1,4 @@
-"""Exact one-pass sweep: price every candidate from one full-LoRA pass plus forks (DESIGN §3.5).
+"""Exact one-pass sweep: price every candidate from one full-LoRA pass plus forks (docs/design.md §3.5).
 
 Under greedy decoding a request released at r generates exactly the full-LoRA (ON)
 tokens up to forward r, then the OFF_r continuation. So one ON pass that records the head

@@ -1,4 +1,4 @@
-"""Policy bundle I/O — the contract between calibration and production servers (DESIGN §5).
+"""Policy bundle I/O — the contract between calibration and production servers (docs/design.md §5).
 
 A bundle is a directory holding exactly:
 
@@ -13,10 +13,16 @@ A bundle is a directory holding exactly:
   for each learned adapter.
 
 :func:`load_bundle` validates everything and raises one :class:`BundleError` on the first
-problem. It reads tensors only through ``safetensors.numpy.load_file`` and never unpickles:
-a file the manifest does not list, or any non-safetensors file, is an error. An adapter the
-server serves but the bundle lacks is not an error: it runs full LoRA (DESIGN §2) and a
-:class:`BundleWarning` says so.
+problem. The bundle holds regular files only (a symlink, a directory or any other entry is an
+error); the manifest is at most :data:`MAX_MANIFEST_BYTES`, strict JSON (no NaN/Infinity, no
+duplicate keys, at most :data:`MAX_JSON_DEPTH` levels); each listed file is read once, hashed
+and parsed from the same bytes. Tensors are read only through ``safetensors.numpy`` after their
+header says float32, never unpickled: a file the manifest does not list, or any non-safetensors
+file, is an error. Every value the serving runtime would refuse is refused here (a profiled
+``k`` ≥ :data:`serve_bridge.steptrim.K_LIMIT`, a ``tau`` or head value that is not a finite
+float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the server serves but
+the bundle lacks is not an error: it runs full LoRA (docs/design.md §2) and a :class:`BundleWarning`
+says so.
 
 This module imports no vLLM and nothing from the calibration packages.
 """
@@ -26,7 +32,9 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import stat
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,9 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load, save_file
 
-from serve_bridge.steptrim import LearnedPolicy, Policy, ProfiledPolicy
+from serve_bridge.steptrim import K_LIMIT, LearnedPolicy, Policy, ProfiledPolicy
 
 SCHEMA_VERSION = 1
 TOOLKIT_VERSION = "0.1.0"
@@ -47,6 +55,12 @@ MANIFEST = "manifest.json"
 HEADS_FILE = "heads.safetensors"
 POLICY_KINDS = ("learned", "profiled", "none")
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"  # peft's file name inside an adapter dir
+MAX_MANIFEST_BYTES = 8 << 20
+MAX_FILE_BYTES = 1 << 30  # any other bundle file (heads: 4 bytes per adapter and hidden unit)
+MAX_JSON_DEPTH = 32  # nesting levels of the manifest (and of a safetensors header)
+MAX_HIDDEN_SIZE = 1 << 20
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BundleError(ValueError):
@@ -138,33 +152,60 @@ def head_tensor_names(adapter: str) -> tuple[str, str]:
     return f"{adapter}.weight", f"{adapter}.bias"
 
 
+def _short(value: Any) -> str:
+    """repr of a manifest value, cut to 60 characters (a huge integer stays readable)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 1 << 64 else \
+        f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite_float32(value: Any) -> bool:
+    """A real number (not bool) whose float32 value is finite."""
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(float(value)) and abs(float(value)) <= _FLOAT32_MAX
+    except OverflowError:
+        return False
+
+
 def _check_entry(e: AdapterEntry, hidden_size: int, where: str) -> None:
     """Raise BundleError if an entry is inconsistent; ``where`` names the file and field."""
     if not isinstance(e.name, str) or not e.name:
         raise BundleError(f"{where}: 'name' must be a non-empty string.")
-    if not isinstance(e.weights_sha256, str) or len(e.weights_sha256) != 64:
+    if not isinstance(e.weights_sha256, str) or not _SHA256_RE.fullmatch(e.weights_sha256):
         raise BundleError(f"{where}: 'weights_sha256' must be a 64-hex sha256 (use adapter_fingerprint()).")
     if e.policy not in POLICY_KINDS:
         raise BundleError(f"{where}: 'policy' is {e.policy!r}; use one of {', '.join(POLICY_KINDS)}.")
     if e.policy == "learned":
-        if not isinstance(e.tau, (int, float)) or isinstance(e.tau, bool) or not math.isfinite(e.tau):
-            raise BundleError(f"{where}: a learned policy needs a finite 'tau', got {e.tau!r}.")
+        if not _finite_float32(e.tau):
+            raise BundleError(f"{where}: a learned policy needs a finite 'tau' within float32's range, "
+                              f"got {_short(e.tau)}.")
         if e.weight is None or e.bias is None:
             raise BundleError(f"{where}: a learned policy needs head tensors (weight [H], bias []).")
         if tuple(np.shape(e.weight)) != (hidden_size,) or np.ndim(e.bias) != 0:
             raise BundleError(f"{where}: head weight shape {tuple(np.shape(e.weight))} and bias shape "
                               f"{tuple(np.shape(e.bias))} must be ({hidden_size},) and () — the head was "
                               f"fitted on another backbone; re-run calibration for this backbone.")
-        if not (np.isfinite(e.weight).all() and math.isfinite(float(e.bias))):
-            raise BundleError(f"{where}: head tensors hold non-finite values; re-fit the head.")
+        w, b = np.asarray(e.weight), np.asarray(e.bias)
+        if w.dtype.kind not in "fiu" or b.dtype.kind not in "fiu" or not _finite_float32(b.item()) \
+                or not (np.isfinite(w).all() and (np.abs(w) <= _FLOAT32_MAX).all()):
+            raise BundleError(f"{where}: head tensors must hold finite float32 values; re-fit the head.")
     elif e.tau is not None or e.weight is not None or e.bias is not None:
         raise BundleError(f"{where}: 'tau' and head tensors belong to learned policies only "
                           f"(policy is {e.policy!r}).")
     if e.policy == "profiled":
-        if not isinstance(e.k, int) or isinstance(e.k, bool) or e.k < 0:
-            raise BundleError(f"{where}: a profiled policy needs an integer 'k' ≥ 0, got {e.k!r}.")
+        if not isinstance(e.k, int) or isinstance(e.k, bool) or not 0 <= e.k < K_LIMIT:
+            raise BundleError(f"{where}: a profiled policy needs an integer 'k' with 0 ≤ k < 2**24, got "
+                              f"{_short(e.k)} (no response has 2**24 forwards: use policy 'none' to never release).")
     elif e.k is not None:
         raise BundleError(f"{where}: 'k' belongs to profiled policies only (policy is {e.policy!r}).")
+
+
+def _check_hidden_size(hidden_size: Any, where: str) -> None:
+    if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
+        raise BundleError(f"{where}: 'hidden_size' must be an integer in 1..{MAX_HIDDEN_SIZE}, got "
+                          f"{_short(hidden_size)}.")
 
 
 def write_bundle(directory: str | Path, *, backbone: str, hidden_size: int, config_fingerprint: str,
@@ -178,6 +219,7 @@ def write_bundle(directory: str | Path, *, backbone: str, hidden_size: int, conf
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(f"bundle directory {out} already exists and is not empty: choose a new "
                           f"directory or delete it first.")
+    _check_hidden_size(hidden_size, f"bundle {out}")
     names = [e.name for e in adapters]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -230,25 +272,107 @@ def _field(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], whe
     return value
 
 
-def _check_files(root: Path, files: Mapping[str, Any]) -> None:
-    """Every listed file exists with its sha256; nothing else is in the bundle."""
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {_short(key)}")
+        obj[key] = value
+    return obj
+
+
+def _strict_json(data: bytes, what: str) -> Any:
+    """``data`` parsed as strict JSON (UTF-8, finite numbers, unique keys, ≤ MAX_JSON_DEPTH levels)."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:200]
+        raise BundleError(f"{what} is not valid JSON ({reason}); re-export the bundle.") from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BundleError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels; re-export the bundle.")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children)
+    return value
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of ``path``, which must be a regular file (not a symlink) of at most ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise BundleError(f"{path} is missing; copy the whole bundle directory or re-export it.") from None
+    except OSError as err:
+        if os.path.islink(path):
+            raise BundleError(f"{path} is a symbolic link; a bundle holds regular files only. Copy the "
+                              f"bundle with its files, not links.") from None
+        raise BundleError(f"{path} cannot be read ({err.strerror}).") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BundleError(f"{path} is not a regular file; a bundle holds regular files only.")
+        if info.st_size > limit:
+            raise BundleError(f"{path} has {info.st_size} bytes, more than the {limit} a bundle allows; "
+                              f"it is not a bundle written by LoRazor.")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise BundleError(f"{path} grew past {limit} bytes while being read.")
+    return data
+
+
+def _read_files(root: Path, files: Mapping[str, Any]) -> dict[str, bytes]:
+    """Bytes of every listed file, each checked against its sha256; nothing else may be in the bundle."""
     where = f"{root / MANIFEST}"
     for name, digest in files.items():
-        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
-            raise BundleError(f"{where}: 'files' lists {name!r}; a bundle holds only plain "
+        if not isinstance(name, str) or "\x00" in name or Path(name).name != name or not name.endswith(".safetensors"):
+            raise BundleError(f"{where}: 'files' lists {_short(name)}; a bundle holds only plain "
                               f".safetensors file names. Re-export the bundle.")
-        path = root / name
-        if not path.is_file():
-            raise BundleError(f"{path} is missing (listed in {where} 'files'); copy the whole bundle "
-                              f"directory or re-export it.")
-        if file_sha256(path) != digest:
-            raise BundleError(f"{path}: sha256 does not match {where} 'files' — the file was modified "
+        if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+            raise BundleError(f"{where}: 'files' gives {_short(digest)} for {name}; expected a 64-hex sha256. "
+                              f"Re-export the bundle.")
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if entry.name != MANIFEST and entry.name not in files:
+            raise BundleError(f"{root / entry.name}: not listed in {where} 'files'. A bundle holds only "
+                              f"manifest.json and the listed .safetensors files (never pickles); remove it.")
+        if not entry.is_file(follow_symlinks=False):
+            kind = "a symbolic link" if entry.is_symlink() else "not a regular file"
+            raise BundleError(f"{root / entry.name} is {kind}; a bundle holds regular files only. Copy the "
+                              f"bundle with its files.")
+    out = {}
+    for name, digest in files.items():
+        data = _read_regular(root / name, MAX_FILE_BYTES)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise BundleError(f"{root / name}: sha256 does not match {where} 'files' — the file was modified "
                               f"or corrupted. Re-copy the bundle from its source; do not edit it.")
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST and rel not in files:
-            raise BundleError(f"{path}: not listed in {where} 'files'. A bundle holds only manifest.json "
-                              f"and the listed .safetensors files (never pickles); remove it.")
+        out[name] = data
+    return out
+
+
+def _load_heads(data: bytes, path: Path) -> dict[str, np.ndarray]:
+    """The float32 tensors of a heads file; any other dtype or a malformed file is a BundleError."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 < n <= len(data) - 8:
+        raise BundleError(f"{path} is not a valid safetensors file (bad header length); re-export.")
+    header = _strict_json(data[8:8 + n], f"{path} header")
+    if not isinstance(header, dict):
+        raise BundleError(f"{path} is not a valid safetensors file (header is not an object); re-export.")
+    for name, info in header.items():
+        if name != "__metadata__" and (not isinstance(info, dict) or info.get("dtype") != "F32"):
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            raise BundleError(f"{path}: tensor {_short(name)} is {str(dtype)[:20]}, expected F32 (float32); "
+                              f"re-export the bundle.")
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, TypeError, OverflowError) as err:
+        raise BundleError(f"{path} is not a valid safetensors file ({str(err)[:200]}); re-export.") from None
 
 
 def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, root: Path) -> AdapterEntry:
@@ -256,7 +380,7 @@ def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, 
     if not isinstance(rec, dict):
         raise BundleError(f"{where}: expected an object; re-export the bundle.")
     name = _field(rec, "name", str, where)
-    where = f"{root / MANIFEST} adapter '{name}'"
+    where = f"{root / MANIFEST} adapter {_short(name)}"
     policy = _field(rec, "policy", str, where)
     weight = bias = None
     if policy == "learned":
@@ -264,7 +388,7 @@ def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, 
         names = (head.get("weight"), head.get("bias"))
         for n in names:
             if not isinstance(n, str) or n not in heads:
-                raise BundleError(f"{where}: head tensor {n!r} is not in {root / HEADS_FILE}; re-export.")
+                raise BundleError(f"{where}: head tensor {_short(n)} is not in {root / HEADS_FILE}; re-export.")
             if heads[n].dtype != np.float32:
                 raise BundleError(f"{root / HEADS_FILE}: tensor {n!r} is {heads[n].dtype}, expected float32.")
         weight, bias = heads[names[0]], heads[names[1]]
@@ -287,26 +411,24 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     """
     root = Path(directory)
     mpath = root / MANIFEST
-    if not mpath.is_file():
+    if not root.is_dir() or not os.path.lexists(mpath):
         raise BundleError(f"{mpath} not found: {root} is not a policy bundle. Point the server at the "
                           f"directory written by the calibration export stage.")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BundleError(f"{mpath} is not valid JSON ({err}); re-export the bundle.") from err
+    manifest = _strict_json(_read_regular(mpath, MAX_MANIFEST_BYTES), str(mpath))
     if not isinstance(manifest, dict):
         raise BundleError(f"{mpath}: expected a JSON object; re-export the bundle.")
     where = str(mpath)
     version = _field(manifest, "schema_version", int, where)
     if version > SCHEMA_VERSION:
-        raise BundleError(f"{where}: 'schema_version' {version} was written by a newer LoRazor (this one "
-                          f"reads {SCHEMA_VERSION}); upgrade LoRazor on the server.")
+        raise BundleError(f"{where}: 'schema_version' {_short(version)} was written by a newer LoRazor (this "
+                          f"one reads {SCHEMA_VERSION}); upgrade LoRazor on the server.")
     if version != SCHEMA_VERSION:
-        raise BundleError(f"{where}: 'schema_version' {version} is unknown (this LoRazor reads "
+        raise BundleError(f"{where}: 'schema_version' {_short(version)} is unknown (this LoRazor reads "
                           f"{SCHEMA_VERSION}); re-export the bundle.")
     files = _field(manifest, "files", dict, where)
-    _check_files(root, files)
+    data = _read_files(root, files)
     hidden_size = _field(manifest, "hidden_size", int, where)
+    _check_hidden_size(hidden_size, where)
     if expected_hidden_size is not None and hidden_size != expected_hidden_size:
         raise BundleError(f"{where}: 'hidden_size' is {hidden_size} but the served model has "
                           f"{expected_hidden_size}: this bundle was calibrated for another backbone.")
@@ -316,10 +438,7 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
                           f"use the bundle calibrated for this backbone.")
     if HEADS_FILE not in files:
         raise BundleError(f"{where}: 'files' does not list {HEADS_FILE}; re-export the bundle.")
-    try:
-        heads = load_file(str(root / HEADS_FILE))
-    except SafetensorError as err:
-        raise BundleError(f"{root / HEADS_FILE} is not a valid safetensors file ({err}); re-export.") from err
+    heads = _load_heads(data[HEADS_FILE], root / HEADS_FILE)
     records = _field(manifest, "adapters", list, where)
     adapters: dict[str, AdapterEntry] = {}
     for i, rec in enumerate(records):
@@ -327,6 +446,10 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
         if e.name in adapters:
             raise BundleError(f"{where}: adapter '{e.name}' appears twice in 'adapters'; re-export.")
         adapters[e.name] = e
+    used = {n for rec in records if rec["policy"] == "learned" for n in (rec["head"]["weight"], rec["head"]["bias"])}
+    if set(heads) - used:
+        raise BundleError(f"{root / HEADS_FILE}: tensor {_short(sorted(set(heads) - used)[0])} belongs to no "
+                          f"learned adapter of {where}; re-export the bundle.")
     policies = {name: e.to_policy() for name, e in adapters.items()}
     if known_adapters is not None:
         known = list(known_adapters)

@@ -1,21 +1,21 @@
 """The bridge's calibration mode: a runtime without bundle whose policies are set per pass.
 
-``LORAZOR_CALIBRATION=1`` (:mod:`serve_bridge.settings`) makes the vLLM runner start a
+``LORAZOR_CALIBRATION=1`` (:mod:`serve_bridge.vllm.settings`) makes the vLLM runner start a
 :class:`CalibrationRuntime`. The calibration engine (``labeling.engines.vllm``) configures it
-over ``LLM.collective_rpc`` before each ``generate`` (:func:`serve_bridge.rpc.lorazor_calibrate`):
+over ``LLM.collective_rpc`` before each ``generate`` (:func:`serve_bridge.vllm.rpc.lorazor_calibrate`):
 
 - ``slots``: adapter names in slot order (the engine's adapter list); a request whose LoRA
   name is slot i has StepTrim slot i, any other request NO_SLOT.
 - ``policy``: the release policy of the pass (a :class:`StepTrim`, as plain data; None = full
   LoRA). Decisions run through the same :class:`ReleaseRuntime` code as serving, and so
-  through :meth:`StepTrim.fires` — the one implementation of DESIGN §2.
+  through :meth:`StepTrim.fires` — the one implementation of docs/design.md §2.
 - ``scorer``: a StepTrim whose learned heads score every forward (s_t), or None.
 - ``capture``: the forwards t whose h_t is recorded.
 
 Requests tagged with a uid (``SamplingParams.extra_args``, see :mod:`serve_bridge.runtime`)
 get a record: the realized release r, s_t of the scorer at every forward, and h_t (float32
 [H], the final-norm hidden state of the sampled position — exactly the rows ``decide``
-receives) at the forwards of the capture set. :func:`serve_bridge.rpc.lorazor_captures`
+receives) at the forwards of the capture set. :func:`serve_bridge.vllm.rpc.lorazor_captures`
 returns the records as plain data (lists, floats, ints: they cross process boundaries
 through vLLM's msgpack or pickle channels) and clears them.
 
@@ -72,7 +72,7 @@ def steptrim_from_data(data: Sequence[Mapping[str, Any] | None] | None, hidden_s
 
 def require_cacheable(policy: StepTrim | None, prefix_caching: bool) -> None:
     """Refuse a pass with a release policy on an engine that caches prefixes: the scheduler keys
-    cached blocks by forced release positions only (:mod:`serve_bridge.prefix_cache`), and blocks
+    cached blocks by forced release positions only (:mod:`serve_bridge.vllm.prefix_cache`), and blocks
     decoded after a release the runtime decides would be cached under the adapter's name."""
     if prefix_caching and policy is not None and any(p is not None for p in policy.policies):
         raise ValueError("this pass has a release policy, and the vLLM engine caches prefixes "
@@ -83,7 +83,7 @@ def require_cacheable(policy: StepTrim | None, prefix_caching: bool) -> None:
 
 def calibration_config(slots: Sequence[str], policy: StepTrim | None = None, scorer: StepTrim | None = None,
                        capture: Iterable[int] = ()) -> dict[str, Any]:
-    """The argument of :func:`serve_bridge.rpc.lorazor_calibrate` (plain data)."""
+    """The argument of :func:`serve_bridge.vllm.rpc.lorazor_calibrate` (plain data)."""
     for name, st in (("policy", policy), ("scorer", scorer)):
         if st is not None and len(st.policies) != len(slots):
             raise ValueError(f"{name} has {len(st.policies)} slots for {len(slots)} adapters {list(slots)}")

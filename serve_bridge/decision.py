@@ -1,4 +1,4 @@
-"""Launching one engine step's StepTrim decisions with few host calls (DESIGN §2, §4).
+"""Launching one engine step's StepTrim decisions with few host calls (docs/design.md §2, §4).
 
 The decision itself is StepTrim's (:meth:`serve_bridge.steptrim.StepTrim.fires`; on CUDA its
 kernel, :mod:`kernels.steptrim`); this module only hands it inputs and takes its result. Per

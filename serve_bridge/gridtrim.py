@@ -1,63 +1,28 @@
-"""GridTrim behind vLLM's punica contract: our work-list kernels for LoRA linears (DESIGN §4, §6).
+"""GridTrim behind vLLM's punica contract: our work-list kernels for LoRA linears (docs/design.md §4, §6).
 
-Pure torch; importable without vLLM and without Triton (the ``kernels`` Triton modules are
-imported on first launch). :mod:`serve_bridge.vllm_punica` is the thin vLLM side that calls it.
+Pure torch; importable without vLLM and without Triton (the ``kernels`` Triton modules load on
+first launch). :mod:`serve_bridge.vllm.punica_wrapper` is the vLLM side that calls it.
 
-Per engine step (eager, outside any CUDA graph), the :class:`~kernels.worklist.RowTileWorklist`
-is rebuilt for the step's metadata (``LoRAKernelMeta``, ``lora/ops/triton_ops/
-lora_kernel_metadata.py:109-168``, paths inside the ``vllm`` package 0.26.0): by
-:func:`refresh_worklist` with device ops from the metadata on the device, or, in vLLM, on the host
-together with the metadata itself (:mod:`serve_bridge.punica_meta`). The list holds only row
-tiles of slots whose adapter id is ≥ 0, so rows mapped to -1 (no adapter, or released by
-StepTrim) and CUDA-graph padding rows launch no work. Its buffers are static.
+Per engine step, the :class:`~kernels.worklist.RowTileWorklist` is rebuilt from the step's LoRA
+metadata (:func:`refresh_worklist`, or on the host by :mod:`serve_bridge.punica_meta`). It holds only
+row tiles of slots whose adapter id is ≥ 0, so rows mapped to -1 (no adapter, or released by
+StepTrim) and CUDA-graph padding rows launch no work. Per LoRA linear, :func:`add_lora_linear`
+runs shrink + expand with a persistent grid that does not depend on the batch; the kernels read
+the tile count on the device, so a step with no adapter rows is a no-op without a host-side early
+return, and one captured CUDA graph per batch size replays every adapter mix. ``num_active_loras``
+is not used. :func:`shrink` and :func:`expand` are the ``add_shrink`` / ``add_expand`` halves, with
+vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the tensor-parallel paths that
+communicate in between (docs/vllm_integration.md §5).
 
-Per LoRA linear, :func:`add_lora_linear` runs shrink + expand with the persistent launch. Its
-grid does not depend on the batch, and the kernels read the tile count on device. A step with no
-adapter rows therefore has ``num_tiles = 0`` and the launch is a no-op, with no host-side
-early return, so one captured CUDA graph per batch size replays every adapter mix.
-It does not use ``num_active_loras`` (the last element of ``meta_args``) at all.
-
-:func:`shrink` and :func:`expand` are vLLM's ``add_shrink`` / ``add_expand`` halves on the same
-kernels and work list, with vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the
-tensor-parallel paths that communicate between the two (below).
-
-While torch.compile traces, the launches go through custom ops, ``torch.ops.lorazor.gridtrim_lora_linear``,
-``gridtrim_shrink`` and ``gridtrim_expand`` (registered together on first use for CPU and CUDA,
-with fake kernels). torch.compile (vLLM's default compilation mode) then treats them as opaque,
-as vLLM does its own ``torch.ops.vllm.lora_shrink`` (``lora/ops/triton_ops/lora_shrink_op.py:285-291``).
-In eager mode the same implementations are called directly (:func:`_call`), with each layer's
-launch arguments built once (``kernels.linear.LinearConfig``, cached with the layer's eligibility):
-eager mixed steps are bound by the host (``benchmarks/serve_bridge/BENCH.md``, fifth session), and
-rebuilding ~40 arguments per call cost ~0.2 ms (``benchmarks/serve_bridge/STEP_HOST.md``).
-
-Tensor parallelism (vLLM 0.26.0, ``lora/layers/``): every rank has its own punica wrapper with
-the same token mapping, so the same work list; only the weights and activations are shards.
-
-- Column-parallel layers (qkv, gate_up), default: ``add_lora_linear`` on every rank with the
-  full A and B sliced on its output dimension (``column_parallel_linear.py:104-130``,
-  ``:253-264``, ``:399-420``), ``output_slices`` the rank's widths. No communication.
-- Row-parallel layers (o, down), default: ``add_lora_linear`` on the rank's input columns with
-  A sliced on its input dimension (``row_parallel_linear.py:32-37``) and the full B, into the
-  rank's partial output, which the layer then all-reduces (``:72-76``); the sum of the ranks'
-  ``bf(x_r A_rᵀ) Bᵀ`` is the layer's LoRA output.
-- ``fully_sharded_loras`` (S-LoRA), column-parallel: A sliced on the rank dimension (rank / TP
-  rows, ``base_linear.py:111-117``, ``column_parallel_linear.py:219-223``, ``:516-520``):
-  ``add_shrink`` into a zeroed fp32 ``[slices, M, rank/TP]`` buffer, all-gather on its last
-  dimension (``:41-64``), then ``add_expand`` with the rank's output-sliced B (full rank),
-  ``offset_start`` 0 (``:66-73``).
-- ``fully_sharded_loras``, row-parallel: A sliced on the input dimension (full rank),
-  ``add_shrink``, all-reduce of the buffer (``row_parallel_linear.py:123-135``), then
-  ``add_expand`` with B sliced on its output dimension (``:111-116``, out / TP rows) at
-  ``offset_start`` = TP rank · out / TP into the partial output (``:144-153``).
-- Logits: the LoRA is applied after the all-gather of the logits, with the full vocabulary's B,
-  identically on every rank (``lora/layers/logits_processor.py:160-187``, ``:103-112``).
+Under torch.compile the launches go through the custom ops ``torch.ops.lorazor.gridtrim_lora_linear``,
+``gridtrim_shrink`` and ``gridtrim_expand`` (opaque to the compiler, with fake kernels); in eager
+mode the same implementations are called directly, with each layer's launch arguments built once.
 
 Eligibility (:func:`ineligible_reason`): x, y and every A/B in fp16 or bf16, all of one dtype;
-1–3 slices; rank ≤ 64; all A slices of one shape and strides; B slices of that rank with
-shared ``[out, rank]`` strides whose widths are ``output_slices``. :func:`shrink_ineligible_reason`
-and :func:`expand_ineligible_reason` check the A or B half of that, with vLLM's fp32
-``[slices, M, rank]`` buffer as the shrink's output and the expand's input. Any other layer falls
-back to vLLM's stock path; the first fallback for each reason logs one warning.
+1–3 slices; rank ≤ 64; all A slices of one shape and strides; B slices of that rank with shared
+``[out, rank]`` strides whose widths are ``output_slices``. :func:`shrink_ineligible_reason` and
+:func:`expand_ineligible_reason` check the A or B half. Any other layer falls back to vLLM's stock
+path; the first fallback for each reason logs one warning.
 """
 from __future__ import annotations
 
@@ -84,8 +49,7 @@ EXPAND_OP = "gridtrim_expand"
 _T = TypeVar("_T")
 _warned: set[tuple[str, str]] = set()
 # Eligibility per layer (and, for LoRA linears, the launch config it allows), keyed by the identity
-# of its stacked-weight tuples (vLLM builds them once per layer: lora/layers/base_linear.py:129-150,
-# column_parallel_linear.py:225-246) and the activation's dtype, widths and strides; each value
+# of its stacked-weight tuples (vLLM builds them once per layer) and the activation's dtype, widths and strides; each value
 # keeps the tuples alive, so an id is never reused while its entry exists.
 _eligibility: dict[tuple, tuple[tuple[object, ...], Any]] = {}
 
@@ -166,8 +130,7 @@ def ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.T
 def shrink_ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> str | None:
     """Why our kernels cannot run this ``add_shrink`` (None: they can): x ``[M, K]`` fp16/bf16,
     1–3 A slices as :func:`ineligible_reason` wants them, y vLLM's fp32 buffer
-    ``[slices, M, rank]`` (``punica_gpu.py:246-248``, ``column_parallel_linear.py:49-54``,
-    ``row_parallel_linear.py:123-127``)."""
+    ``[slices, M, rank]``."""
     reason = _static_shrink_reason(x, lora_a)
     if reason is not None:
         return reason
@@ -196,7 +159,7 @@ def _shrink_output_reason(y: torch.Tensor, x: torch.Tensor, rank: int, slices: i
 def expand_ineligible_reason(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor],
                              output_slices: Sequence[int], offset_start: int = 0) -> str | None:
     """Why our kernels cannot run this ``add_expand`` (None: they can): x the fp32 shrink buffer
-    ``[slices, M, rank]`` (``punica_gpu.py:154-156`` reads it so), 1–3 B slices of one fp16/bf16
+    ``[slices, M, rank]``, 1–3 B slices of one fp16/bf16
     dtype, rank ≤ 64, widths ``output_slices``, y ``[M, ≥ offset_start + Σ widths]`` in B's dtype."""
     reason = _static_expand_reason(y, x, lora_b, output_slices, offset_start)
     if reason is not None:
@@ -258,7 +221,7 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
     """(:func:`ineligible_reason`, and when None the layer's ``kernels.linear.LinearConfig`` for
     x and y of these layouts) through the per-layer cache. Building the launch arguments costs
     about 0.2 ms of Python per call on the development CPU, the same order as the GPU host's
-    measured per-call cost in eager steps (``benchmarks/serve_bridge/BENCH.md``, fifth session)."""
+    measured per-call cost in eager steps (``benchmarks/results/2026-11-29-host-path.md``, 2026-11-29)."""
     if torch.compiler.is_compiling():  # the traced op path rebuilds it at run time; keep it out of the trace
         return ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start), None
     key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), tuple(output_slices),
@@ -287,10 +250,9 @@ def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
 def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor]) -> None:
     """Rebuild the work list from vLLM's freshly prepared metadata (device ops only).
 
-    ``meta_args`` is ``LoRAKernelMeta.meta_args(...)``'s tuple (``lora_kernel_metadata.py:
-    197-205``); only the per-slot arrays are read, so the token count it was sliced to is
-    irrelevant. After ``prepare_tensors`` saw no adapter rows (``:118-126``, which resets the
-    slot ids to -1 and the counts to 0 and returns), the list is empty.
+    ``meta_args`` is ``LoRAKernelMeta.meta_args(...)``'s tuple; only the per-slot arrays are read,
+    so the token count it was sliced to is irrelevant. After a step without adapter rows (slot ids
+    -1, counts 0) the list is empty.
     """
     worklist.update(LoRABatchMeta.from_vllm_meta_args(meta_args))
 
@@ -318,8 +280,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
                     offset_start: int = 0, add_inputs: bool = True,
                     num_programs: int | None = None) -> bool:
-    """vLLM's ``add_lora_linear`` contract (``lora/punica_wrapper/punica_gpu.py:203-264``) on
-    our kernels: for rows m whose adapter id ≥ 0, slice s with columns ``[c_s, c_s + N_s)``
+    """vLLM's ``add_lora_linear`` contract on our kernels: for rows m whose adapter id ≥ 0, slice s with columns ``[c_s, c_s + N_s)``
     (``c_0 = offset_start``, slices back to back)::
 
         y[m, c_s:c_s+N_s] = (y[m, ...] if add_inputs else 0) + bf(scale · x[m] @ A_s[id]ᵀ) @ B_s[id]ᵀ
@@ -342,21 +303,13 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
 def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], scale: float,
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
            num_programs: int | None = None) -> bool:
-    """vLLM's ``add_shrink`` contract (``lora/punica_wrapper/punica_gpu.py:90-121``, the op
-    ``lora/ops/triton_ops/lora_shrink_op.py:131-265``) on our kernels::
+    """vLLM's ``add_shrink`` contract on our kernels::
 
         y[s, m] = scale · x[m] @ A_s[id_m]ᵀ   (fp32) for rows m whose adapter id ≥ 0, else 0
 
-    x ``[M, K]`` (fp16/bf16), y the fp32 buffer ``[slices, M, rank]``. Like the stock op, which
-    zeroes the buffer first (``lora_shrink_op.py:192``) and then stores (split_k = 1) or
-    atomically adds (split_k > 1) the products, the result *replaces* y. (The stock op skips the
-    zeroing when no row has an adapter, on a host flag, ``:171-174``; its callers zero or
-    never read those rows, ``column_parallel_linear.py:55``, ``row_parallel_linear.py:123``,
-    ``punica_gpu.py:250-264``.) The tensor-parallel paths call it on a rank's A shard:
-    fully-sharded column-parallel layers with A sliced on the rank dimension, then all-gather y
-    on its last dimension (``column_parallel_linear.py:57-64``); fully-sharded row-parallel
-    layers with A sliced on the input dimension, then all-reduce y (``row_parallel_linear.py:
-    129-135``). Returns False, after a one-time warning, when ineligible.
+    x ``[M, K]`` (fp16/bf16), y the fp32 buffer ``[slices, M, rank]``; as with the stock op, the
+    result *replaces* y. The fully-sharded tensor-parallel paths call it on a rank's A shard and
+    then all-gather or all-reduce y. Returns False, after a one-time warning, when ineligible.
     """
     x2 = x.view(-1, x.shape[-1])
     layer = lora_a  # the cache key: the caller's own object (a new tuple would be a new key every call)
@@ -376,8 +329,7 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
 def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *, offset_start: int = 0,
            add_inputs: bool = True, num_programs: int | None = None) -> bool:
-    """vLLM's ``add_expand`` contract (``lora/punica_wrapper/punica_gpu.py:123-169``, the op
-    ``lora/ops/triton_ops/lora_expand_op.py``) on our kernels: for rows m whose adapter id ≥ 0,
+    """vLLM's ``add_expand`` contract on our kernels: for rows m whose adapter id ≥ 0,
     slice s with columns ``[c_s, c_s + N_s)`` (``c_0 = offset_start``, slices back to back)::
 
         y[m, c_s:c_s+N_s] = (y[m, ...] if add_inputs else 0) + bf(x[s, m]) @ B_s[id_m]ᵀ
@@ -385,8 +337,8 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     x the fp32 shrink buffer ``[slices, M, rank]``; bf casts it to B's dtype, as the stock op
     does (``CAST_TYPE``). Other rows of y are not touched. Under tensor parallelism x is the
     all-gathered (fully-sharded column-parallel, full rank, ``offset_start`` 0) or all-reduced
-    (fully-sharded row-parallel, ``offset_start`` = rank · shard width, ``row_parallel_linear.py:
-    144-153``) buffer and B the rank's output shard. Returns False, after a one-time warning,
+    (fully-sharded row-parallel, ``offset_start`` = rank · shard width) buffer and B the rank's
+    output shard. Returns False, after a one-time warning,
     when ineligible.
     """
     y2 = y.view(-1, y.shape[-1])

@@ -1,30 +1,15 @@
 """GridTrim's per-step punica metadata, built on the host with numpy and uploaded in two copies.
 
-What vLLM 0.26.0's ``PunicaWrapperGPU.update_metadata`` (``lora/punica_wrapper/punica_gpu.py:75-88``;
-paths inside the ``vllm`` package) does once per step, before the forward, on the engine thread:
-
-1. ``convert_mapping`` (``lora/punica_wrapper/utils.py:54-160``, through ``_update_base_metadata``,
-   ``punica_base.py:168-202``): a Python loop over every token of the ``LoRAMapping`` (adapter id
-   → slot index), the lists turned into tensors (``async_tensor_h2d``), then about ten torch ops
-   into the static buffers ``_token_lora_indices``, ``_sampler_indices``,
-   ``_sampler_indices_padded`` and ``_embeddings_indices`` (``punica_base.py:138-154``), and
-   ``indices_len``;
-2. ``LoRAKernelMeta.prepare_tensors`` (``lora/ops/triton_ops/lora_kernel_metadata.py:109-168``)
-   for the token mapping, then again for the sampler's: about a dozen small device ops each, two
-   of which wait for the GPU (the no-LoRA flag read back from ``torch.all``, :121-122; the size of
-   ``torch.unique``'s output, :144-151).
-
-GridTrim then rebuilt its two work lists from those with a dozen device ops more.
-
-:class:`HostPunicaMetadata` computes all of it on the host from the mapping, with numpy (a
-2048-token step is a few arrays of 2048 entries), and uploads it with two non-blocking copies from
-pinned memory: one int64 block and one int32 block. At construction it rebinds each buffer above,
-and the work lists, to a view of the two device blocks, before any CUDA graph captures their
-addresses; vLLM's stock kernels and ours read the same tensors as before. The values are vLLM's
-(tested against a restatement of both functions in ``tests/serve_bridge/test_punica_meta.py``),
-with two differences nothing reads: whole buffers are written (vLLM writes the first n entries),
-and a step without adapter rows also writes ``token_lora_mapping`` and an identity order (vLLM
-returns before those, :123-126, leaving the previous step's values).
+:class:`HostPunicaMetadata` computes what vLLM's ``PunicaWrapperGPU.update_metadata`` computes once
+per step (the token → slot mapping, the sampler's indices, the kernels' ``LoRAKernelMeta`` for
+tokens and for the sampler) and both GridTrim work lists, from the step's mapping, without device
+ops or host syncs, and uploads them with two non-blocking copies from pinned memory (one int64
+block, one int32 block). At construction it rebinds vLLM's buffers and the work lists to views of
+those blocks, before any CUDA graph captures their addresses, so vLLM's stock kernels and ours
+read the same tensors. The values are vLLM's (``tests/serve_bridge/test_punica_meta.py`` restates
+vLLM's functions), except that whole buffers are written and a step without adapter rows also
+writes ``token_lora_mapping`` and an identity order, which nothing reads
+(docs/vllm_integration.md §5).
 """
 from __future__ import annotations
 
@@ -44,7 +29,7 @@ _MAX_TABLE = 1 << 20  # adapter ids up to this use a lookup table, larger ones a
 
 def slot_lookup(lora_index_to_id: Sequence[int | None]) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The inverse of ``lora_index_to_id`` (slot → adapter id or None), as ``convert_mapping`` builds
-    it (``utils.py:98-102``), for :func:`slot_indices`: a table indexed by id (-1 at 0, the slot of each
+    it, for :func:`slot_indices`: a table indexed by id (-1 at 0, the slot of each
     id, ``_UNKNOWN`` elsewhere) when the ids are small, else (ids, their slots) sorted by id."""
     slots = np.array([i for i, x in enumerate(lora_index_to_id) if x is not None], dtype=np.int64)
     ids = np.array([lora_index_to_id[i] for i in slots], dtype=np.int64)
@@ -58,7 +43,7 @@ def slot_lookup(lora_index_to_id: Sequence[int | None]) -> np.ndarray | tuple[np
 
 
 def slot_indices(ids: np.ndarray, lookup: np.ndarray | tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """``convert_mapping``'s per-token lookup (``utils.py:104-115``) with a :func:`slot_lookup`: an
+    """``convert_mapping``'s per-token lookup with a :func:`slot_lookup`: an
     adapter id > 0 becomes its slot, any other id -1. An id > 0 without a slot raises KeyError, as
     vLLM's dict lookup does."""
     if isinstance(lookup, np.ndarray):
@@ -124,7 +109,7 @@ class _KernelMetaBlock:
             self.active[:u] = present - 1
             self.counts[:u] = per_slot[present]
             self.starts[1:1 + u] = np.cumsum(per_slot[present])
-            at = bisect.bisect_left(self.captured, u)  # rounded up to a captured count (:153-159)
+            at = bisect.bisect_left(self.captured, u)  # rounded up to a captured count, as vLLM does
             self.num_active[0] = self.captured[at] if self.captured and at < len(self.captured) else u
         host_tiles(self.counts, self.active, self.starts, self.order, self.block_m, self.tiles)
 
@@ -138,7 +123,7 @@ class HostPunicaMetadata:
 
     def __init__(self, wrapper: Any, block_m: int = 16) -> None:
         device = wrapper._token_lora_indices.device
-        t = wrapper._token_lora_indices.numel()  # max_num_batched_tokens (punica_base.py:138-150)
+        t = wrapper._token_lora_indices.numel()  # max_num_batched_tokens
         pin = device.type == "cuda"
         self._long_device = torch.empty(5 * t, dtype=torch.int64, device=device)
         self._long_host = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)
@@ -164,9 +149,16 @@ class HostPunicaMetadata:
     def update(self, index_mapping: Sequence[int], prompt_mapping: Sequence[int],
                lora_index_to_id: Sequence[int | None], max_loras: int, vocab_size: int) -> None:
         """What ``update_metadata(mapping, lora_index_to_id, max_loras, vocab_size)`` writes
-        (``punica_gpu.py:75-88``; ``max_loras`` is the slot count + 1, ``model_manager.py:378-383``),
+        (``max_loras`` is the slot count + 1),
         for ``mapping.index_mapping`` / ``mapping.prompt_mapping``. The copies are queued on the
         current stream; the host blocks are reused only once the previous copy has run."""
+        capacity, slots = self._token_indices.size, self._blocks[0].active.size
+        if len(index_mapping) > capacity or len(prompt_mapping) > capacity:
+            raise ValueError(f"HostPunicaMetadata.update: index_mapping ({len(index_mapping)}) and prompt_mapping "
+                             f"({len(prompt_mapping)}) must fit the wrapper's {capacity} token rows")
+        if len(lora_index_to_id) >= slots:
+            raise ValueError(f"HostPunicaMetadata.update: lora_index_to_id has {len(lora_index_to_id)} slots; the "
+                             f"kernel metadata holds at most {slots - 1} adapters")
         if self._uploaded is not None:
             self._uploaded.synchronize()
         key = tuple(lora_index_to_id)
@@ -179,9 +171,9 @@ class HostPunicaMetadata:
         self._token_indices[:n] = tokens
         self._sampler_indices[:m] = sampler
         self._sampler_padded[:m] = np.arange(m) + np.where(sampler == -1, max_loras - 1, sampler) * m
-        # _embeddings_indices: row 0 is the slot × extra vocabulary size, 0 since 0.26 dropped extra
-        # vocabularies (punica_base.py:175-178); row 1 the slot × vocabulary size, slot 0 for tokens
-        # without an adapter (utils.py:114, 127-132). Neither can be -1, so :133-135 changes nothing.
+        # _embeddings_indices: row 0 is the slot × extra vocabulary size, 0 since vLLM 0.26 dropped
+        # extra vocabularies; row 1 the slot × vocabulary size, slot 0 for tokens without an adapter.
+        # Neither can be -1, so vLLM's -1 replacement changes nothing.
         self._embeddings[0, :n] = 0
         self._embeddings[1, :n] = np.maximum(tokens, 0) * vocab_size
         self._wrapper.indices_len[:] = [n, m, m, n]

@@ -1,6 +1,6 @@
-"""Per-request StepTrim release inside a serving engine, without the engine (DESIGN §2, §4).
+"""Per-request StepTrim release inside a serving engine, without the engine (docs/design.md §2, §4).
 
-The engine glue (:mod:`serve_bridge.vllm_hooks`) feeds this module plain arrays; all
+The engine glue (:mod:`serve_bridge.vllm.model_runner`) feeds this module plain arrays; all
 release logic lives here and is tested on CPU. Release decisions themselves come only
 from :class:`serve_bridge.steptrim.StepTrim`.
 
@@ -16,7 +16,7 @@ t > r, which consumes the token at position P+t−1 ≥ P+r, without its adapter
 every position ≥ P+r to "no adapter" — in every step, whichever forward it belongs to —
 is therefore exact under chunked prefill and under preemption recompute.
 
-Per-request arguments. A request may carry, in ``SamplingParams.extra_args``::
+Per-request arguments. A request may hold, in ``SamplingParams.extra_args``::
 
     {"lorazor": {"uid": "q17@0", "release_position": 412}}
 
@@ -45,7 +45,6 @@ import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
 from serve_bridge.decision import DecisionLauncher
-from serve_bridge.settings import BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.
@@ -113,19 +112,21 @@ def lora_group_count(token_mapping: np.ndarray) -> int:
 
     0 when no token has an adapter (the batch needs no LoRA kernel at all). This is the
     count vLLM's kernel metadata uses for its launch grid; an adapter-count CUDA graph
-    must be chosen with it, not with the number of adapters (DESIGN §4).
+    must be chosen with it, not with the number of adapters (docs/design.md §4).
     """
+    return step_mapping(token_mapping, ()).lora_groups
+
+
+def step_mapping(token_mapping: Sequence[int] | np.ndarray, sampled_mapping: Sequence[int]) -> StepMapping:
+    """A step's (masked) mapping with its group count and used adapter ids (one np.unique)."""
     ids = np.unique(np.asarray(token_mapping))
-    if not (ids != NO_ADAPTER).any():
-        return 0
-    return int(ids.size)
+    used = ids[ids != NO_ADAPTER].tolist()
+    return StepMapping(token_mapping, sampled_mapping, int(ids.size) if used else 0, used)
 
 
 def lora_ids(mapping: Sequence[int] | np.ndarray) -> tuple[int, ...]:
-    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with (vLLM 0.26.0
-    ``lora/layers/utils.py:33-42``): ``convert_mapping`` loops over it element by element
-    (``lora/punica_wrapper/utils.py:91-115``), and reading numpy scalars there is slower
-    (``benchmarks/serve_bridge/bench_mapping_host.py``)."""
+    """A LoRA mapping as the tuple of Python ints vLLM's ``LoRAMapping`` is typed with; vLLM loops
+    over it element by element, where numpy scalars are slower (docs/vllm_integration.md §2)."""
     return tuple(np.asarray(mapping).tolist())
 
 
@@ -180,11 +181,13 @@ class AdapterCounters:
 
 @dataclass
 class StepMapping:
-    """The LoRA mapping for one step after release masking, and its kernel group count."""
+    """The LoRA mapping for one step after release masking, its kernel group count, and the
+    LoRA ids its positions still use (the adapters that must be resident)."""
 
     token_mapping: Sequence[int]
     sampled_mapping: Sequence[int]
     lora_groups: int
+    adapter_ids: list[int]
 
 
 def rows_match(plan: Any, hidden: torch.Tensor, what: str) -> bool:
@@ -206,6 +209,7 @@ class _Plan:
     rows: list[int] = field(default_factory=list)
     states: list[RequestState] = field(default_factory=list)
     forwards: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -214,6 +218,7 @@ class _Pending:
 
     states: list[RequestState]
     forwards: list[int]
+    req_ids: list[str]
     host_ms: float  # engine-thread time spent in decide()
 
 
@@ -231,8 +236,8 @@ class ReleaseRuntime:
         self.bundle = bundle
         self.steptrim = steptrim
         self.slot_of = {name: i for i, name in enumerate(slot_names)}
-        self._verified: dict[tuple[str, str], bool] = {(n, _norm(p)): True for n, p in (verified or {}).items()}
         self._warned: set[str] = set()
+        self.calibrated = CalibratedAdapters(bundle, verified, self._warn_once)
         self.states: dict[str, RequestState] = {}
         self.adapters: dict[str, AdapterCounters] = {}
         self.finished_log: deque[dict[str, Any]] = deque(maxlen=finished_capacity)
@@ -244,6 +249,10 @@ class ReleaseRuntime:
         self._pending: _Pending | None = None
         # (batch row, state, t) of the rows of the last begun step that completed forward t
         self.completed: list[tuple[int, RequestState, int]] = []
+        # with report_releases (slot hand-back): req_id → r of the releases decided since the
+        # last take_releases()
+        self.report_releases = False
+        self.new_releases: dict[str, int] = {}
         # decisions: preallocated buffers for up to max_rows rows (more on demand), optionally
         # replayed as CUDA graphs; latency samples (ms) of the last latency_window decisions.
         self._launcher_args = {"max_rows": max_rows, "cuda_graphs": cuda_graphs}
@@ -291,20 +300,7 @@ class ReleaseRuntime:
 
     def _slot(self, adapter: str, path: str | None) -> int:
         """The adapter's StepTrim slot, or NO_SLOT (full LoRA, with one warning) when unusable."""
-        entry = self.bundle.adapters.get(adapter)
-        if entry is None:
-            self._warn_once(adapter, f"adapter '{adapter}' has no policy in bundle {self.bundle.path}: it runs "
-                                     f"full LoRA (never released).")
-            return NO_SLOT
-        key = (adapter, _norm(path or ""))
-        if key not in self._verified:
-            self._verified[key] = _weights_match(key[1], entry.weights_sha256)
-        if not self._verified[key]:
-            self._warn_once(adapter, f"adapter '{adapter}' at {path!r}: its weights could not be read from a local "
-                                     f"directory or differ from those calibrated in {self.bundle.path}; it runs "
-                                     f"full LoRA (never released). Serve the calibrated adapter from a local path.")
-            return NO_SLOT
-        return self.slot_of[adapter]
+        return self.slot_of[adapter] if self.calibrated.check(adapter, path) else NO_SLOT
 
     def _warn_once(self, adapter: str, message: str) -> None:
         if adapter not in self._warned:
@@ -330,9 +326,9 @@ class ReleaseRuntime:
         if (release_pos != NEVER).any():
             tokens, sampled = mask_released(np.asarray(token_mapping), sampled, num_computed, num_scheduled,
                                             release_pos)
-            mapping = StepMapping(tokens, sampled, lora_group_count(tokens))
+            mapping = step_mapping(tokens, sampled)
         else:
-            mapping = StepMapping(token_mapping, sampled_mapping, lora_group_count(np.asarray(token_mapping)))
+            mapping = step_mapping(token_mapping, sampled_mapping)
         end = np.asarray(num_computed, dtype=np.int64) + np.asarray(num_scheduled, dtype=np.int64)
         # Rows whose forward completes (a partial prefill chunk does not), found with numpy; the
         # per-row Python below reads plain lists (numpy scalar access costs ~5× more per row).
@@ -357,6 +353,7 @@ class ReleaseRuntime:
                 plan.rows.append(i)
                 plan.states.append(st)
                 plan.forwards.append(t)
+                plan.req_ids.append(req_ids[i])
         self.completed = completed
         self._plan = plan if plan.rows else None
         self.steps += 1
@@ -373,7 +370,7 @@ class ReleaseRuntime:
             self.resolve()  # one decision in flight at a time (begin_step has normally resolved it)
         start = time.perf_counter()
         self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
-        self._pending = _Pending(plan.states, plan.forwards, (time.perf_counter() - start) * 1e3)
+        self._pending = _Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3)
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Compile and capture the decision launcher's work for hidden states like ``hidden``
@@ -395,6 +392,8 @@ class ReleaseRuntime:
             if st.release is None:  # planned rows were unreleased; release stays one-way
                 st.release = p.forwards[i]
                 self.adapters[st.adapter].released += 1
+                if self.report_releases:
+                    self.new_releases[p.req_ids[i]] = st.release
         self.decision_steps += 1
         self.decided_rows += len(p.states)
         ms = p.host_ms if gpu_ms is None else gpu_ms
@@ -402,6 +401,13 @@ class ReleaseRuntime:
         self._lat_gpu.append(ms)
         self._lat_decide.append(p.host_ms)
         self._lat_resolve.append((time.perf_counter() - start) * 1e3)
+
+    def take_releases(self) -> dict[str, int]:
+        """req_id → release point r of every release decided since the last call (waits for the
+        pending decision): what the step output brings to the scheduler (slot hand-back)."""
+        self.resolve()
+        out, self.new_releases = self.new_releases, {}
+        return out
 
     def reset_latency(self) -> None:
         """Forget the latency samples (e.g. after a warm-up); totals and counts are kept."""
@@ -475,37 +481,67 @@ def _weights_match(path: str, sha256: str) -> bool:
         return False
 
 
-def build_runtime(settings: BridgeSettings, hidden_size: int, device: torch.device | str,
-                  prefix_caching: bool = False) -> ReleaseRuntime:
-    """Load and check the bundle for a model of ``hidden_size``; one BundleError on the first problem.
+class CalibratedAdapters:
+    """Which served adapters follow their bundle policy: those in the bundle whose weights at
+    the served path are the calibrated ones, checked once per (adapter, path). Any other
+    adapter runs full LoRA (never released); ``warn(key, message)`` is told once why.
+    The worker's runtime and the scheduler use this one check, so they always agree."""
 
-    With ``settings.adapters`` the bundle must not name an unserved adapter, and each
-    served adapter in the bundle must have the calibrated weights. A served adapter the
-    bundle lacks runs full LoRA, with a warning. In calibration mode (``settings.calibration``)
-    there is no bundle: an empty :class:`serve_bridge.calibration.CalibrationRuntime`, told
-    whether the engine caches prefixes (``prefix_caching``; it then refuses release policies).
-    """
-    if settings.calibration:
-        from serve_bridge.calibration import CalibrationRuntime  # it subclasses ReleaseRuntime
+    def __init__(self, bundle: Bundle | None, verified: Mapping[str, str] | None = None,
+                 warn: Any = None) -> None:
+        self.bundle = bundle
+        self._verified: dict[tuple[str, str], bool] = {(n, _norm(p)): True for n, p in (verified or {}).items()}
+        self._warn = warn or (lambda key, message: None)
 
-        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
-                                  prefix_caching=prefix_caching)
+    def check(self, adapter: str, path: str | None) -> bool:
+        """Whether requests of ``adapter`` served from ``path`` follow the bundle's policy."""
+        entry = None if self.bundle is None else self.bundle.adapters.get(adapter)
+        if entry is None:
+            self._warn(adapter, f"adapter '{adapter}' has no policy in bundle "
+                                f"{getattr(self.bundle, 'path', None)}: it runs full LoRA (never released).")
+            return False
+        key = (adapter, _norm(path or ""))
+        if key not in self._verified:
+            self._verified[key] = _weights_match(key[1], entry.weights_sha256)
+        if not self._verified[key]:
+            self._warn(adapter, f"adapter '{adapter}' at {path!r}: its weights could not be read from a local "
+                                f"directory or differ from those calibrated in {self.bundle.path}; it runs "
+                                f"full LoRA (never released). Serve the calibrated adapter from a local path.")
+            return False
+        return True
+
+
+def load_served_bundle(bundle_dir: str | os.PathLike[str], hidden_size: int, adapters: Mapping[str, str] | None = None,
+                       hash_weights: bool = True) -> tuple[Bundle, dict[str, str]]:
+    """The bundle in ``bundle_dir`` checked for a model of ``hidden_size`` and, with ``adapters``
+    (served name → local directory), against the served adapters (a bundle adapter not served, or
+    served with other weights, is one BundleError); returns it and the served adapters it verified.
+    Without ``hash_weights`` the served adapters are taken as verified unread: for a caller in
+    an engine whose workers run this check in full at start-up (the scheduler)."""
+    adapters = dict(adapters or {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
-        bundle = load_bundle(settings.bundle, expected_hidden_size=hidden_size,
-                             known_adapters=list(settings.adapters) or None)
+        bundle = load_bundle(bundle_dir, expected_hidden_size=hidden_size, known_adapters=list(adapters) or None)
     for w in caught:
         logger.warning(str(w.message))
     verified = {}
-    for name, path in settings.adapters.items():
+    for name, path in adapters.items():
         entry = bundle.adapters.get(name)
         if entry is None:
             continue
-        if adapter_fingerprint(_norm(path)) != entry.weights_sha256:
+        if hash_weights and adapter_fingerprint(_norm(path)) != entry.weights_sha256:
             raise BundleError(f"{_norm(path)}: the weights of adapter '{name}' differ from those calibrated in "
                               f"{bundle.path} (manifest 'weights_sha256'): serve the calibrated adapter or "
                               f"re-calibrate this one.")
         verified[name] = path
+    return bundle, verified
+
+
+def build_runtime(bundle_dir: str | os.PathLike[str], hidden_size: int, device: torch.device | str,
+                  adapters: Mapping[str, str] | None = None, log_interval_s: float = 60.0) -> ReleaseRuntime:
+    """The serving runtime of the bundle in ``bundle_dir`` (:func:`load_served_bundle`'s checks; one
+    BundleError on the first problem). A served adapter the bundle lacks runs full LoRA, with a warning."""
+    bundle, verified = load_served_bundle(bundle_dir, hidden_size, adapters)
     names = sorted(bundle.adapters)
     steptrim = StepTrim([bundle.policies[n] for n in names], bundle.hidden_size, device)
-    return ReleaseRuntime(bundle, steptrim, names, verified, settings.log_interval_s)
+    return ReleaseRuntime(bundle, steptrim, names, verified, log_interval_s)

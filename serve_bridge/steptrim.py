@@ -1,4 +1,4 @@
-"""StepTrim release semantics — the single implementation (DESIGN §2).
+"""StepTrim release semantics — the single implementation (docs/design.md §2).
 
 Forwards of a request are indexed t = 0, 1, 2, …: t = 0 is the prefill forward (it produces
 the first generated token); decode forward t ≥ 1 consumes token t and produces token t+1.
@@ -56,12 +56,12 @@ class LearnedPolicy:
 Policy = ProfiledPolicy | LearnedPolicy | None
 
 _K, _TAU, _B, _W = 0, 1, 2, 3  # columns of StepTrim's per-slot table; the head weight is _W:
-_K_LIMIT = 1 << 24  # profiled k is held in float32, exact below 2**24
+K_LIMIT = 1 << 24  # profiled k is held in float32, exact below 2**24
 _EXACT_UPCAST = (torch.float32, torch.bfloat16, torch.float16)  # promote to float32 exactly
 
 
 class StepTrim:
-    """Batched, one-way release decisions for rows that each carry an adapter slot.
+    """Batched, one-way release decisions for rows that each have an adapter slot.
 
     ``policies`` maps slot index → policy (None = never release). Slots are the engine's
     adapter indices; rows with slot :data:`NO_SLOT` have no adapter and are never affected.
@@ -96,7 +96,7 @@ class StepTrim:
         table[:, _TAU] = float("-inf")
         for i, p in enumerate(self.policies):
             if isinstance(p, ProfiledPolicy):
-                if p.k >= _K_LIMIT:
+                if p.k >= K_LIMIT:
                     raise ValueError(f"slot {i}: profiled k={p.k} is ≥ 2**24, which StepTrim cannot hold exactly; "
                                      f"no response has that many forwards: use no policy (never release) instead")
                 table[i, _K] = p.k

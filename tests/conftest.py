@@ -70,3 +70,15 @@ def mixed_requests(engine, n: int) -> list:
     slots = [0, 1, NO_SLOT]
     return [GenRequest(e.uid, engine.encode(task.messages(e)), slots[i % 3])
             for i, e in enumerate(task.load_split("validation"))]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(run directory, stage summaries) of `python -m calibrate` on the embedded default with
+    tests/calibrate/test_pipeline.py's TINY overrides, shared by the tests that start from it
+    (each stage is cached in the run directory, so a test that needs a later stage runs only
+    that). Read it, or copy it (``shutil.copytree``) before running more stages in it."""
+    from tests.calibrate.test_pipeline import TINY, run
+
+    run_dir = tmp_path_factory.mktemp("tiny_run")
+    return run_dir, run(run_dir, TINY)

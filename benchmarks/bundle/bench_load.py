@@ -1,7 +1,7 @@
 """Bundle load time on CPU: write a bundle with N learned adapters at hidden size H, then time
 `load_bundle` (full validation: hashes, schema, shapes) over repeated loads; prints the median.
 
-  python benchmarks/bundle/bench_load.py --adapters 1 32 128 --hidden 576 3072 4096
+  python -m benchmarks.bundle.bench_load --adapters 1 32 128 --hidden 576 3072 4096
 """
 from __future__ import annotations
 

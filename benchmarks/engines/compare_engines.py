@@ -1,6 +1,6 @@
 """engine=hf vs engine=vllm on the same labeling requests. Needs a GPU and vllm==0.26.0.
 
-    python benchmarks/engines/compare_engines.py --run RUNDIR --out DIR [--limit N] [--hf-batch-size 64]
+    python -m benchmarks.engines.compare_engines --run RUNDIR --out DIR [--limit N] [--hf-batch-size 64]
 
 RUNDIR is a calibration run directory (``python -m calibrate ...``): its ``.hydra/config.yaml``
 gives the task, backbone, adapters and the label points T. Each engine runs in its own process
@@ -10,7 +10,7 @@ at every t ∈ T the response continues past — then labels it with ``label_res
 
 - hf: ``labeling/engines/hf.py`` on CUDA (``--hf-batch-size`` rows per batch), in bfloat16
   like vLLM (``--dtype``), OFF branches forked from the ON KV cache;
-- vllm: ``labeling/engines/vllm.py`` with conf/engine/vllm.yaml's defaults (plus ``--dtype``),
+- vllm: ``labeling/engines/vllm/`` with its defaults (``VLLMOptions``) (plus ``--dtype``),
   OFF branches replayed from prompt + ON prefix with a forced release position.
 
 It prints and writes (``DIR/compare.md``, ``DIR/compare.json``): generated tokens per second of
@@ -44,16 +44,17 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options: list[str]):
     from omegaconf import OmegaConf
 
-    from calibrate.resolvers import register
+    from calibrate.config import register
+    from labeling.engines.vllm.options import VLLMOptions
 
     register()
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
@@ -63,8 +64,7 @@ def _config(run: Path, engine: str, dtype: str, hf_batch_size: int, vllm_options
         cfg.engine = {"name": "hf", "device": "cuda", "batch_size": hf_batch_size, "progress": True}
     else:
         options = OmegaConf.from_dotlist(vllm_options)  # KEY=VALUE, values parsed as YAML
-        cfg.engine = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "engine" / "vllm.yaml")),
-                      "dtype": dtype, **OmegaConf.to_container(options)}
+        cfg.engine = {**asdict(VLLMOptions()), "dtype": dtype, **OmegaConf.to_container(options)}
     return cfg
 
 
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--limit", type=int, default=0, help="first N train examples (0 = all)")
     ap.add_argument("--vllm-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a conf/engine/vllm.yaml key for the vllm engine (repeatable), "
+                    help="override a VLLMOptions key (engine=vllm) for the vllm engine (repeatable), "
                          "e.g. max_num_seqs=1024")
     ap.add_argument("--engines", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"],
                     help="engines to run now; the other's results are read from --out (an earlier run)")
@@ -195,7 +195,7 @@ def main() -> None:
         return phase(args.phase, args)
     comparable = check_earlier(args.out, args.engines, args.limit)
     for name in args.engines:  # one process each: GPU memory and vLLM's process state stay separate
-        cmd = [sys.executable, __file__, "--phase", name, "--run", str(args.run), "--out", str(args.out),
+        cmd = [sys.executable, "-m", "benchmarks.engines.compare_engines", "--phase", name, "--run", str(args.run), "--out", str(args.out),
                "--dtype", args.dtype, "--hf-batch-size", str(args.hf_batch_size), "--limit", str(args.limit),
                *[f"--vllm-option={o}" for o in args.vllm_option]]
         t = time.time()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
+from benchmarks.kernels.lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
 
 from kernels.expand import launch_expand
 from kernels.fused import FusedConfig
@@ -81,10 +81,9 @@ def _knobs(**changes: int) -> LinearKnobs:
     return dataclasses.replace(LinearKnobs(block_n=256), **changes)
 
 
-# The runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
-# k_chunk 1024..4096; the ninth session's, shrink warps, hidden groups, pipelining stages and up to
-# 16 programs per SM; the tenth session's (atomic_s10/, tokens_s10/), hidden steps of 128 and 1
-# shrink warp (RESULTS.md). The defaults are the work list's best: 2 shrink warps, 4 tiles of 256
+# The H200 runs of 2026-11-29 swept block_n 64..256, chunk_tiles 1..8, 2..8 programs per SM and
+# k_chunk 1024..4096; those of 2026-11-30, shrink warps, hidden groups, pipelining stages, up to 16
+# programs per SM, hidden steps of 128 and 1 shrink warp (RESULTS.md). The defaults are the work list's best: 2 shrink warps, 4 tiles of 256
 # columns per expand item, hidden chunks of 1024 in steps of 256, 16 programs per SM. This sweep
 # re-checks the nearest alternatives.
 WORKLIST_CHOSEN = LaunchConfig(_knobs())

@@ -1,15 +1,11 @@
-"""Shapes and random inputs shared by the GPU check and the benchmark of the LoRA kernels."""
+"""Shapes and random inputs shared by the benchmark of the LoRA kernels and their GPU test
+(``tests/gpu/test_lora_ops.py``)."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Per-step cost of StepTrim release decisions in the serving runtime (issue 7 acceptance:
-p95 ≤ 0.05 ms per step at 256 requests with 128 learned heads). torch only, no vLLM.
+"""Per-step cost of StepTrim release decisions in the serving runtime (target: p95 ≤ 0.05 ms per
+step at 256 requests with 128 learned heads). torch only, no vLLM.
 
-    python benchmarks/serve_bridge/bench_decision.py --out DIR            # on the GPU
-    python benchmarks/serve_bridge/bench_decision.py --out DIR --device cpu --steps 20
+    python -m benchmarks.serve_bridge.bench_decision --out DIR            # on the GPU
+    python -m benchmarks.serve_bridge.bench_decision --out DIR --device cpu --steps 20
 
 For each policy (128 learned heads at hidden size 3072; 128 profiled adapters), each row
 count (32, 128, 256 tracked requests, all decided every step: the heads never fire, k is
@@ -42,13 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from serve_bridge.bundle import AdapterEntry, Bundle  # noqa: E402
-from serve_bridge.decision import DecisionLauncher  # noqa: E402
-from serve_bridge.runtime import ReleaseRuntime, _Pending  # noqa: E402
-from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim  # noqa: E402
+from serve_bridge.bundle import AdapterEntry, Bundle
+from serve_bridge.decision import DecisionLauncher
+from serve_bridge.runtime import ReleaseRuntime, _Pending
+from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim
 
 PROMPT = 64
 MODES = ("graph", "eager", "old")
@@ -130,7 +128,7 @@ class OldRuntime(ReleaseRuntime):
         if events is not None:
             events[1].record()
         self._old_launch = (fired, events)
-        self._pending = _Pending(plan.states, plan.forwards, (time.perf_counter() - start) * 1e3)
+        self._pending = _Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3)
 
     def resolve(self) -> None:
         p, self._pending = self._pending, None
@@ -303,7 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     md = "\n".join([
         f"# StepTrim decision latency ({dt.date.today().isoformat()}, {name}, torch {torch.__version__})", "",
-        f"Command: `python benchmarks/serve_bridge/bench_decision.py {cmd}`",
+        f"Command: `python -m benchmarks.serve_bridge.bench_decision {cmd}`",
         f"{args.steps} timed steps after {args.warmup} warm-up steps; dummy forward {args.forward_ms} ms; "
         f"hidden size {args.hidden}; all times in µs.", "",
         table(results), "",

@@ -1,6 +1,6 @@
 """Host time of one GridTrim LoRA linear call in eager mode, up to the Triton launches. No GPU.
 
-    python benchmarks/serve_bridge/bench_gridtrim_host.py [--calls 2000] [--repeats 3]
+    python -m benchmarks.serve_bridge.bench_gridtrim_host [--calls 2000] [--repeats 3]
 
 What vLLM's eager mixed steps pay per LoRA linear besides the launches themselves:
 ``serve_bridge.gridtrim.add_lora_linear`` (views, the per-layer eligibility and launch-config
@@ -13,19 +13,16 @@ Reports the best of ``--repeats`` means, in µs per call.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import kernels.expand  # noqa: E402
-import kernels.shrink  # noqa: E402
-from kernels.metadata import build_metadata  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
-from serve_bridge import gridtrim  # noqa: E402
+import kernels.expand
+import kernels.shrink
+from kernels.metadata import build_metadata
+from kernels.worklist import RowTileWorklist
+from serve_bridge import gridtrim
 
 
 class _NoLaunch:

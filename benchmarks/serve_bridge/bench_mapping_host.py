@@ -1,17 +1,17 @@
 """Host time of the StepTrim runner's LoRA-mapping hand-over per engine step. No vLLM, no GPU.
 
-    python benchmarks/serve_bridge/bench_mapping_host.py [--steps 200] [--tokens 2048] [--rows 256]
+    python -m benchmarks.serve_bridge.bench_mapping_host [--steps 200] [--tokens 2048] [--rows 256]
 
 Each step is one mixed batch of ``--rows`` requests and ``--tokens`` scheduled tokens (decode
 rows of one token, then prefill chunks that fill the budget) over 128 adapters, half of the
 requests force-released, through the real :meth:`~serve_bridge.runtime.ReleaseRuntime.begin_step`.
-Two versions of what ``serve_bridge.vllm_hooks.LoRazorGPUModelRunner.set_active_loras`` does
+Two versions of what ``serve_bridge.vllm.model_runner.LoRazorGPUModelRunner.set_active_loras`` does
 around it:
 
 - ``tuples``: the mapping as vLLM 0.26's ``InputBatch.make_lora_inputs`` returns it, tuples of
   numpy scalars (``tuple(ndarray.repeat(...))``, ``v1/worker/gpu_input_batch.py:994-996``), read
-  into numpy by ``begin_step`` and turned back into tuples of numpy scalars (the runner before the
-  fifth session);
+  into numpy by ``begin_step`` and turned back into tuples of numpy scalars (the runner before
+  2026-11-29);
 - ``numpy + ints``: the same ids repeated in numpy, and handed over as tuples of Python ints
   (:func:`serve_bridge.runtime.lora_ids`, the runner now).
 
@@ -23,19 +23,15 @@ token tuple: a Python loop comparing every id with 0 and looking it up in a dict
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decision import make_runtime  # noqa: E402
+from benchmarks.serve_bridge.bench_decision import make_runtime
 
-from serve_bridge.runtime import lora_ids  # noqa: E402
+from serve_bridge.runtime import lora_ids
 
 HIDDEN, ADAPTERS, PROMPT = 576, 128, 200
 

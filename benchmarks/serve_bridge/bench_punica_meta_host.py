@@ -1,7 +1,7 @@
 """Host time per engine step of the punica wrapper's ``update_metadata``: vLLM 0.26.0's, restated,
 against GridTrim's host-built version (serve_bridge.punica_meta). CPU only, no vLLM.
 
-    python benchmarks/serve_bridge/bench_punica_meta_host.py [--steps 200] [--tokens 2048] [--rows 256]
+    python -m benchmarks.serve_bridge.bench_punica_meta_host [--steps 200] [--tokens 2048] [--rows 256]
 
 Each step maps ``--tokens`` tokens and ``--rows`` sampled rows over 128 adapters (a tenth of the
 rows without one). ``vllm (restated)`` is tests/serve_bridge/test_punica_meta.py's
@@ -15,25 +15,20 @@ version. ``host`` is :class:`serve_bridge.punica_meta.HostPunicaMetadata.update`
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_mapping_host import step_args  # noqa: E402
+from benchmarks.serve_bridge.bench_mapping_host import step_args
 
-from kernels.metadata import LoRABatchMeta  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
-from serve_bridge.punica_meta import HostPunicaMetadata  # noqa: E402
-from tests.serve_bridge.test_gridtrim import VllmKernelMeta  # noqa: E402
-from tests.serve_bridge.test_punica_meta import convert_mapping  # noqa: E402
+from kernels.metadata import LoRABatchMeta
+from kernels.worklist import RowTileWorklist
+from serve_bridge.punica_meta import HostPunicaMetadata
+from tests.serve_bridge.test_gridtrim import VllmKernelMeta
+from tests.serve_bridge.test_punica_meta import convert_mapping
 
 ADAPTERS = 128
 

@@ -2,7 +2,7 @@
 forward counting, decision and capture plans) plus, in calibration mode, ``capture``. No vLLM,
 no GPU: this is the Python the runner executes on every step before the forward.
 
-    python benchmarks/serve_bridge/bench_step_host.py [--rows 256 1024] [--steps 200] [--out DIR]
+    python -m benchmarks.serve_bridge.bench_step_host [--rows 256 1024] [--steps 200] [--out DIR]
 
 Cases (each at every ``--rows``, all rows decode rows that complete a forward every step):
 - ``serving``: :class:`~serve_bridge.runtime.ReleaseRuntime` over 128 adapters with profiled
@@ -29,15 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.serve_bridge.bench_decision import make_runtime
 
-from bench_decision import make_runtime  # noqa: E402
-
-from serve_bridge.calibration import CalibrationRuntime, calibration_config  # noqa: E402
-from serve_bridge.runtime import ReleaseRuntime  # noqa: E402
-from serve_bridge.steptrim import LearnedPolicy, StepTrim  # noqa: E402
+from serve_bridge.calibration import CalibrationRuntime, calibration_config
+from serve_bridge.runtime import ReleaseRuntime
+from serve_bridge.steptrim import LearnedPolicy, StepTrim
 
 HIDDEN = 576  # SmolLM2-135M, the embedded backbone calibration runs on
 PROMPT = 100

@@ -6,7 +6,7 @@ Uses a finished run directory (heads + candidates) and the first N validation re
   (c) naive regeneration: one policy-driven generation per candidate (32 τ + 9 k per adapter).
 Prints generated tokens and wall seconds of each, and the ratios, all measured in one process.
 
-  python benchmarks/sweep/bench_sweep_cost.py --run runs/arith-smollm2-arith-demo --n 8
+  python -m benchmarks.sweep.bench_sweep_cost --run runs/arith-smollm2-arith-demo --n 8
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 from omegaconf import OmegaConf
 
 from calibrate.context import Context
-from calibrate.resolvers import register
+from calibrate.config import register
 from calibrate.rundir import RunDir
 from labeling.labels import build_requests
 from predictors.candidates import Candidates

@@ -15,6 +15,7 @@ Hidden state h_t is the final-norm output at the position that produced token t+
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 
 from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.engines.chat import ChatIO
+from labeling.forks import ForkFn, forks_at
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -57,8 +59,21 @@ class GenResult:
     branches: dict[int, list[int]] = field(default_factory=dict)
 
 
-# fork(result_so_far, t, s_t or None) -> True to fork OFF_t after forward t
-ForkFn = Callable[[GenResult, int, float | None], bool]
+def generated_tokens(res: GenResult) -> int:
+    """Tokens an engine generated for ``res``: its ON response and its OFF branches past the
+    prefix they share with it."""
+    return len(res.tokens) + sum(len(b) - (t + 1) for t, b in res.branches.items())
+
+
+@dataclass
+class HFOptions:
+    """``engine=hf``'s options: the device the model runs on (``cpu``, ``cuda``, ``cuda:1``...),
+    requests per batch, and a progress bar per pass."""
+
+    name: str = "hf"
+    device: str = "cpu"
+    batch_size: int = 16
+    progress: bool = True
 
 
 @dataclass
@@ -117,7 +132,7 @@ class HFEngine(ChatIO):
         steptrim: release policy driving main rows (None = full LoRA).
         scorer: StepTrim whose learned heads score main rows at every forward (s_t).
         capture(t): record h_t of main rows at forward t.
-        fork(result, t, s_t): fork OFF_t from a main row after forward t.
+        fork(result, t, s_t): fork OFF_t from a main row after forward t (:mod:`labeling.forks`).
         Both StepTrims decide on the engine's device (a copy is made if needed), on that
         device's path: the same one the vLLM runtime takes there.
         """
@@ -128,9 +143,13 @@ class HFEngine(ChatIO):
                 raise ValueError(f"request {r.uid}: slot {r.slot} has no adapter (have {len(self.adapters)})")
         results: list[GenResult] = []
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.progress)
+        start, tokens = time.perf_counter(), 0
         for i in range(0, len(requests), self.batch_size):
             chunk = list(requests[i:i + self.batch_size])
-            results.extend(self._generate_batch(chunk, max_new_tokens, steptrim, scorer, capture, fork))
+            done = self._generate_batch(chunk, max_new_tokens, steptrim, scorer, capture, fork)
+            results.extend(done)
+            tokens += sum(generated_tokens(r) for r in done)
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tokens/s", refresh=False)
             bar.update(len(chunk))
         bar.close()
         return results
@@ -184,8 +203,7 @@ class HFEngine(ChatIO):
                             res.hidden[t] = h[j].cpu().clone()
                         if new_released is not None and bool(new_released[j]) and not row.released:
                             row.released, res.release = True, t
-                        if (not done and fork is not None and not row.released and res.slot != NO_SLOT
-                                and fork(res, t, s)):
+                        if fork is not None and forks_at(fork, res, t, s, released=row.released, last=done):
                             forks.append((j, _Row(req=row.req, branch=t, released=True, tokens=list(row.tokens))))
                     if done:
                         if row.branch is None:

@@ -1,6 +1,6 @@
 """Numeric-answer matching with lm-eval's GSM8K extractors.
 
-Two extractors, as lm-eval's ``gsm8k`` task defines them (facts, not code, carried over):
+Two extractors, as lm-eval's ``gsm8k`` task defines them (facts, not code, taken over):
 
 - **strict**: the number after ``#### `` (regex ``#### (\\-?[0-9\\.\\,]+)``, first match);
 - **flexible**: the last number-like token in the response

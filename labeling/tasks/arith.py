@@ -13,9 +13,10 @@ Python ``random.Random``, so every machine yields the same rows.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 from labeling.evaluators.numeric import numeric_match
-from labeling.tasks.base import SPLITS, BaseTask, Example, SplitSizes, require_nonempty
+from labeling.tasks.base import SPLITS, BaseTask, Example, require_nonempty
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -50,16 +51,23 @@ def make_problem(rng: random.Random) -> tuple[str, str, str]:
     return question, solution, str(value)
 
 
-class ArithTask(BaseTask):
-    """Seeded arithmetic word problems with a ``#### N`` answer (numeric match)."""
+@dataclass
+class ArithOptions:
+    max_new_tokens: int = 48
+    seed: int = 0
+
+
+@dataclass
+class ArithTask(BaseTask, ArithOptions):
+    """Seeded arithmetic word problems with a ``#### N`` answer (numeric match).
+
+    n_generate: problems generated per split before the train/eval overlap is dropped (not a
+    config option).
+    """
 
     name = "arith"
-
-    def __init__(self, max_new_tokens: int = 48, seed: int = 0, sizes: SplitSizes | None = None,
-                 n_generate: dict[str, int] | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.seed = int(seed)
-        self.n_generate = {"train": 4000, "validation": 200, "test": 200, **(n_generate or {})}
+    Options = ArithOptions
+    n_generate: dict[str, int] = field(default_factory=lambda: {"train": 4000, "validation": 200, "test": 200})
 
     def _generate(self, split: str) -> list[tuple[str, str, str]]:
         offset = SPLITS.index(split)

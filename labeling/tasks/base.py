@@ -72,12 +72,18 @@ class SplitSizes:
         return rows if n is None else rows[:n]
 
 
+@dataclass
 class BaseTask:
-    """Shared plumbing for concrete tasks: name, output limit, split caps."""
+    """Shared plumbing for concrete tasks: name, options class, split caps.
+
+    A concrete task is a dataclass that inherits its options (``Options``, a dataclass holding
+    every option's type and default, ``max_new_tokens`` among them): the config schema
+    (:mod:`calibrate.config`) and the constructor are the same declaration.
+    """
 
     name: ClassVar[str]
-    max_new_tokens: int
-
-    def __init__(self, max_new_tokens: int, sizes: SplitSizes | None = None) -> None:
-        self.max_new_tokens = int(max_new_tokens)
-        self.sizes = sizes or SplitSizes()
+    # Fields every row of the task's data must have, with their accepted types (checked on
+    # local files before any work, see calibrate/validate.py).
+    required_fields: ClassVar[dict[str, tuple[type, ...]]] = {}
+    Options: ClassVar[type]
+    sizes: SplitSizes = field(default_factory=SplitSizes)

@@ -25,9 +25,10 @@ seed+2); validation and test drop questions that also occur in train. Pure Pytho
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 from labeling.evaluators.restated import restated_match, restatement
-from labeling.tasks.base import SPLITS, BaseTask, Example, SplitSizes, require_nonempty
+from labeling.tasks.base import SPLITS, BaseTask, Example, TaskError, require_nonempty
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -57,19 +58,29 @@ def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
     return question, solution, str(value)
 
 
-class CounterTask(BaseTask):
-    """Running count over 1…``max_moves`` changes, ``#### N`` then ``The answer is N.``"""
+@dataclass
+class CounterOptions:
+    """max_moves: the most changes a problem has (1…12)."""
+
+    max_new_tokens: int = 32
+    seed: int = 0
+    max_moves: int = 6
+
+
+@dataclass
+class CounterTask(BaseTask, CounterOptions):
+    """Running count over 1…``max_moves`` changes, ``#### N`` then ``The answer is N.``
+
+    n_generate: problems generated per split (not a config option).
+    """
 
     name = "counter"
+    Options = CounterOptions
+    n_generate: dict[str, int] = field(default_factory=lambda: {"train": 4000, "validation": 600, "test": 600})
 
-    def __init__(self, max_new_tokens: int = 32, seed: int = 0, max_moves: int = 6,
-                 sizes: SplitSizes | None = None, n_generate: dict[str, int] | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        if not 1 <= int(max_moves) <= 12:
-            raise ValueError(f"counter task: max_moves must be in 1…12, got {max_moves}")
-        self.seed = int(seed)
-        self.max_moves = int(max_moves)
-        self.n_generate = {"train": 4000, "validation": 600, "test": 600, **(n_generate or {})}
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_moves <= 12:
+            raise TaskError(f"counter task: max_moves must be in 1…12, got {self.max_moves}")
 
     def _generate(self, split: str) -> list[tuple[str, str, str]]:
         rng = random.Random(self.seed * 1000 + 500 + SPLITS.index(split))

@@ -7,10 +7,11 @@ to the flexible last-number extractor (``labeling/evaluators/numeric.py``).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from labeling.evaluators.numeric import Mode, numeric_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.evaluators.numeric import numeric_match
+from labeling.tasks.base import BaseTask, Example, require_nonempty
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Solve step by step, then give the final answer as '#### <number>'."
 CALC_RE = re.compile(r"<<[^>]*>>")
@@ -21,13 +22,21 @@ def clean_solution(answer: str) -> str:
     return CALC_RE.sub("", answer)
 
 
-class GSM8KTask(BaseTask):
-    name = "gsm8k"
+@dataclass
+class GSM8KOptions(PaperSplitOptions):
+    """source: hub id or a local directory with train.jsonl / test.jsonl; extractor: a
+    :data:`labeling.evaluators.numeric.Mode`; the split options of :class:`PaperSplitOptions`."""
 
-    def __init__(self, source: str = "openai/gsm8k", max_new_tokens: int = 256, val_size: int = 500,
-                 seed: int = 1234, extractor: Mode = "strict_then_flexible", sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.val_size, self.seed, self.extractor = source, int(val_size), int(seed), extractor
+    source: str = "openai/gsm8k"
+    max_new_tokens: int = 256
+    extractor: str = "strict_then_flexible"
+
+
+@dataclass
+class GSM8KTask(BaseTask, GSM8KOptions):
+    name = "gsm8k"
+    required_fields = {"question": (str,), "answer": (str,)}
+    Options = GSM8KOptions
 
     def load_split(self, split: str) -> list[Example]:
         rows = paper_split(self.name, self.source, split, self.val_size, self.seed, hub_config="main")
@@ -43,4 +52,4 @@ class GSM8KTask(BaseTask):
         return [{"role": "user", "content": f"{ex.question}\n{INSTRUCTION}"}]
 
     def score(self, ex: Example, response: str) -> int:
-        return numeric_match(response, ex.reference, self.extractor)
+        return numeric_match(response, ex.reference, self.extractor)  # type: ignore[arg-type]

@@ -12,11 +12,12 @@ Prompt: the question, the options as ``A. …`` lines and an instruction to end 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from labeling.evaluators.letters import MEDQA_LETTERS, format_choices, letter_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -34,13 +35,19 @@ def parse_options(task: str, row: dict[str, Any], letters: str) -> dict[str, str
     return {k: str(opts[k]) for k in letters}
 
 
-class MedQA4Task(BaseTask):
-    name = "medqa4"
+@dataclass
+class MedQA4Options(PaperSplitOptions):
+    """source: hub id or a local directory (and the split options of :class:`PaperSplitOptions`)."""
 
-    def __init__(self, source: str = "GBaker/MedQA-USMLE-4-options", max_new_tokens: int = 128,
-                 val_size: int = 500, seed: int = 1234, sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.val_size, self.seed = source, int(val_size), int(seed)
+    source: str = "GBaker/MedQA-USMLE-4-options"
+    max_new_tokens: int = 128
+
+
+@dataclass
+class MedQA4Task(BaseTask, MedQA4Options):
+    name = "medqa4"
+    required_fields = {"question": (str,), "options": (dict, list), "answer_idx": (str,)}
+    Options = MedQA4Options
 
     def _example(self, split: str, i: int, row: dict[str, Any]) -> Example:
         options = parse_options(self.name, row, MEDQA_LETTERS)

@@ -10,12 +10,20 @@ the parts' limits: one engine call generates for all parts at once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 from itertools import zip_longest
 
 from labeling.tasks.base import Example, Task, TaskError
 
 PART_KEY = "task"  # Example.meta key naming the part an example belongs to
+
+
+@dataclass
+class MixOptions:
+    """parts: part name → that task's own config (``{options, sizes}``)."""
+
+    parts: dict[str, Any] = field(default_factory=dict)
 
 
 class MixTask:

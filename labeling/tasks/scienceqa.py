@@ -15,11 +15,12 @@ and an instruction to end with ``Answer: <letter>`` (our wording). Output limit 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Explain briefly, then give the final answer as 'Answer: <letter>'."
 
@@ -29,13 +30,19 @@ def is_text_only(row: dict[str, Any]) -> bool:
     return not row.get("image")
 
 
-class ScienceQATask(BaseTask):
-    name = "scienceqa"
+@dataclass
+class ScienceQAOptions(PaperSplitOptions):
+    """source: hub id or a local directory (and the split options of :class:`PaperSplitOptions`)."""
 
-    def __init__(self, source: str = "derek-thomas/ScienceQA", max_new_tokens: int = 320,
-                 val_size: int = 500, seed: int = 1234, sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.val_size, self.seed = source, int(val_size), int(seed)
+    source: str = "derek-thomas/ScienceQA"
+    max_new_tokens: int = 320
+
+
+@dataclass
+class ScienceQATask(BaseTask, ScienceQAOptions):
+    name = "scienceqa"
+    required_fields = {"question": (str,), "choices": (list,), "answer": (int,)}
+    Options = ScienceQAOptions
 
     def _example(self, split: str, i: int, row: dict[str, Any]) -> Example:
         choices, answer = row.get("choices"), row.get("answer")

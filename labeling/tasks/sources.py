@@ -7,13 +7,23 @@ holding ``train.jsonl`` / ``test.jsonl`` (``.json`` also accepted).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from labeling.tasks.base import SPLITS, TaskError
 
 
-def _local_files(task: str, root: Path, official: str) -> str:
+def local_source(source: str) -> Path | None:
+    """``source`` as a local directory path if it names one (or looks like a path), else None (a hub id)."""
+    looks_local = bool(source) and (source.startswith((".", "/", "~")) or Path(source).expanduser().exists())
+    return Path(source).expanduser() if looks_local else None
+
+
+def official_file(task: str, root: Path, official: str) -> str:
+    """The local file of official split ``official`` under ``root`` (``.jsonl`` or ``.json``)."""
+    if not root.is_dir():
+        raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
     for ext in (".jsonl", ".json"):
         f = root / f"{official}{ext}"
         if f.is_file():
@@ -28,12 +38,9 @@ def load_official(task: str, source: str, official: str, hub_config: str | None 
     """Rows of one official split (``train`` or ``test`` / ``validation``) as dicts."""
     import datasets
 
-    looks_local = source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
-    if looks_local:
-        root = Path(source).expanduser()
-        if not root.is_dir():
-            raise TaskError(f"task '{task}': local dataset path {root} does not exist. Fix task.source.")
-        path = _local_files(task, root, official)
+    root = local_source(source)
+    if root is not None:
+        path = official_file(task, root, official)
         if not Path(path).read_text().strip():  # datasets' json builder fails obscurely on empty files
             return []
         ds = datasets.load_dataset("json", data_files={official: path}, split=official)
@@ -59,6 +66,15 @@ def carve_validation(rows: list[dict[str, Any]], split: str, val_size: int, seed
     val_size = min(val_size, len(rows))
     picked = order[:val_size] if split == "validation" else sorted(order[val_size:])
     return [rows[i] for i in (sorted(picked) if split == "validation" else picked)]
+
+
+@dataclass
+class PaperSplitOptions:
+    """The options of a task split by :func:`paper_split`: ``val_size`` rows of the official train
+    split become the validation split, chosen with ``seed``."""
+
+    val_size: int = 500
+    seed: int = 1234
 
 
 def paper_split(task: str, source: str, split: str, val_size: int, seed: int, test_split: str = "test",

@@ -10,15 +10,18 @@ directory that holds the released test set). A local directory mirrors the hub s
 The databases are not on the hub: ``db_dir`` must point at the Spider ``database`` folder
 holding ``<db_id>/<db_id>.sqlite``. Prompt: the schema (the ``CREATE TABLE`` statements read
 from the database file) and the question; output limit 256 tokens (paper). Q(·): execution
-match on a read-only copy of the database with a timeout (``labeling/evaluators/sql.py``).
+match in the SQL sandbox, on a private read-only copy of the database with a timeout and result
+caps (``labeling/evaluators/sql.py``); the schema is read the same way.
 """
 from __future__ import annotations
 
+import sqlite3
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, connect_readonly, database_path, execution_match
-from labeling.tasks.base import BaseTask, Example, SplitSizes, TaskError, require_nonempty
-from labeling.tasks.sources import paper_split
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, execute_readonly, execution_match
+from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
+from labeling.tasks.sources import PaperSplitOptions, paper_split
 
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 SCHEMA_SQL = (
@@ -27,26 +30,55 @@ SCHEMA_SQL = (
 )
 
 
+def database_path(db_dir: str | Path | None, db_id: str) -> Path:
+    """``<db_dir>/<db_id>/<db_id>.sqlite``; raise TaskError if ``db_dir`` is unset or the file is missing."""
+    if db_dir is None:
+        raise TaskError(
+            f"task 'spider': no database directory for db_id '{db_id}'. Set task.db_dir (conf/task/spider.yaml, "
+            f"options.db_dir) to the Spider 'database' folder holding <db_id>/<db_id>.sqlite."
+        )
+    if not db_id or "/" in db_id or "\\" in db_id or db_id in (".", ".."):
+        raise TaskError(f"task 'spider': invalid db_id {db_id!r} in the dataset; expected a plain database name.")
+    path = Path(db_dir).expanduser() / db_id / f"{db_id}.sqlite"
+    if not path.is_file():
+        raise TaskError(
+            f"task 'spider': database for db_id '{db_id}' not found at {path}. Set task.db_dir "
+            f"(conf/task/spider.yaml, options.db_dir) to the Spider 'database' folder holding "
+            f"<db_id>/<db_id>.sqlite."
+        )
+    return path
+
+
 def read_schema(db_path: Path) -> str:
-    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite."""
-    conn = connect_readonly(db_path)
+    """The database's ``CREATE TABLE`` statements, one per paragraph, as stored by SQLite (read in
+    the SQL sandbox, on a private copy); TaskError if the file is not a readable SQLite database."""
     try:
-        return "\n\n".join(row[0].strip() + ";" for row in conn.execute(SCHEMA_SQL))
-    finally:
-        conn.close()
+        rows = execute_readonly(db_path, SCHEMA_SQL)
+    except (sqlite3.Error, OSError) as err:
+        raise TaskError(f"task 'spider': cannot read the schema of {db_path} ({err}); replace it with the "
+                        f"database file from the Spider release.") from None
+    return "\n\n".join(row[0].strip() + ";" for row in rows)
 
 
-class SpiderTask(BaseTask):
+@dataclass
+class SpiderOptions(PaperSplitOptions):
+    """db_dir: the Spider release's ``database`` folder; test_split: the source split used as
+    test; timeout_s: execution timeout per query."""
+
+    source: str = "xlangai/spider"
+    hub_config: str | None = "spider"
+    db_dir: str | None = None
+    test_split: str = "validation"
+    max_new_tokens: int = 256
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class SpiderTask(BaseTask, SpiderOptions):
     name = "spider"
-
-    def __init__(self, source: str = "xlangai/spider", db_dir: str | None = None, max_new_tokens: int = 256,
-                 val_size: int = 500, seed: int = 1234, test_split: str = "validation",
-                 hub_config: str | None = "spider", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sizes: SplitSizes | None = None) -> None:
-        super().__init__(max_new_tokens, sizes)
-        self.source, self.db_dir, self.val_size, self.seed = source, db_dir, int(val_size), int(seed)
-        self.test_split, self.hub_config, self.timeout_s = test_split, hub_config, float(timeout_s)
-        self._schemas: dict[str, str] = {}
+    required_fields = {"db_id": (str,), "query": (str,), "question": (str,)}
+    Options = SpiderOptions
+    _schemas: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def schema(self, db_id: str) -> str:
         """Schema text of ``db_id`` (cached); TaskError if the database file is missing."""
@@ -60,7 +92,7 @@ class SpiderTask(BaseTask):
                            hub_config=self.hub_config)
         examples = []
         for i, r in enumerate(rows):
-            missing = [k for k in ("db_id", "query", "question") if not r.get(k)]
+            missing = [k for k in self.required_fields if not r.get(k)]
             if missing:
                 raise TaskError(f"task 'spider': a row of split '{official}' in {self.source} lacks field(s) "
                                 f"{missing} ({str(r)[:100]}…); expected the xlangai/spider fields "

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.pipeline import format_final, run_pipeline, stage_fingerprints
-from calibrate.resolvers import register
+from calibrate.config import register
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError
 from labeling.tasks import TaskError
@@ -53,6 +53,10 @@ def test_end_to_end_tiny(tiny_run: tuple[Path, dict]) -> None:
     bundle = load_bundle(tmp_path / "bundle", expected_hidden_size=576, expected_backbone="smollm2",
                          known_adapters=["arith-a"])
     assert set(bundle.adapters) == {"arith-a"}
+    entry = bundle.adapters["arith-a"]
+    if entry.policy != "none":  # the validation release points, for serve_bridge.capacity
+        hist = entry.stats["release_points"]
+        assert sum(hist["count"]) + hist["never"] == 3  # task.sizes.validation
     for name in ("candidates", "frontier", "selection", "k_table", "budget_comparison"):
         assert len(pd.read_csv(tmp_path / "sweep" / f"{name}.csv")) > 0
     assert (tmp_path / "plots" / "frontier_arith-a.png").stat().st_size > 1000
@@ -75,7 +79,7 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     def fps(*overrides: str) -> dict[str, str]:
         return stage_fingerprints(Context(compose_cfg([*TINY, *overrides]), RunDir(tmp_path)))
 
-    hf, hf_batch, vllm = fps(), fps("engine.batch_size=4"), fps("engine=vllm")
+    hf, hf_batch, vllm = fps(), fps("engine=hf", "engine.batch_size=4"), fps("engine=vllm")
     assert hf == hf_batch
     assert all(vllm[s] != hf[s] for s in ("labels", "heads", "sweep", "export", "test", "agreement"))
     assert vllm["data"] == hf["data"]
@@ -126,7 +130,7 @@ def test_shard_requests_auto_follows_the_engine(tmp_path: Path) -> None:
     def shard(*overrides: str) -> int:
         return Context(compose_cfg(list(overrides)), RunDir(tmp_path)).shard_requests
 
-    assert shard() == 32 and shard("engine.batch_size=4") == 8
+    assert shard() == 32 and shard("engine=hf", "engine.batch_size=4") == 8
     assert shard("engine=vllm") == 1024 and shard("engine=vllm", "engine.data_parallel_size=2") == 2048
     assert shard("engine=vllm", "engine.max_num_seqs=256") == 256
     assert shard("labeling.shard_requests=5") == 5
@@ -140,6 +144,21 @@ def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [lines[0]] and "unknown task 'nope'" in lines[0] and "arith" in lines[0], err
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
+    (["engine=hf", "engine.batch_size=many"], "could not be converted to Integer"),
+    (["engine.batch_size=64"], "engine options need engine=hf or engine=vllm"),
+    (["task=nope"], "available: arith, gsm8k"),
+])
+def test_config_mistakes_are_one_line_and_exit_2(tmp_path: Path, overrides: list[str], match: str) -> None:
+    """The schema (calibrate/config.py) catches them while composing, before any work."""
+    proc = cli(tmp_path / "run", *overrides)
+    out, err = proc.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and match in lines[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def _adapter_for_hidden(tmp: Path, hidden: int) -> Path:
@@ -200,3 +219,23 @@ def test_wheel_ships_configs_and_demo_adapter(tmp_path: Path) -> None:
               "conf/backbone/llama3b.yaml", "labeling/data/adapters/arith-a/adapter_model.safetensors",
               "labeling/data/adapters/counter-a/adapter_model.safetensors", "calibrate/__main__.py"):
         assert f in names, f
+
+
+def test_preview_measures_the_first_shard_and_stops(tmp_path: Path, capsys) -> None:
+    """preview=true: the engine choice, then the preview from the first labeling shard (kept, with
+    its stats), then the run stops before the second shard; the labels stage is not done."""
+    from labeling.engines.auto import MachineFacts
+
+    cpu = MachineFacts(cuda=False, gpus=0, gpu_memory=0, vllm_version=None)
+    summaries = run_pipeline(Context(compose_cfg([*TINY, "stages=[data,labels]", "preview=true"]), RunDir(tmp_path),
+                                     facts=cpu))
+    assert list(summaries) == ["data"]
+    out = capsys.readouterr().out
+    assert "engine=auto → hf on cpu: no CUDA device is visible." in out
+    assert "preview on hf (cpu), measured on 1 of 3 labeling shard(s): 2 requests" in out
+    assert "labels: 6 ON + ~" in out and "preview=true: stopped after the preview" in out
+    stats = json.loads((tmp_path / "labels" / "shards" / "00000.done").read_text())
+    assert stats["requests"] == 2 and stats["on_tokens"] > 0 and stats["seconds"] > 0
+    assert not (tmp_path / "labels" / "shards" / "00001.done").exists()
+    assert not (tmp_path / "stages" / "labels.json").exists()
+    assert json.loads((tmp_path / "engine.json").read_text())["device"] == "cpu"

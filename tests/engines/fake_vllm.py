@@ -1,6 +1,6 @@
 """A CPU stand-in for ``vllm.LLM`` that runs the real LoRazor calibration runtime.
 
-It does what the bridge's runner (``serve_bridge.vllm_hooks``) does inside vLLM 0.26, on the
+It does what the bridge's runner (``serve_bridge.vllm.model_runner``) does inside vLLM 0.26, on the
 hf engine's peft model: requests are added to a :class:`CalibrationRuntime` with their
 ``SamplingParams.extra_args``; each step schedules chunked prefills under a token budget and
 one-token decodes (and, optionally, a preemption recompute), hands the LoRA mapping to
@@ -8,7 +8,7 @@ one-token decodes (and, optionally, a preemption recompute), hands the LoRA mapp
 same LoRA id are one model call on the request's own KV cache), collects the final-norm
 hidden state of each row's last scheduled position, calls ``capture`` and ``decide`` on
 them, and samples greedily. Finished requests reach the runtime at the next step, as in
-vLLM. So :class:`labeling.engines.vllm.VLLMEngine` can be tested end to end on CPU against
+vLLM. So :class:`labeling.engines.vllm.engine.VLLMEngine` can be tested end to end on CPU against
 the hf engine; only vLLM's kernels are missing.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from labeling.engines.hf import BASE
-from labeling.engines.vllm import Batch, VLLMRequest
+from labeling.engines.vllm.requests import Batch, VLLMRequest
 from serve_bridge.calibration import CalibrationRuntime
 
 

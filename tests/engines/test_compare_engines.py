@@ -1,17 +1,13 @@
 """benchmarks/engines/compare_engines.py refuses, before any engine runs, an earlier result of
-other requests (a 128-request hf result next to a 512-request vLLM run cost a device call)."""
+other requests (a 128-request hf result next to a 512-request vLLM run cost a GPU run)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("compare_engines", ROOT / "benchmarks/engines/compare_engines.py")
-compare_engines = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_engines)
+from benchmarks.engines import compare_engines
 
 
 def _write(out: Path, name: str, requests: int, limit: int | None) -> None:

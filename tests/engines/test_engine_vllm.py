@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from labeling.engines.hf import GenRequest
-from labeling.engines.vllm import (DataParallelBackend, LocalBackend, VLLMEngine, VLLMRequest, assemble_branches,
-                                   capture_set, llm_kwargs, lora_rank, off_request, on_requests, plan_forks,
-                                   prepare_environment, shard, stop_ids_for)
+from labeling.engines.vllm.backend import LocalBackend
+from labeling.engines.vllm.data_parallel import DataParallelBackend, shard
+from labeling.engines.vllm.engine import VLLMEngine
+from labeling.engines.vllm.options import VLLMOptions, llm_kwargs, lora_rank, prepare_environment, stop_ids_for
+from labeling.engines.vllm.requests import (VLLMRequest, assemble_branches, capture_set, off_request, on_requests,
+                                            plan_forks)
 from labeling.labels import run_labeling
 from labeling.tasks import build_task
 from tests.conftest import mixed_requests
@@ -118,17 +121,17 @@ def test_capture_set_and_on_requests() -> None:
 
 
 def test_engine_arguments(engine, tmp_path) -> None:
-    kw = llm_kwargs("/m", engine.adapters, {"name": "vllm", "dtype": "bfloat16", "max_num_seqs": 64,
-                                            "max_model_len": None, "max_lora_rank": "auto", "tensor_parallel_size": 2})
+    kw = llm_kwargs("/m", engine.adapters, VLLMOptions(max_num_seqs=64, tensor_parallel_size=2,
+                                                       max_cudagraph_capture_size=None))
     assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False and kw["enable_lora"]
     assert kw["max_loras"] == 2 and kw["max_lora_rank"] == 8 and kw["max_num_seqs"] == 64
     assert "max_model_len" not in kw and "data_parallel_size" not in kw and kw["tensor_parallel_size"] == 2
     assert "compilation_config" not in kw  # vLLM's own graph sizes
-    kw = llm_kwargs("/m", engine.adapters, {"max_cudagraph_capture_size": 1024, "prefix_caching": True})
-    assert kw["compilation_config"] == {"max_cudagraph_capture_size": 1024}
+    kw = llm_kwargs("/m", engine.adapters, VLLMOptions(prefix_caching=True, max_lora_rank="16"))
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": 1024} and kw["max_lora_rank"] == 16
     assert kw["enable_prefix_caching"] is True and kw["async_scheduling"] is False
-    with pytest.raises(ValueError, match="not known to engine=vllm"):
-        llm_kwargs("/m", engine.adapters, {"batch_size": 4})
+    with pytest.raises(ValueError, match="max_lora_rank='big'"):
+        llm_kwargs("/m", engine.adapters, VLLMOptions(max_lora_rank="big"))
     big = tmp_path / "big"
     big.mkdir()
     (big / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 40}}))
@@ -268,7 +271,7 @@ def test_data_parallel_replicas_split_and_merge() -> None:
 
 
 def test_a_prefix_caching_engine_refuses_release_policy_passes(engine, fake_llm, requests_small, heads) -> None:
-    """With engine.prefix_caching the scheduler keys only forced releases (serve_bridge.prefix_cache):
+    """With engine.prefix_caching the scheduler keys only forced releases (serve_bridge.vllm.prefix_cache):
     a pass whose policy releases while decoding is refused before it starts; full-LoRA passes run."""
     backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest)
     cached = VLLMEngine(backend, engine.tokenizer, engine.adapters, engine.eos_ids, engine.hidden_size,
@@ -278,3 +281,8 @@ def test_a_prefix_caching_engine_refuses_release_policy_passes(engine, fake_llm,
         cached.generate(requests_small, MAX_NEW, steptrim=policy)
     assert len(cached.generate(requests_small, MAX_NEW, steptrim=StepTrim([None, None], H),
                                scorer=StepTrim(heads, H))) == len(requests_small)
+
+
+def test_a_replica_that_cannot_start_is_one_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="data-parallel replica 0 died"):
+        DataParallelBackend(1, 1, "tests.engines.fake_vllm:no_such_factory", (), visible=["0"])

@@ -47,3 +47,15 @@ def test_many_large_groups_fall_back_to_one_class(gen: torch.Generator) -> None:
     meta = build_metadata(mapping, MAX_LARGE_SLOTS + 1)
     plan = plan_gridtrim(meta, mapping.numel(), meta.num_slots)
     assert plan.row_bound == 32 and plan.large_slots is None
+
+
+def test_a_plan_must_cover_every_used_slot(gen: torch.Generator) -> None:
+    mapping = mapping_from_groups({0: 3, 5: 20}, gen)
+    meta, active = vllm_style_metadata(mapping, 8)
+    assert active == 2
+    with pytest.raises(ValueError, match="num_slots=1 but slot 1 of the metadata holds 20 adapter tokens"):
+        plan_gridtrim(meta, mapping.numel(), 1)
+    with pytest.raises(ValueError, match="num_slots=10, expected 0..9"):
+        plan_gridtrim(meta, mapping.numel(), 10)
+    with pytest.raises(ValueError, match="maps 23 tokens but the batch has 16"):
+        plan_gridtrim(meta, 16, active)

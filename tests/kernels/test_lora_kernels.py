@@ -6,7 +6,7 @@ fused work-list launch (shrink in registers, then expand, one launch; no partial
 Runs on the GPU when there is one, else in Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py before Triton is imported). The interpreter multiplies bf16 tiles as raw uint16 bits
 (triton/runtime/interpreter.py, `create_dot`), so on CPU only fp16 is checked; bf16 is covered
-by benchmarks/kernels/check_lora_ops.py on the GPU.
+by tests/gpu/test_lora_ops.py on the GPU.
 
 Inputs are fresh random draws; every output is poisoned first (NaN) wherever the kernels must
 not or need not write, so each element is either checked against the reference or checked

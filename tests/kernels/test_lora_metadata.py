@@ -1,6 +1,7 @@
 """Token→slot metadata: the sync-free builder honours vLLM's contract."""
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import mapping_from_groups, vllm_style_metadata
 
@@ -69,3 +70,17 @@ def test_from_vllm_meta_args_keeps_order_and_storage() -> None:
     fields = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot,
               meta.slot_start_loc, meta.slot_lora_ids)
     assert all(f.data_ptr() == a.data_ptr() for f, a in zip(fields, args))
+
+
+def test_builder_owns_its_tensors_and_checks_the_mapping() -> None:
+    mapping = torch.tensor([2, -1, 0, 2], dtype=torch.int32)
+    meta = build_metadata(mapping, 3)
+    mapping[:] = 1  # the caller reuses its buffer
+    assert meta.token_lora_mapping.tolist() == [2, -1, 0, 2]
+    assert meta.num_tokens_per_slot.tolist() == [1, 1, 0, 2]
+    with pytest.raises(TypeError, match="integer tensor"):
+        build_metadata(mapping.float(), 3)
+    with pytest.raises(ValueError, match="1-D"):
+        build_metadata(mapping[None], 3)
+    with pytest.raises(ValueError, match="max_loras"):
+        build_metadata(mapping, -1)

@@ -92,3 +92,17 @@ def test_host_tiles_write_the_device_list(gen: torch.Generator, block_m: int) ->
                        meta.token_indices_sorted.numpy(), block_m, block.numpy())
         assert n == int(host.num_tiles) == int(device.num_tiles)
         assert _listed(host) == _listed(device) == _expected_tiles(meta, block_m)
+
+
+def test_a_list_too_small_for_the_batch_is_refused_before_any_work(gen: torch.Generator) -> None:
+    mapping = mapping_from_groups({0: 40, 1: 40, 2: 40}, gen)
+    meta = build_metadata(mapping, 3)
+    wl = RowTileWorklist.allocate(32, meta.num_slots, "cpu")  # sized for 32 tokens, the batch has 120
+    before = wl.tile_lora.clone()
+    with pytest.raises(ValueError, match="RowTileWorklist holds 6 tiles but a batch of 120 tokens"):
+        wl.update(meta)
+    assert torch.equal(wl.tile_lora, before)
+    with pytest.raises(TypeError, match="num_tokens_per_slot must be int32"):
+        RowTileWorklist.allocate(120, meta.num_slots, "cpu").update(
+            LoRABatchMeta(meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot.long(),
+                          meta.slot_start_loc, meta.slot_lora_ids))

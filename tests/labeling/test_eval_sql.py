@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 
 from labeling.evaluators.sql import (
+    QueryTimeout,
     ResultTooLarge,
-    connect_readonly,
-    database_path,
+    SandboxError,
+    SqlSandbox,
     execute_readonly,
     execution_match,
     extract_sql,
 )
+from labeling.evaluators.sql_worker import connect_readonly
 from labeling.tasks.base import TaskError
+from labeling.tasks.spider import database_path
 
 ROWS = [(1, "Ann", 34, "France"), (2, "Ben", 28, "Spain"), (3, "Cara", 41, "France"), (4, "Dan", 22, "Peru")]
 GOLD = "SELECT name FROM singer WHERE age > 30"
@@ -165,6 +168,114 @@ def test_mode_ro_blocks_writes_without_the_authorizer(db: Path) -> None:
     assert rows_of(db) == ROWS
 
 
+def dir_state(directory: Path) -> dict[str, str]:
+    """File name → sha256 of every file in ``directory``."""
+    return {p.name: sha256(p) for p in sorted(directory.iterdir())}
+
+
+def make_wal_db(path: Path, keep_wal: bool) -> Path:
+    """A WAL-mode copy of the singer database at ``path``; with ``keep_wal`` its last rows live
+    only in a ``-wal`` file beside it (copied while the writer still had it open)."""
+    src = make_db(path.parents[1] / "build" / "src.sqlite")
+    path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(src)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("INSERT INTO singer VALUES (5, 'Eve', 60, 'Chad')")
+    conn.commit()
+    if keep_wal:
+        path.write_bytes(src.read_bytes())
+        path.with_name(path.name + "-wal").write_bytes(src.with_name("src.sqlite-wal").read_bytes())
+    conn.close()
+    if not keep_wal:
+        path.write_bytes(src.read_bytes())
+    return path
+
+
+@pytest.mark.parametrize("keep_wal", [False, True])
+def test_wal_database_is_read_from_a_private_copy(tmp_path: Path, keep_wal: bool) -> None:
+    from labeling.tasks.spider import read_schema
+
+    db = make_wal_db(tmp_path / "database" / "concert" / "concert.sqlite", keep_wal)
+    before = dir_state(db.parent)
+    assert execute_readonly(db, "SELECT name FROM singer WHERE age > 50") == [("Eve",)]  # the -wal's row
+    assert execution_match("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age >= 34",
+                           db) == 1
+    assert "CREATE TABLE singer" in read_schema(db)
+    assert dir_state(db.parent) == before  # no -wal/-shm created, nothing rewritten
+
+
+def test_slow_builtin_is_killed_within_its_timeout(db: Path) -> None:
+    """One replace() over 100 MB runs as a single VM instruction: the worker's interrupt cannot
+    stop it, so the parent kills the worker; the next query gets a new one."""
+    sandbox = SqlSandbox()
+    slow = "SELECT length(replace(printf('%.*c', 100000000, 'a'), 'a', 'bc'))"
+    assert sandbox.execute(db, ["SELECT 1"]) == [[(1,)]]
+    start = time.monotonic()
+    with pytest.raises(QueryTimeout, match="worker was killed"):
+        sandbox.execute(db, [slow], timeout_s=0.1, max_bytes=1 << 27)
+    assert time.monotonic() - start < 3.0
+    assert sandbox.execute(db, ["SELECT count(*) FROM singer"]) == [[(len(ROWS),)]]
+    assert sandbox.starts == 2
+    sandbox.stop()
+
+
+def test_worker_is_reused_across_queries(db: Path) -> None:
+    sandbox = SqlSandbox()
+    for _ in range(5):
+        assert sandbox.execute(db, [GOLD, "SELECT 1 WHERE 0"]) == [[("Ann",), ("Cara",)], []]
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            sandbox.execute(db, ["SELECT * FROM nope"])
+    assert sandbox.starts == 1
+    sandbox.stop()
+
+
+def test_dead_worker_is_replaced(db: Path) -> None:
+    sandbox = SqlSandbox()
+    assert sandbox.execute(db, ["SELECT 1"]) == [[(1,)]]
+    sandbox._proc.kill()
+    sandbox._proc.wait()
+    assert sandbox.execute(db, ["SELECT 2"]) == [[(2,)]]
+    assert sandbox.starts == 2
+    sandbox.stop()
+
+
+@pytest.mark.parametrize("sql", [
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000) SELECT printf('%.40c', 'x') FROM c",
+    "SELECT printf('%.*c', 5000, 'x')",
+    "SELECT randomblob(5000)",
+])
+def test_byte_cap_stops_the_result_in_the_worker(db: Path, sql: str) -> None:
+    sandbox = SqlSandbox()
+    with pytest.raises((ResultTooLarge, sqlite3.DataError, sqlite3.OperationalError), match="bytes|too big"):
+        sandbox.execute(db, [sql], max_bytes=4000)
+    assert sandbox.last_reply_bytes < 4000  # only the error reply reached this process
+    assert execution_match(sql, sql, db, max_bytes=4000) == 0
+    assert len(sandbox.execute(db, [sql], max_bytes=1 << 24)[0]) >= 1  # within a larger cap it runs
+    sandbox.stop()
+
+
+def test_values_round_trip_through_the_worker(db: Path) -> None:
+    q = "SELECT 1, 1.5, 'é ✓\n', x'00ff', NULL, 9223372036854775807, 1e999"
+    assert execute_readonly(db, q) == [(1, 1.5, "é ✓\n", b"\x00\xff", None, 2**63 - 1, float("inf"))]
+
+
+def test_memory_cap_fails_the_query_not_the_process(db: Path) -> None:
+    sandbox = SqlSandbox(memory_bytes=256 << 20)
+    with pytest.raises(sqlite3.DatabaseError):
+        sandbox.execute(db, ["SELECT length(randomblob(400000000))"], max_bytes=1 << 30)
+    assert sandbox.execute(db, ["SELECT 3"]) == [[(3,)]]
+    sandbox.stop()
+
+
+def test_corrupt_database_is_a_query_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"SQLite format 3\x00" + b"\x07" * 2000)
+    with pytest.raises(sqlite3.DatabaseError):
+        execute_readonly(bad, "SELECT 1 FROM sqlite_master")
+    assert execution_match("SELECT 1", "SELECT 1", bad) == 0
+
+
 def test_slow_query_times_out_and_scores_0(db: Path) -> None:
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
     start = time.monotonic()
@@ -215,3 +326,10 @@ def test_path_like_db_id_is_rejected(db: Path, db_id: str) -> None:
 
 def test_vanished_database_scores_0_without_raising(tmp_path: Path) -> None:
     assert execution_match("SELECT 1", "SELECT 1", tmp_path / "gone.sqlite") == 0
+
+
+@pytest.mark.parametrize("limits", [{"timeout_s": 0}, {"timeout_s": -1.0}, {"timeout_s": float("nan")},
+                                    {"max_rows": -1}, {"max_bytes": -5}])
+def test_nonsense_limits_are_a_value_error(db: Path, limits: dict) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        SqlSandbox().execute(db, ["SELECT 1"], **limits)

@@ -84,31 +84,34 @@ def build_run_dir(root: Path) -> Path:
     rng = np.random.default_rng(0)
     run = RunDir(root / "run")
     points, features = _labels(rng)
-    points.to_parquet(run.path("labels", "points.parquet"), index=False)
-    np.save(run.path("labels", "features.npy"), features)
-    heads = fit_heads(points, features)
-    save_heads(run.path("heads", "heads.safetensors"), heads)
-    cands = build_candidates(heads, points, features, n_quantiles=8, ks=KS)
-    cands.save(run.path("heads", "candidates.json"))
-
-    trees = _trees(rng, heads, ForkPlanner(cands.taus, cands.ks))
-    save_trees(run.path("sweep", "trees.parquet"), trees)
-    priced = price(trees, cands)
-    write_tables(run.path("sweep", "x").parent, {
-        "candidates": priced, "frontier": pareto(priced),
-        "selection": select(priced, [*DEFAULT_RULES, f"budget={BUDGET:g}"]),
-        "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, BUDGET)})
-
-    cost = sweep_cost(trees, cands)
     per_t = points.groupby("t")["y"].agg(["count", "mean"])
-    run.mark_done("data", "fp-data", {"train": 12, "validation": VAL_REQUESTS, "test": 0})
-    run.mark_done("labels", "fp-labels", {
+    run.begin("data")
+    run.commit("data", "fp-data", {"train": 12, "validation": VAL_REQUESTS, "test": 0})
+    run.begin("labels")
+    points.to_parquet(run.out("labels", "points.parquet"), index=False)
+    np.save(run.out("labels", "features.npy"), features)
+    run.commit("labels", "fp-labels", {
         "requests": int(points[["uid", "adapter"]].drop_duplicates().shape[0]), "points": len(points),
         "positive_rate": float(points["y"].mean()),
         "per_t": {int(t): {"points": int(r["count"]), "positive_rate": float(r["mean"])} for t, r in per_t.iterrows()}})
-    run.mark_done("heads", "fp-heads", {a: {"status": h.status, "points": h.n_points, "positives": h.positives}
-                                        for a, h in heads.items()})
-    run.mark_done("sweep", "fp-sweep", {
+    heads = fit_heads(points, features)
+    run.begin("heads")
+    save_heads(run.out("heads", "heads.safetensors"), heads)
+    cands = build_candidates(heads, points, features, n_quantiles=8, ks=KS)
+    cands.save(run.out("heads", "candidates.json"))
+    run.commit("heads", "fp-heads", {a: {"status": h.status, "points": h.n_points, "positives": h.positives}
+                                     for a, h in heads.items()})
+
+    trees = _trees(rng, heads, ForkPlanner(cands.taus, cands.ks))
+    run.begin("sweep")
+    save_trees(run.out("sweep", "trees.parquet"), trees)
+    priced = price(trees, cands)
+    write_tables(run.out("sweep"), {
+        "candidates": priced, "frontier": pareto(priced),
+        "selection": select(priced, [*DEFAULT_RULES, f"budget={BUDGET:g}"]),
+        "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, BUDGET)})
+    cost = sweep_cost(trees, cands)
+    run.commit("sweep", "fp-sweep", {
         "requests": len(trees), "backbone_accuracy": 10.0,
         "full_lora_accuracy": {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")},
         "tree_tokens": cost.tree_tokens, "naive_tokens": cost.naive_tokens,

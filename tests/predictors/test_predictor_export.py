@@ -53,3 +53,21 @@ def test_profiled_export_and_errors(tmp_path):
         bundle_entries(heads, sel, front, "P75", "profiled", weights)
     with pytest.raises(ValueError, match="export policy 'best'"):
         bundle_entries(heads, sel, front, "P50", "best", weights)
+
+
+def test_export_records_validation_release_points(tmp_path):
+    from predictors.export import release_distribution
+    from predictors.sweep import RequestTree
+
+    heads, sel, front, weights = _setup(tmp_path)
+    trees = [RequestTree(f"a{i}", "a", 6, 1, np.array([1, 1, 0.1, 0, 0, 0], np.float32) * (i % 3)) for i in range(6)]
+    trees += [RequestTree("b0", "b", 3, 1, np.zeros(0, np.float32))]
+    a, b = bundle_entries(heads, sel, front, "P50", "learned", weights, trees)
+    # tau 0.25: s_t = 0 at t = 0 for i % 3 == 0; at t = 2 for the others (0.1, 0.2 < 0.25)
+    assert a.stats["release_points"] == {"r": [0, 2], "count": [2, 4], "never": 0}
+    assert "release_points" not in b.stats  # none: never released
+    a, b = bundle_entries(heads, sel, front, "budget=1", "profiled", weights, trees)
+    assert b.stats["release_points"] == {"r": [8], "count": [1], "never": 0}  # a point mass at k
+    assert release_distribution([None, 3, 3, 1]) == {"r": [1, 3], "count": [1, 2], "never": 1}
+    load_bundle(write_bundle(tmp_path / "bundle", backbone="m", hidden_size=H, config_fingerprint="c",
+                             adapters=[a, b]), expected_hidden_size=H)  # plain JSON the manifest accepts

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from serve_bridge.bundle import (HEADS_FILE, MANIFEST, AdapterEntry, BundleError, BundleWarning, adapter_fingerprint,
-                                 config_fingerprint, file_sha256, load_bundle, write_bundle)
-from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy
+from serve_bridge.bundle import (HEADS_FILE, MANIFEST, MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, AdapterEntry, BundleError,
+                                 BundleWarning, adapter_fingerprint, config_fingerprint, file_sha256, load_bundle,
+                                 write_bundle)
+from serve_bridge.steptrim import K_LIMIT, LearnedPolicy, ProfiledPolicy, StepTrim
 
 H = 16
 SHA = "ab" * 32
@@ -127,7 +128,7 @@ def test_inconsistent_entries_fail_at_write_and_leave_nothing(tmp_path):
     w = np.zeros(H, np.float32)
     bad = [(AdapterEntry("x", SHA, "learned", tau=0.1, weight=np.zeros(H + 1, np.float32), bias=0.0), "must be"),
            (AdapterEntry("x", SHA, "learned", weight=w, bias=0.0), "finite 'tau'"),
-           (AdapterEntry("x", SHA, "profiled", k=-1), "integer 'k' ≥ 0"),
+           (AdapterEntry("x", SHA, "profiled", k=-1), r"integer 'k' with 0 ≤ k < 2\*\*24"),
            (AdapterEntry("x", SHA, "none", k=3), "'k' belongs to profiled"),
            (AdapterEntry("x", SHA, "best"), "'policy' is 'best'"),
            (AdapterEntry("x", "abc", "none"), "64-hex sha256"),
@@ -160,3 +161,57 @@ def test_load_time_is_printed(tmp_path):
     ms = 1000 * (time.perf_counter() - start)
     print(f"\nload_bundle: 32 learned adapters, H=4096: {ms:.1f} ms")
     assert len(b.policies) == 32
+
+
+@pytest.mark.parametrize("name", [MANIFEST, HEADS_FILE])
+def test_symlinked_files_are_rejected(tmp_path, name):
+    """A bundle file that links elsewhere (here: to a valid copy outside the bundle) is refused."""
+    path = _write(tmp_path)
+    outside = tmp_path / f"outside-{name}"
+    (path / name).rename(outside)
+    (path / name).symlink_to(outside)
+    with pytest.raises(BundleError, match="symbolic link"):
+        load_bundle(path)
+
+
+def test_manifest_size_and_nesting_are_bounded(tmp_path):
+    path = _write(tmp_path)
+    m = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps(m | {"pad": "x" * MAX_MANIFEST_BYTES}))
+    with pytest.raises(BundleError, match="more than the"):
+        load_bundle(path)
+    for depth, message in ((100_000, "nested too deeply"), (MAX_JSON_DEPTH + 1, "deeper than")):
+        (path / MANIFEST).write_text(json.dumps(m)[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}")
+        with pytest.raises(BundleError, match=message):
+            load_bundle(path)
+    (path / MANIFEST).write_text(json.dumps(m).replace(f'"hidden_size": {H}', '"hidden_size": ' + "1" * 5000))
+    with pytest.raises(BundleError, match="not valid JSON"):
+        load_bundle(path)
+
+
+def test_bf16_head_is_a_bundle_error(tmp_path):
+    from safetensors.torch import save
+
+    path = _write(tmp_path)
+    data = save({"arith-a.weight": torch.zeros(H, dtype=torch.bfloat16),
+                 "arith-a.bias": torch.zeros((), dtype=torch.bfloat16)})
+    (path / HEADS_FILE).write_bytes(data)
+    _edit_manifest(path, files={HEADS_FILE: file_sha256(path / HEADS_FILE)})
+    with pytest.raises(BundleError, match="tensor 'arith-a.(weight|bias)' is BF16, expected F32"):
+        load_bundle(path)
+
+
+@pytest.mark.parametrize("k, ok", [(K_LIMIT - 1, True), (K_LIMIT, False), (10**30, False)])
+def test_profiled_k_is_checked_as_the_runtime_checks_it(tmp_path, k, ok):
+    path = _write(tmp_path)
+    m = json.loads((path / MANIFEST).read_text())
+    m["adapters"][1]["k"] = k
+    (path / MANIFEST).write_text(json.dumps(m))
+    if ok:
+        b = load_bundle(path)
+        StepTrim([b.policies[n] for n in sorted(b.policies)], H)  # the runtime accepts what loads
+    else:
+        with pytest.raises(BundleError, match="0 ≤ k < 2"):
+            load_bundle(path)
+        with pytest.raises(ValueError):  # what the runtime would have raised, unexplained, at start-up
+            StepTrim([ProfiledPolicy(k)], H)

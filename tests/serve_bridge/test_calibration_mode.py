@@ -12,9 +12,9 @@ import torch
 
 from serve_bridge.calibration import (CalibrationRuntime, calibration_config, policy_from_data, policy_to_data,
                                       steptrim_from_data, steptrim_to_data)
-from serve_bridge.rpc import lorazor_calibrate, lorazor_captures, lorazor_counters
-from serve_bridge.runtime import NEVER, ReleaseRuntime, RequestState, build_runtime, request_args
-from serve_bridge.settings import BridgeError, BridgeSettings
+from serve_bridge.vllm.rpc import lorazor_calibrate, lorazor_captures, lorazor_counters
+from serve_bridge.runtime import NEVER, ReleaseRuntime, RequestState, request_args
+from serve_bridge.vllm.settings import BridgeError, BridgeSettings
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
 from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
@@ -30,8 +30,6 @@ def test_calibration_env_activates_without_bundle():
     for off in ("", "0", "off"):
         assert BridgeSettings.from_env({"LORAZOR_CALIBRATION": off}) is None
     assert not BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).calibration
-    rt = build_runtime(BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1"}), H, "cpu")
-    assert isinstance(rt, CalibrationRuntime) and rt.slot_of == {}
 
 
 @pytest.mark.parametrize("env,match", [({"LORAZOR_CALIBRATION": "yes"}, "use 1 or on"),
@@ -189,7 +187,7 @@ def test_plugin_activates_on_calibration(monkeypatch):
     import sys
     from types import ModuleType
 
-    from serve_bridge import plugin
+    from serve_bridge.vllm import plugin
 
     fake = ModuleType("vllm")
     fake.__version__ = "0.27.0"

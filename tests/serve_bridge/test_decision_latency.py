@@ -2,25 +2,13 @@
 and benchmarks/serve_bridge/bench_decision.py run on the CPU with tiny sizes."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_decision", ROOT / "benchmarks/serve_bridge/bench_decision.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench_module()
+from benchmarks.serve_bridge import bench_decision as bench
 
 
 def _step(rt, req_ids, computed, scheduled, lora):

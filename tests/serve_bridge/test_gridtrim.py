@@ -1,4 +1,4 @@
-"""GridTrim behind vLLM's punica contract (serve_bridge/gridtrim.py, serve_bridge/vllm_punica.py).
+"""GridTrim behind vLLM's punica contract (serve_bridge/gridtrim.py, serve_bridge/vllm/punica_wrapper.py).
 
 The kernels run in Triton's interpreter on CPU (fp16 only there, see tests/kernels/
 test_lora_kernels.py). The metadata is built here the way vLLM 0.26's ``LoRAKernelMeta`` builds it
@@ -308,30 +308,30 @@ def _stub_vllm(monkeypatch) -> type:
     for name in names:
         monkeypatch.setitem(sys.modules, name, ModuleType(name))
     sys.modules[names[-1]].PunicaWrapperGPU = PunicaWrapperGPU
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica", raising=False)
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.punica_wrapper", raising=False)
     return PunicaWrapperGPU
 
 
 def _wrapper(monkeypatch, specialize_active_lora: bool = False):
-    """(vllm_punica module, a GridTrimPunicaWrapper on the stubbed base, after _stub_vllm) with
+    """(punica_wrapper module, a GridTrimPunicaWrapper on the stubbed base, after _stub_vllm) with
     MAX_LORAS slots and PROGRAMS persistent programs; the module is dropped from sys.modules at
     teardown, so the next test imports it over its own stub."""
-    vllm_punica = importlib.import_module("serve_bridge.vllm_punica")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm_punica")
+    punica_wrapper = importlib.import_module("serve_bridge.vllm.punica_wrapper")
+    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.punica_wrapper")
     cfg = SimpleNamespace(max_loras=MAX_LORAS, specialize_active_lora=specialize_active_lora)
-    wrapper = vllm_punica.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
+    wrapper = punica_wrapper.GridTrimPunicaWrapper(MAX_TOKENS, 8, DEVICE, lora_config=cfg)
     wrapper.gridtrim_programs = PROGRAMS
-    return vllm_punica, wrapper
+    return punica_wrapper, wrapper
 
 
 @needs_triton
 def test_punica_wrapper_subclass(monkeypatch):
     base = _stub_vllm(monkeypatch)
-    vllm_punica, wrapper = _wrapper(monkeypatch)
-    from serve_bridge import plugin
+    punica_wrapper, wrapper = _wrapper(monkeypatch)
+    from serve_bridge.vllm import plugin
 
-    assert vllm_punica.QUALNAME == plugin.GRIDTRIM_WRAPPER == (
-        f"{vllm_punica.__name__}.{vllm_punica.GridTrimPunicaWrapper.__qualname__}")
+    assert punica_wrapper.QUALNAME == plugin.GRIDTRIM_WRAPPER == (
+        f"{punica_wrapper.__name__}.{punica_wrapper.GridTrimPunicaWrapper.__qualname__}")
     assert isinstance(wrapper, base) and wrapper.gridtrim_worklist.capacity >= MAX_TOKENS // 16 + MAX_LORAS + 1
     gen = torch.Generator().manual_seed(3)
     a, b = _weights(gen)

@@ -338,26 +338,3 @@ def test_punica_wrapper_add_shrink_add_expand(monkeypatch):
     wrapper.add_shrink(shard.half(), x, a, 1.0, offset_start=0)
     wrapper.add_expand(y, buf.bfloat16(), b, (16, 8), 0, False, add_input=True)
     assert stock == [("shrink", {"offset_start": 0}), ("expand", 0, False, {"add_input": True})]
-
-
-# -- the device check's TP options (benchmarks/serve_bridge/check_correctness.py, CPU parts) ------------
-
-def test_check_correctness_tp_options(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "serve_bridge"))
-    cc = importlib.import_module("check_correctness")
-    assert cc.model_for(1) is cc.MODEL and cc.engine_options() == cc.ENGINE  # TP = 1 unchanged
-    model = cc.model_for(2)
-    d = model["head_dim"]
-    assert model["num_attention_heads"] * d == model["hidden_size"]
-    for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        assert model[n] % TP == 0, n
-    assert cc.RANK % TP == 0  # fully_sharded_loras splits the rank (base_linear.py:111-117)
-    opts = cc.engine_options(2, True)
-    assert opts["tensor_parallel_size"] == 2 and opts["fully_sharded_loras"] is True
-    assert cc.default_work(2) != cc.default_work(1)
-    counters = {"released_requests": 3, "decision_ms_mean": 0.1, "adapters": {"a": {"released": 1}}}
-    assert cc.ranks_agree([counters, {**counters, "decision_ms_mean": 0.7}])
-    assert not cc.ranks_agree([counters, {**counters, "released_requests": 4}])
-    assert not cc.ranks_agree([[{"req_id": "1", "release": 2}], [{"req_id": "1", "release": None}]])

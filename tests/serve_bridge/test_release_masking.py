@@ -37,8 +37,8 @@ def test_size_mismatch_is_an_error():
 
 @pytest.mark.parametrize("release", [0, 1, 3, None])
 def test_forward_t_runs_with_adapter_iff_t_le_r(release):
-    """Walk one request through prefill and decodes: the forward's sampled position carries
-    the adapter exactly at t ≤ r (DESIGN §2), and every earlier position keeps it."""
+    """Walk one request through prefill and decodes: the forward's sampled position has
+    the adapter exactly at t ≤ r (docs/design.md §2), and every earlier position keeps it."""
     P, L = 5, 7
     st = RequestState(adapter="a", slot=0, num_prompt_tokens=P, release=release)
     for t in range(L):

@@ -12,9 +12,8 @@ import torch
 from safetensors.numpy import save_file
 
 from serve_bridge.bundle import HEADS_FILE, AdapterEntry, BundleError, adapter_fingerprint, write_bundle
-from serve_bridge.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
+from serve_bridge.vllm.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
 from serve_bridge.runtime import build_runtime
-from serve_bridge.settings import BridgeSettings
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
 from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
@@ -81,7 +80,7 @@ def _run(rt, reqs: list[WalkRequest], budget: int, preempt: set[str], paths: dic
 
 def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
     paths = dict(served)
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     ids = {"prof0": 1, "prof2": 2, "learn": 3, "off": 4, "stranger": 5, "tampered": 6, None: 0}
     rng = np.random.default_rng(0)
     reqs = []
@@ -130,7 +129,7 @@ def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
 
 
 def test_partial_prefill_chunk_does_not_decide(tmp_path, served):
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 10)
     rt.begin_step(["a"], np.array([0]), np.array([6]), np.array([10]), (1,) * 6, (1,))
     rt.decide(torch.zeros(1, H))
@@ -145,7 +144,7 @@ def test_partial_prefill_chunk_does_not_decide(tmp_path, served):
 
 
 def test_group_count_follows_masked_mapping(tmp_path, served):
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 4)
     rt.add("b", "off", str(served["off"]), 4)
     m = rt.begin_step(["a", "b"], np.array([0, 0]), np.array([4, 4]), np.array([4, 4]), (1,) * 4 + (4,) * 4, (1, 4))
@@ -157,7 +156,7 @@ def test_group_count_follows_masked_mapping(tmp_path, served):
 
 
 def test_mismatched_hidden_rows_skip_the_decision(tmp_path, served, caplog):
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 3)
     rt.begin_step(["a"], np.array([0]), np.array([3]), np.array([3]), (1,) * 3, (1,))
     with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
@@ -167,7 +166,7 @@ def test_mismatched_hidden_rows_skip_the_decision(tmp_path, served, caplog):
 
 
 def test_summary_is_logged_on_interval(tmp_path, served, caplog):
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), log_interval_s=10), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu", log_interval_s=10)
     with caplog.at_level(logging.INFO, logger="vllm.lorazor"):
         rt.maybe_log(now=rt._last_log + 5)
         assert "LoRazor StepTrim:" not in caplog.text
@@ -183,31 +182,31 @@ def test_tampered_bundle_fails_at_start(tmp_path, served):
     raw[-2] ^= 1
     (b / HEADS_FILE).write_bytes(bytes(raw))
     with pytest.raises(BundleError, match="sha256 does not match"):
-        build_runtime(BridgeSettings(bundle=b), H, "cpu")
+        build_runtime(b, H, "cpu")
 
 
 def test_wrong_hidden_size_fails_at_start(tmp_path, served):
     with pytest.raises(BundleError, match="'hidden_size' is 8 but the served model has 576"):
-        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), 576, "cpu")
+        build_runtime(_bundle(tmp_path, served), 576, "cpu")
 
 
 def test_unserved_bundle_adapter_fails_at_start(tmp_path, served):
     adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off")}  # 'tampered' not served
     with pytest.raises(BundleError, match="adapter 'tampered' is not served here"):
-        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+        build_runtime(_bundle(tmp_path, served), H, "cpu", adapters)
 
 
 def test_served_weights_differ_from_calibrated_fails_at_start(tmp_path, served):
     adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off", "tampered")}
     with pytest.raises(BundleError, match="weights of adapter 'tampered' differ"):
-        build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+        build_runtime(_bundle(tmp_path, served), H, "cpu", adapters)
 
 
 def test_served_adapter_missing_from_bundle_warns_and_runs_full_lora(tmp_path, served, caplog):
     adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off", "stranger")}
     adapters["tampered"] = str(served["prof2"])  # the weights the bundle calibrated
     with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
-        rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served), adapters=adapters), H, "cpu")
+        rt = build_runtime(_bundle(tmp_path, served), H, "cpu", adapters)
     assert "adapter 'stranger' has no policy" in caplog.text
     assert rt.bundle.policies["stranger"] is None and "stranger" not in rt.slot_of
     rt.add("x", "tampered", adapters["tampered"], 3)
@@ -215,7 +214,7 @@ def test_served_adapter_missing_from_bundle_warns_and_runs_full_lora(tmp_path, s
 
 
 def test_request_records_include_tracked_requests_and_clear_finished(tmp_path, served):
-    rt = build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     worker = SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt))
     for rid in ("a", "b"):
         rt.add(rid, "prof0", str(served["prof0"]), 3)
@@ -231,8 +230,7 @@ def test_request_records_include_tracked_requests_and_clear_finished(tmp_path, s
 def test_worker_extension_names_the_readouts(tmp_path, served):
     """By method name, as vLLM's /collective_rpc calls them (string arguments)."""
     class Worker(LoRazorWorkerExtension):
-        model_runner = SimpleNamespace(lorazor=build_runtime(BridgeSettings(bundle=_bundle(tmp_path, served)), H,
-                                                             "cpu"))
+        model_runner = SimpleNamespace(lorazor=build_runtime(_bundle(tmp_path, served), H, "cpu"))
 
     rt = Worker.model_runner.lorazor
     rt.add("a", "prof0", str(served["prof0"]), 3)

@@ -1,4 +1,4 @@
-"""StepTrim (packed per-slot table, few ops) against a per-row Python reference of DESIGN §2,
+"""StepTrim (packed per-slot table, few ops) against a per-row Python reference of docs/design.md §2,
 and the decision launcher that the serving runtime drives."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _row_score(p: LearnedPolicy, h: torch.Tensor) -> float:
 
 
 def _reference(policies, slots, t, released, hidden) -> list[bool]:
-    """DESIGN §2 per row: released stays released; NO_SLOT / None never; profiled t ≥ k;
+    """docs/design.md §2 per row: released stays released; NO_SLOT / None never; profiled t ≥ k;
     learned s_t < τ (s in float32)."""
     out = []
     for i, slot in enumerate(slots.tolist()):

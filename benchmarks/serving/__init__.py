@@ -1,0 +1,1 @@
+"""The serving throughput harness (stock vLLM, GridTrim, StepTrim) on synthetic models."""

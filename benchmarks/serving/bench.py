@@ -1,0 +1,1016 @@
+"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run.
+
+    python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
+                                 [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
+
+(``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
+It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
+``--model mistral7b``) with dummy weights and N random rank-8 peft adapters on
+q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
+prompts of 100–300 tokens and 20–100 output tokens (``ignore_eos``, per-request
+``max_tokens``), spread uniformly over the adapters, or 80% of requests on 20% of them with
+``--skewed``. StepTrim runs a P50-like profiled schedule: each adapter gets the k whose
+release skips about half of its decode forwards, given its requests' output lengths
+(:func:`serve_bridge.steptrim.skip_fraction`).
+
+Every (adapters, mode) pair runs in its own subprocess, back to back on the same machine, in
+the order of ``--modes`` (default stock, gridtrim, steptrim, both); ``--passes P`` repeats them
+P times, each pass in the reverse order of the one before (:func:`schedule`), and every row's
+ratio is to the stock row of its own pass:
+
+- ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
+  punica wrapper, with ``specialize_active_lora`` (the device README's setting).
+- ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only: vLLM's runner, our punica wrapper
+  (``serve_bridge.vllm.punica_wrapper``: LoRA linears on the work-list kernels). No release, so it
+  measures the kernels alone. ``specialize_active_lora`` off: the kernels ignore the adapter
+  count, so one LoRA CUDA graph per batch size serves every adapter mix.
+- ``steptrim``: the bundle variables (``LORAZOR_BUNDLE``, ``LORAZOR_ADAPTERS``) only: the
+  StepTrim runner with the profiled bundle, vLLM's LoRA kernels (released rows still launch
+  their tiles), ``specialize_active_lora`` on as in stock.
+- ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
+  ``specialize_active_lora`` off.
+- ``stockfix`` (only when asked for): stock, plus the plugin's one registry read per step in
+  vLLM's worker LoRA manager (:mod:`serve_bridge.vllm.lora_manager`), installed in the engine's
+  process (the engine runs in-process here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU). The
+  plugin installs that fix in every LoRazor mode, so this is the baseline that isolates what the
+  kernels and release add beyond it.
+- ``nolora`` (only when asked for): the backbone with ``enable_lora`` off, serving the same
+  requests without adapters. It is the ceiling: no LoRA speed-up can beat it, so its ratio to
+  stock bounds what the other modes can reach on the workload.
+
+Each engine checks that its runner class, its punica wrapper class and its adapter-registry
+path are the mode's, and fails otherwise. The realized skip of the StepTrim modes comes from
+the plugin's counters over ``collective_rpc``.
+
+With ``--arrival-rate R`` each engine instead serves the requests open-loop: request i is added
+through vLLM V1's ``LLMEngine.add_request`` at its Poisson arrival time (:func:`arrival_times`,
+seeded) while the harness drives ``step()``; the table then gives P50/P90 TTFT and TPOT, and
+"vs stock" is stock's TPOT P50 over the mode's.
+
+The first stock engine starts while the adapters are being written. Each engine serves one
+short request per adapter (loading every adapter) before the timed run of all requests:
+offline, ``LLM.generate``'s own loop with each engine step timed (:func:`serve_offline`; the
+notes give the step count and P50/P90/max step time). The table is rewritten to
+``OUT/bench.txt`` after every run, so a run cut short still leaves the finished rows.
+
+Workload generation (:func:`make_workload`) is pure and seeded, and is tested on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from serve_bridge.steptrim import skip_fraction
+
+
+# Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
+# rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope
+# (model_executor/models/llama.py:240-244; rope_type 'llama3' → Llama3RotaryEmbedding).
+LLAMA32_3B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+# Mistral-7B-v0.3's config.json (vLLM 0.26 registers MistralForCausalLM in
+# model_executor/models/registry.py:168, a LlamaForCausalLM subclass in mistral.py:230).
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "sliding_window": None, "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B}
+MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3"}
+RANK, ALPHA = 8, 16
+N_REQUESTS = 2048
+PROMPT_LEN = (100, 300)  # inclusive
+OUTPUT_LEN = (20, 100)  # inclusive
+TARGET_SKIP = 0.5
+HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
+# Decode batches replay CUDA graphs (no torch.compile), as in tests/gpu/release_engines.py; mixed
+# prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
+# nolora: the backbone alone (enable_lora=False, the same requests without adapters), the ceiling
+# any LoRA speed-up is bounded by; opt-in through --modes.
+DEFAULT_MODES = ("stock", "gridtrim", "steptrim", "both")
+MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
+              "steptrim": "steptrim (release, vLLM's LoRA kernels)",
+              "both": "steptrim + gridtrim (release, our LoRA kernels)",
+              "nolora": "no LoRA (backbone alone: the ceiling)",
+              "stockfix": "stock + one registry read per step (the plugin's vLLM fix alone)"}
+STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
+GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
+# vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
+# off with ours (their grid ignores the adapter count: one LoRA graph per batch size).
+SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES if mode != "nolora"}
+RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "LoRazorGPUModelRunner",
+          "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner", "stockfix": "GPUModelRunner"}
+WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
+           "both": "GridTrimPunicaWrapper", "nolora": None, "stockfix": "PunicaWrapperGPU"}
+# How vLLM's LRU worker LoRA manager reads its registry per step (serve_bridge.vllm.lora_manager);
+# None without LoRA.
+REGISTRY = {mode: "once per step" for mode in MODES} | {"stock": "per adapter", "nolora": None}
+
+
+# -- workload (pure) ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """One request set and its profiled release schedule.
+
+    adapter[i], prompt[i], max_tokens[i]: request i's adapter index (0 … N−1), prompt token
+    ids and output length. k[a]: adapter a's profiled release point. planned_skip: the skip
+    fraction of decode forwards that k implies for these output lengths.
+    """
+
+    n_adapters: int
+    skewed: bool
+    adapter: list[int]
+    prompt: list[list[int]]
+    max_tokens: list[int]
+    k: list[int]
+    planned_skip: float
+
+    def releases(self) -> list[int]:
+        """Each request's release point r (its adapter's k)."""
+        return [self.k[a] for a in self.adapter]
+
+
+def hot_adapter_count(n_adapters: int) -> int:
+    """Adapters in the hot set of skewed traffic: 20% of them, at least one, never all."""
+    return min(max(1, round(HOT_ADAPTERS * n_adapters)), max(1, n_adapters - 1))
+
+
+def assign_adapters(n_requests: int, n_adapters: int, skewed: bool, rng: np.random.Generator) -> list[int]:
+    """Adapter index per request: uniform, or 80% of requests uniformly on the hot set
+    (adapters 0 … hot−1) and the rest uniformly on the others."""
+    if n_adapters < 1:
+        raise ValueError(f"need at least one adapter, got {n_adapters}")
+    if not skewed or n_adapters == 1:
+        return rng.integers(0, n_adapters, n_requests).tolist()
+    hot = hot_adapter_count(n_adapters)
+    on_hot = rng.random(n_requests) < HOT_TRAFFIC
+    return np.where(on_hot, rng.integers(0, hot, n_requests), rng.integers(hot, n_adapters, n_requests)).tolist()
+
+
+def choose_k(lengths: Sequence[int], target: float = TARGET_SKIP) -> int:
+    """The release point k whose skip fraction over these output lengths is nearest the
+    target (the smaller k on a tie). Empty lengths → 0.
+
+    The skip fraction does not grow with k, so a bisection finds the smallest k at or below
+    the target; the answer is it or the k before it."""
+    if not lengths:
+        return 0
+
+    def skip(k: int) -> float:
+        return skip_fraction(lengths, [k] * len(lengths))
+
+    lo, hi = 0, max(0, max(lengths) - 1)  # skip(hi) = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if skip(mid) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo > 0 and abs(skip(lo - 1) - target) <= abs(skip(lo) - target):
+        return lo - 1
+    return lo
+
+
+def profiled_ks(adapter: Sequence[int], lengths: Sequence[int], n_adapters: int,
+                target: float = TARGET_SKIP) -> list[int]:
+    """Per adapter, :func:`choose_k` over its own requests' output lengths (an adapter without
+    requests gets the k of all lengths)."""
+    by_adapter: list[list[int]] = [[] for _ in range(n_adapters)]
+    for a, n in zip(adapter, lengths):
+        by_adapter[a].append(n)
+    fallback = choose_k(lengths, target)
+    return [choose_k(ls, target) if ls else fallback for ls in by_adapter]
+
+
+def make_workload(n_adapters: int, n_requests: int = N_REQUESTS, *, skewed: bool = False, seed: int = 0,
+                  prompt_len: tuple[int, int] = PROMPT_LEN, output_len: tuple[int, int] = OUTPUT_LEN,
+                  vocab_size: int = LLAMA32_3B["vocab_size"], target_skip: float = TARGET_SKIP) -> Workload:
+    """The seeded request set. Prompts and output lengths depend on the seed only (not on the
+    adapter count or traffic), so runs with different N serve the same requests."""
+    rng = np.random.default_rng([seed, 0])
+    plens = rng.integers(prompt_len[0], prompt_len[1] + 1, n_requests)
+    lengths = rng.integers(output_len[0], output_len[1] + 1, n_requests).tolist()
+    tokens = rng.integers(3, vocab_size, int(plens.sum())).tolist()
+    starts = np.concatenate([[0], np.cumsum(plens)[:-1]]).tolist()
+    prompts = [tokens[s:s + int(p)] for s, p in zip(starts, plens)]
+    adapter = assign_adapters(n_requests, n_adapters, skewed, np.random.default_rng([seed, 1, int(skewed)]))
+    ks = profiled_ks(adapter, lengths, n_adapters, target_skip)
+    planned = skip_fraction(lengths, [ks[a] for a in adapter])
+    return Workload(n_adapters, skewed, adapter, prompts, lengths, ks, planned)
+
+
+def arrival_times(n_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Open-loop Poisson arrivals: seconds after the start at which each request arrives, in order.
+
+    Gaps are exponential with mean 1/rate (seeded, independent of the workload's draws); the
+    first request arrives at 0."""
+    if not rate > 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
+    if n_requests <= 0:
+        return []
+    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, n_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def latency_summary(arrival: Sequence[float], first_token: Sequence[float], finish: Sequence[float],
+                    n_tokens: Sequence[int]) -> dict[str, float]:
+    """P50/P90 of TTFT (first token − arrival) and TPOT ((finish − first token) / (tokens − 1), over
+    requests with ≥ 2 tokens), in milliseconds."""
+    ttft = np.asarray(first_token) - np.asarray(arrival)
+    multi = [i for i, n in enumerate(n_tokens) if n > 1]
+    tpot = np.asarray([(finish[i] - first_token[i]) / (n_tokens[i] - 1) for i in multi])
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90):
+            out[f"{name}_p{q}_ms"] = float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
+    return out
+
+
+def step_summary(step_s: Sequence[float]) -> dict[str, Any]:
+    """The engine steps of a timed run: their number, and the mean, P50/P90/P99 and max wall time
+    of one ``LLMEngine.step()`` in milliseconds. Decode-only steps replay a CUDA graph and mixed
+    prefill/decode steps run eagerly, so a long P90 against a short P50 points at the mixed steps."""
+    ms = np.asarray(step_s, np.float64) * 1e3
+    if not ms.size:
+        return {"steps": 0}
+    q = np.percentile(ms, (50, 90, 99))
+    return {"steps": int(ms.size), "step_ms_mean": float(ms.mean()), "step_ms_p50": float(q[0]),
+            "step_ms_p90": float(q[1]), "step_ms_p99": float(q[2]), "step_ms_max": float(ms.max())}
+
+
+def host_probe_ms(repeats: int = 5) -> float:
+    """The best of ``repeats`` timings (ms) of a fixed host workload: a Python loop and small numpy
+    ops, the kind of work an engine step does between kernels. Taken before and after each
+    timed run, it shows whether the host itself was slower for one engine than for another (a
+    shared machine's load, clocks), which the engines' ratios would otherwise absorb."""
+    best = float("inf")
+    for _ in range(repeats):
+        x = np.arange(256)
+        start = time.perf_counter()
+        acc = 0
+        for i in range(20000):
+            acc += i * i % 7
+        for _ in range(200):
+            x = (x + 1) % 1000
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+# -- files: model config, adapters, bundles -------------------------------------------------------
+
+def adapter_name(a: int) -> str:
+    """Served name of adapter a (tests/gpu/release_engines.py's naming)."""
+    return f"a{a:02d}"
+
+
+def write_model_and_adapters(work: Path, n_adapters: int, cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, str]:
+    """``work/model/config.json`` and ``work/adapters/aNN``: random rank-8 peft adapters on
+    q,k,v,o,gate,up,down of this model's shapes; returns adapter name → weights sha256."""
+    write_model_config(work, cfg)
+    fps = write_random_adapters(work, cfg, n_adapters, RANK, ALPHA, adapter_name)
+    return {adapter_name(a): fp for a, fp in fps.items()}
+
+
+def write_profiled_bundle(directory: Path, wl: Workload, fingerprints: dict[str, str],
+                          cfg: dict[str, Any] = LLAMA32_3B) -> Path:
+    """The workload's profiled schedule as a bundle for its N adapters."""
+    from serve_bridge.bundle import AdapterEntry, config_fingerprint, write_bundle
+
+    entries = [AdapterEntry(adapter_name(a), fingerprints[adapter_name(a)], "profiled", k=int(wl.k[a]),
+                            stats={"rule": "profiled k: ~50% of decode forwards skipped on the bench lengths",
+                                   "target_skip": TARGET_SKIP})
+               for a in range(wl.n_adapters)]
+    backbone = "mistral-7b-v0.3-shape-dummy" if cfg.get("model_type") == "mistral" else "llama-3.2-3b-shape-dummy"
+    return write_bundle(directory, backbone=backbone, hidden_size=cfg["hidden_size"],
+                        config_fingerprint=config_fingerprint(cfg), adapters=entries)
+
+
+def _tag(n: int, skewed: bool) -> str:
+    return f"n{n}_{'skewed' if skewed else 'uniform'}"
+
+
+def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, Any]:
+    return {"config": cfg, "rank": RANK, "adapters": max(adapters)}
+
+
+def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> None:
+    """Remove ``work/prepared.json`` unless it was written for these adapters and this model."""
+    stamp = work / "prepared.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters, cfg):
+        stamp.unlink()
+
+
+def workload_for(n: int, n_requests: int, skewed: bool, seed: int, cfg: dict[str, Any] = LLAMA32_3B) -> Workload:
+    """The bench's workload for this model (prompt token ids drawn below its vocabulary size)."""
+    return make_workload(n, n_requests, skewed=skewed, seed=seed, vocab_size=cfg["vocab_size"])
+
+
+def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, seed: int,
+            cfg: dict[str, Any] = LLAMA32_3B) -> None:
+    """Adapters for max(adapters), a bundle per adapter count; ``work/prepared.json`` last.
+
+    Adapters already written for the same model and adapter count (same stamp) are kept."""
+    import shutil
+
+    stamp = work / "prepared.json"
+    drop_stale_stamp(work, adapters, cfg)
+    if stamp.exists():
+        fps = json.loads(stamp.read_text())["fingerprints"]
+    else:
+        for stale in ("adapters", "bundle", "bundle_bad", "bundles"):
+            shutil.rmtree(work / stale, ignore_errors=True)
+        fps = write_model_and_adapters(work, max(adapters), cfg)
+    for n in adapters:
+        wl = workload_for(n, n_requests, skewed, seed, cfg)
+        directory = work / "bundles" / f"{_tag(n, skewed)}_r{n_requests}_s{seed}"
+        if not directory.exists():
+            write_profiled_bundle(directory, wl, fps, cfg)
+    stamp.write_text(json.dumps({"key": _prep_key(adapters, cfg), "fingerprints": fps}))
+
+
+# -- one engine (subprocess) ----------------------------------------------------------------------
+
+def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
+                   lora_target_modules: Sequence[str] | None = None,
+                   tensor_parallel_size: int = 1, compiled: bool = False,
+                   full_graphs: bool = False, max_loras: int | None = None,
+                   max_cpu_loras: int | None = None) -> dict[str, Any]:
+    """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
+    workload), ``max_cpu_loras`` 256 or the given one, at least max_loras, and the decode CUDA
+    graph sizes;
+    ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
+    ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
+    module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
+    in ``lora/utils.py:271-301``; by default vLLM also wraps ``embed_tokens`` and ``lm_head``),
+    ``tensor_parallel_size``, and ``compiled``: vLLM's default compilation (torch.compile, and
+    ``FULL_AND_PIECEWISE`` CUDA graphs, ``config/vllm.py:267``, so mixed prefill/decode steps
+    replay piecewise graphs too) instead of eager execution with full graphs for decode batches
+    only, which starts faster; or ``full_graphs``: still no torch.compile, but ``cudagraph_mode``
+    ``FULL``, so every step, mixed prefill/decode ones included, replays a full CUDA graph of its
+    token count padded up to the next capture size (``v1/cudagraph_dispatcher.py:189-200``: mixed
+    keys for every capture size; steps above the largest size run eagerly, ``:274-280``). vLLM
+    allows full graphs without compilation (``config/compilation.py:635-638``) where the
+    attention backend supports mixed batches: FlashAttention 3, the H200's
+    (``v1/attention/backends/flash_attn.py:341-345``). ``nolora`` has the same options without
+    any LoRA one."""
+    if compiled and full_graphs:
+        raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
+    compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
+    if not compiled:
+        compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
+    opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048,
+                enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
+                compilation_config=compilation)
+    if mode == "nolora":
+        return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
+    slots = max_loras or n_adapters
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or 256, slots),
+                 specialize_active_lora=SPECIALIZE[mode])
+    if lora_target_modules:
+        opts["lora_target_modules"] = list(lora_target_modules)
+    if tensor_parallel_size > 1:
+        opts["tensor_parallel_size"] = int(tensor_parallel_size)
+    return opts
+
+
+def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
+             slots: bool = True) -> dict[str, str]:
+    """The subprocess environment of a mode: ``environ`` without any ``LORAZOR_*`` variable, plus
+    ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both; without
+    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras)."""
+    env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
+    if mode in GRIDTRIM_MODES:
+        env["LORAZOR_GRIDTRIM"] = "1"
+    if mode in STEPTRIM_MODES:
+        env |= {"LORAZOR_BUNDLE": str(bundle), "LORAZOR_ADAPTERS": ",".join(f"{k}={v}" for k, v in adapters.items()),
+                "LORAZOR_LOG_INTERVAL_S": "0"}
+        if not slots:
+            env["LORAZOR_SLOTS"] = "0"
+    return env
+
+
+def engine_classes(worker: Any) -> dict[str, str | None]:
+    """The worker's model runner class and its language model's punica wrapper class (vLLM 0.26.0):
+    ``model_runner.lora_manager`` is the ``LRUCacheWorkerLoRAManager``
+    (``v1/worker/lora_model_runner_mixin.py:41``), whose ``_adapter_manager`` is the
+    ``LoRAModelManager`` (``lora/worker_manager.py:102``); it keeps the wrappers by prefix in
+    ``punica_wrapper_mapping``, the language model's under ``"language_model"``
+    (``lora/model_manager.py:51``, filled at :164-177); and whether that worker manager's
+    ``_apply_adapters`` is the plugin's (``"once per step"``) or vLLM's (``"per adapter"``). Without
+    LoRA the runner has no ``lora_manager`` (the mixin tests for it, :70), and both are None."""
+    from serve_bridge.vllm.lora_manager import apply_adapters
+
+    runner = worker.model_runner
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        return {"runner": type(runner).__name__, "punica_wrapper": None, "registry": None}
+    wrapper = manager._adapter_manager.punica_wrapper_mapping["language_model"]
+    registry = "once per step" if getattr(type(manager), "_apply_adapters", None) is apply_adapters else "per adapter"
+    return {"runner": type(runner).__name__, "punica_wrapper": type(wrapper).__name__, "registry": registry}
+
+
+def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
+    """Refuse an engine whose runner, punica wrapper or registry path is not the mode's."""
+    want = {"runner": RUNNER[mode], "punica_wrapper": WRAPPER[mode], "registry": REGISTRY[mode]}
+    if found != want:
+        raise RuntimeError(f"mode {mode}: the engine runs {found}, expected {want}")
+
+
+class SlotStats:
+    """Per scheduled step: running requests, distinct adapters holding a slot and distinct
+    adapters scheduled (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), read by wrapping the engine core's
+    ``scheduler.schedule`` on the instance. Needs the engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``LLMEngine.engine_core`` is then vLLM's
+    ``InprocClient``, whose ``engine_core`` holds the ``scheduler`` (``v1/engine/core_client.py:287``,
+    ``v1/engine/core.py:153``). Counting starts at :meth:`start`."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from serve_bridge.vllm.scheduler import scheduled_occupancy
+
+        self._reset()
+        self.on = False
+        self.scheduler_class = type(scheduler).__name__
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            now = time.perf_counter()
+            if self.on and self._last_busy is not None:
+                self.busy_s += now - self._last_busy  # the previous step, from its schedule to this one
+            out = original(*args, **kwargs)
+            self._last_busy = None
+            if self.on:
+                running, held, present = scheduled_occupancy(scheduler, out)
+                if running:
+                    self._last_busy = now
+                    self.steps += 1
+                    self.running += running
+                    self.held += held
+                    self.max_held = max(self.max_held, held)
+                    self.max_present = max(self.max_present, present)
+            return out
+
+        scheduler.schedule = schedule
+
+    @staticmethod
+    def attach(llm: Any) -> SlotStats | None:
+        """Stats on ``llm``'s scheduler, or None when the engine core runs in another process."""
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        return None if scheduler is None else SlotStats(scheduler)
+
+    def _reset(self) -> None:
+        self.steps = self.running = self.held = self.max_held = self.max_present = 0
+        self.busy_s, self._last_busy = 0.0, None
+
+    def start(self) -> None:
+        """Forget what was counted (warm-up) and count from the next step on."""
+        self._reset()
+        self.on = True
+
+    def summary(self) -> dict[str, float]:
+        """Means over the steps that scheduled work; ``step_ms`` is the mean time from such a
+        step's schedule to the next one's (the last step of the run is not timed)."""
+        n = max(1, self.steps)
+        return {"slot_steps": self.steps, "mean_running": self.running / n, "mean_slots_held": self.held / n,
+                "max_slots_held": self.max_held, "max_adapters_scheduled": self.max_present,
+                "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
+
+
+def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
+                    arrival_steps: Sequence[int] | None = None) -> dict[str, float]:
+    """The capacity model (:func:`serve_bridge.capacity.simulate`) on exactly this workload:
+    its steps, mean running requests and mean slots held, under the engine's ``max_num_seqs``
+    and token budget; open loop with each arrival's step (``arrival_steps``)."""
+    from serve_bridge import capacity
+
+    n = len(wl.adapter)
+    reqs = capacity.Requests(np.asarray(wl.adapter), np.asarray([len(p) for p in wl.prompt]),
+                             np.asarray(wl.max_tokens), np.asarray(wl.releases()),
+                             np.zeros(n, np.int64) if arrival_steps is None else np.asarray(arrival_steps, np.int64))
+    res = capacity.simulate(reqs, max_loras, release=release, max_num_seqs=opts["max_num_seqs"],
+                            token_budget=opts["max_num_batched_tokens"])
+    return {"model_steps": res.steps, "model_mean_running": res.mean_running,
+            "model_mean_slots_held": res.mean_occupancy}
+
+
+def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
+    start = time.time()
+    while not (work / "prepared.json").exists():
+        if (work / "prepare.failed").exists():
+            raise RuntimeError(f"preparation failed: {(work / 'prepare.failed').read_text()[-2000:]}")
+        if time.time() - start > timeout_s:
+            raise TimeoutError(f"{work}/prepared.json did not appear within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def serve_open_loop(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
+                    arrival: Sequence[float]) -> tuple[float, dict[str, float], list[int]]:
+    """Submit request i at ``arrival[i]`` seconds through vLLM V1's ``LLMEngine.add_request`` and drive
+    ``step()`` until all finish (``v1/engine/llm_engine.py:218`` and :296; outputs hold the request id
+    given to add_request, ``v1/engine/output_processor.py:371``). Returns the wall time, the latency
+    summary (TTFT counted from the scheduled arrival) and each request's token count."""
+    n = len(prompts)
+    first = [float("nan")] * n
+    finish = [float("nan")] * n
+    tokens = [0] * n
+    done, nxt = 0, 0
+    start = time.perf_counter()
+    while done < n:
+        now = time.perf_counter() - start
+        while nxt < n and arrival[nxt] <= now:
+            engine.add_request(f"r{nxt}", prompts[nxt], params[nxt], lora_request=loras[nxt])
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            if nxt >= n:
+                raise RuntimeError(f"the engine has no unfinished request but {n - done} never finished")
+            time.sleep(max(0.0, min(arrival[nxt] - now, 0.05)))
+            continue
+        for out in engine.step():
+            i = int(out.request_id[1:])
+            t = time.perf_counter() - start
+            tokens[i] = len(out.outputs[0].token_ids)
+            if tokens[i] and first[i] != first[i]:  # NaN: no token seen yet
+                first[i] = t
+            if out.finished:
+                finish[i] = t
+                done += 1
+    return time.perf_counter() - start, latency_summary(arrival, first, finish, tokens), tokens
+
+
+def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
+                  loras: Sequence[Any]) -> tuple[float, list[int], list[float]]:
+    """``LLM.generate``'s loop with each step timed: every request added at once through vLLM V1's
+    ``LLMEngine.add_request``, then ``step()`` until none is unfinished, as ``LLM._run_engine`` does
+    (``entrypoints/offline_utils.py:573-630``). ``params`` must ask for final outputs only
+    (``RequestOutputKind.FINAL_ONLY``, what ``LLM`` sets, :561). Returns the wall time, each
+    request's token count and each step's wall time (s). Prompts are raw token prompts, which
+    ``add_request`` preprocesses itself (``v1/engine/input_processor.py:281-294``)."""
+    n = len(prompts)
+    for i in range(n):
+        engine.add_request(f"r{i}", prompts[i], params[i], lora_request=loras[i])
+    tokens = [-1] * n
+    steps: list[float] = []
+    clock = time.perf_counter
+    start = clock()
+    while engine.has_unfinished_requests():
+        t = clock()
+        outs = engine.step()
+        steps.append(clock() - t)
+        for out in outs:
+            if out.finished:
+                tokens[int(out.request_id[1:])] = len(out.outputs[0].token_ids)
+    elapsed = clock() - start
+    if -1 in tokens:
+        raise RuntimeError(f"{tokens.count(-1)} of {n} requests never finished")
+    return elapsed, tokens, steps
+
+
+def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
+               capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
+               arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
+               tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
+               full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
+               slots: bool = True, max_cpu_loras: int | None = None) -> None:
+    """Start one engine, serve one warm-up request per adapter, then time the workload offline
+    (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
+    Slot statistics (:class:`SlotStats`) of the timed run go into the result beside the capacity
+    model's prediction for it (:func:`predicted_slots`).
+    With ``profile_steps`` > 0, afterwards profile that many steps of a fresh copy of the workload
+    (:func:`profile_workload`; with ``profile_python`` also under cProfile) into ``<result stem>_profile.md``."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
+
+    wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
+    if mode == "stockfix":  # in this process, where the in-process engine's worker runs
+        from serve_bridge.vllm import lora_manager
+
+        lora_manager.install()
+    t0 = time.time()
+    opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
+                          max_loras, max_cpu_loras)
+    llm = LLM(model=str(work / "model"), **opts)
+    startup = time.time() - t0
+    stats = SlotStats.attach(llm)
+    per_rank = llm.collective_rpc(engine_classes)  # one per tensor-parallel rank
+    for classes in per_rank:
+        check_engine_classes(mode, classes)
+    classes = per_rank[0]
+    waited = time.time()
+    _wait_prepared(work)
+    waited = time.time() - waited
+
+    def lora(a: int) -> LoRARequest | None:
+        if mode == "nolora":
+            return None
+        return LoRARequest(adapter_name(a), a + 1, str(work / "adapters" / adapter_name(a)))
+
+    t = time.time()
+    llm.generate([{"prompt_token_ids": wl.prompt[a % n_requests][:16]} for a in range(n)],
+                 [SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False) for _ in range(n)],
+                 lora_request=[lora(a) for a in range(n)], use_tqdm=False)
+    warmup = time.time() - t
+    counters = None
+    if mode in STEPTRIM_MODES:
+        from serve_bridge.vllm.rpc import lorazor_counters
+
+        before = llm.collective_rpc(lorazor_counters)[0]
+    # Offline, only final outputs, as LLM.generate asks for; open-loop needs every step's (TTFT).
+    kind = RequestOutputKind.CUMULATIVE if arrival_rate else RequestOutputKind.FINAL_ONLY
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, output_kind=kind)
+              for m in wl.max_tokens]
+    prompts = [{"prompt_token_ids": p} for p in wl.prompt]
+    loras = [lora(a) for a in wl.adapter]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    probe_before = host_probe_ms()
+    if stats is not None:
+        stats.start()
+    timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
+    # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
+    if arrival_rate:
+        elapsed, timing, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
+                                                    arrival_times(n_requests, arrival_rate, seed))
+    else:
+        elapsed, lengths, step_s = serve_offline(llm.llm_engine, prompts, params, loras)
+        timing = step_summary(step_s)
+    probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
+    slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
+    if stats is not None and mode != "nolora":
+        want = "ReleaseScheduler" if slot_info["slot_release"] else "Scheduler"
+        if stats.scheduler_class != want:
+            raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
+        slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}
+        step_s = max(slot_info["step_ms"], 1e-3) / 1e3  # open loop: arrivals to steps at the measured step time
+        arrival = ([int(t / step_s) for t in arrival_times(n_requests, arrival_rate, seed)]
+                   if arrival_rate else None)
+        slot_info |= predicted_slots(wl, opts["max_loras"], slot_info["slot_release"], opts, arrival)
+    if lengths != wl.max_tokens:
+        bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
+        raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
+    if mode in STEPTRIM_MODES:
+        after = llm.collective_rpc(lorazor_counters)[0]
+        decode = after["decode_forwards"] - before["decode_forwards"]
+        skipped = after["skipped_forwards"] - before["skipped_forwards"]
+        counters = {"decode_forwards": decode, "skipped_forwards": skipped,
+                    "released_requests": after["released_requests"] - before["released_requests"],
+                    "realized_skip": skipped / decode if decode else 0.0,
+                    "decision_ms_mean": after["decision_ms_mean"], "decision_steps": after["decision_steps"],
+                    "mapping_ms_total": after["mapping_ms_total"] - before["mapping_ms_total"],
+                    "runner_steps": after["steps"] - before["steps"],
+                    "resolve_host_ms_mean": after["resolve_host_ms_mean"]}
+    out = {"mode": mode, "model": model, "adapters": n, "skewed": skewed, "requests": n_requests, "seed": seed,
+           "elapsed_s": elapsed, "req_per_s": n_requests / elapsed, "output_tokens": sum(lengths),
+           "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
+           "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
+           "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
+           "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
+    result.write_text(json.dumps(out, indent=1))
+    if profile_steps > 0:  # after the result is written: a failing profiler loses no measurement
+        try:
+            report = profile_workload(llm.llm_engine, prompts, params, loras, profile_steps, profile_python)
+        except Exception as e:  # noqa: BLE001 - reported in the file the reader looks at
+            report = f"profiling failed: {type(e).__name__}: {e}\n"
+        result.with_name(result.stem + "_profile.md").write_text(
+            f"# {mode}, N={n}: {profile_steps} engine steps of the workload, after {PROFILE_SKIP} unprofiled\n\n"
+            + report)
+
+
+PROFILE_SKIP = 40  # steps before the profiled window: past the ramp-up, to the steady mixed steps
+
+
+def profile_workload(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any],
+                     n_steps: int, python: bool = False) -> str:
+    """Add the workload again (request ids ``p<i>``), run :data:`PROFILE_SKIP` steps, profile the
+    next ``n_steps`` (:mod:`benchmarks.serving.step_profile`), with ``python`` the ``n_steps`` after those
+    under cProfile too, abort what is left, and return the summary.
+    With every request queued at once, the running batch fills up over the first steps (about ten
+    new prompts per 2048-token step); after that, each step decodes the running requests and
+    prefills the few that replace those finished: the mixed steps that make up most of an offline
+    run."""
+    from benchmarks.serving.step_profile import profile_steps, python_profile, summarize
+
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, prompts[i], params[i], lora_request=loras[i])
+    prof, wall, done = profile_steps(engine.step, engine.has_unfinished_requests, n_steps, skip=PROFILE_SKIP)
+    report = summarize(prof, wall, done)
+    if python:
+        report += "\n" + python_profile(engine.step, engine.has_unfinished_requests, n_steps)[0]
+    engine.abort_request(ids)  # external ids (v1/engine/llm_engine.py:212-216)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return report
+
+
+# -- orchestration ----------------------------------------------------------------------------
+
+HEADER = "| adapters | traffic | mode | req/s | output tok/s | realized skip | vs stock |"
+# --arrival-rate: open-loop latency; "vs stock" is then stock's TPOT P50 over the row's
+LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50 ms | TTFT P90 ms | TPOT P50 ms | "
+                  "TPOT P90 ms | realized skip | vs stock (TPOT P50) |")
+
+
+def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
+    """(pass, mode) in run order: pass 0 runs ``modes`` as given, and each later pass reverses
+    the previous one's order, so a drift of the machine over the call (the host's load, the
+    GPU's clocks) falls on every mode alike once ratios are taken within each pass."""
+    order = list(modes)
+    out = []
+    for k in range(passes):
+        out += [(k, m) for m in order]
+        order = order[::-1]
+    return out
+
+
+def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
+    traffic = "skewed 80/20" if r["skewed"] else "uniform"
+    if r.get("pass", 0):
+        traffic += f", pass {r['pass'] + 1}"
+    width = 7 if latency else 3  # empty cells after the error
+    if "error" in r:
+        return f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['error']} |" + " |" * width
+    skip = "—" if r["counters"] is None else f"{r['counters']['realized_skip']:.3f}"
+    ok = stock is not None and "error" not in stock
+    if latency:
+        ratio = "1.00" if r["mode"] == "stock" else (f"{stock['tpot_p50_ms'] / r['tpot_p50_ms']:.2f}" if ok else "—")
+        lat = " | ".join(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"))
+        return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
+                f"{r['output_tok_per_s']:.0f} | {lat} | {skip} | {ratio} |")
+    ratio = "1.00" if r["mode"] == "stock" else (f"{r['req_per_s'] / stock['req_per_s']:.2f}" if ok else "—")
+    return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
+            f"{r['output_tok_per_s']:.0f} | {skip} | {ratio} |")
+
+
+def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
+    def key(r: dict[str, Any]) -> tuple:
+        return r["adapters"], r["skewed"], r.get("pass", 0)
+
+    stock = {key(r): r for r in rows if r["mode"] == "stock"}
+    header = LATENCY_HEADER if latency else HEADER
+    lines = preamble + ["", header, "|" + "---|" * header.count(" | ") + "---|"]
+    lines += [format_row(r, stock.get(key(r)), latency) for r in rows]
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+SLOT_HEADER = ("| adapters | traffic | mode | max_loras | req/s | steps | mean running | mean slots held | "
+               "model: steps | model: mean running | model: mean slots held |")
+
+
+def slot_table(rows: list[dict[str, Any]]) -> str:
+    """Slot statistics of the rows that have them (:class:`SlotStats`) beside the capacity
+    model's prediction (:func:`predicted_slots`); empty when none has."""
+    have = [r for r in rows if "slot_steps" in r]
+    if not have:
+        return ""
+    lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
+    for r in have:
+        traffic = "skewed 80/20" if r["skewed"] else "uniform"
+        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
+                     f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
+                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    start = time.time()
+    out, work = args.out, args.work
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "prepare.failed").unlink(missing_ok=True)
+    cfg = MODELS[args.model]
+    runs = schedule(args.modes, args.passes)
+    drop_stale_stamp(work, args.adapters, cfg)
+    common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
+              "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
+        ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
+        ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
+        ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else []) + (
+        ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
+        ["--profile-steps", str(args.profile_steps)] if args.profile_steps else []) + (
+        ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
+        ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
+        ["--no-slot-release"] if args.no_slot_release else [])
+    latency = bool(args.arrival_rate)
+    me = [sys.executable, "-m", "benchmarks.serving.bench"]
+    prep_log = open(out / "prepare.log", "w")
+    prep = subprocess.Popen(me + ["--phase", "prepare", "--adapters", *map(str, args.adapters)] + common,
+                            stdout=prep_log, stderr=subprocess.STDOUT)
+    workloads = {n: workload_for(n, args.requests, args.skewed, args.seed, cfg) for n in args.adapters}
+    w0 = workloads[args.adapters[0]]
+    preamble = [
+        "LoRazor serve_bridge throughput: stock vLLM 0.26.0 vs the LoRazor plugin (GridTrim kernels, StepTrim "
+        "release, both), same machine, back-to-back subprocesses",
+        f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{RANK} "
+        f"random peft adapters on q,k,v,o,gate,up,down",
+        f"workload: {args.requests} requests, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, outputs "
+        f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]} tokens ({sum(w0.max_tokens)} in all), ignore_eos, seed {args.seed}, "
+        f"{'skewed: 80% of requests on 20% of adapters' if args.skewed else 'uniform traffic'}, "
+        + (f"open-loop Poisson arrivals at {args.arrival_rate:g} req/s through LLMEngine.add_request/step "
+           "(TTFT from the scheduled arrival; TPOT = (finish - first token) / (tokens - 1))"
+           if latency else "offline: all requests added at once, then LLMEngine.step() until done (LLM.generate's "
+           "loop, with each step timed)"),
+        "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
+        + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
+        "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
+                                               tensor_parallel_size=args.tensor_parallel_size,
+                                               compiled=args.compiled, full_graphs=args.full_graphs)
+                                | {"max_loras": args.max_loras or "N",
+                                   "max_cpu_loras": f"max({args.max_cpu_loras or 256}, max_loras)",
+                                   "specialize_active_lora": "per mode"}),
+        "slots: " + ("steptrim/both keep vLLM's accounting (LORAZOR_SLOTS=0)" if args.no_slot_release else
+                     "steptrim/both hand a released request's adapter slot on (LoRazor's scheduler); mean running "
+                     "requests and slots held per scheduled step, beside the capacity model's prediction "
+                     "(serve_bridge.capacity on the same requests; open loop at the measured step time)"),
+        "modes: stock = vLLM's runner and LoRA kernels; gridtrim = LORAZOR_GRIDTRIM=1 (our punica wrapper, "
+        "work-list LoRA kernels, no release); steptrim = LORAZOR_BUNDLE (StepTrim runner, profiled release, vLLM's "
+        "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter); "
+        "stockfix = stock with the plugin's one registry read per step in vLLM's worker LoRA manager, which every "
+        "LoRazor mode has. Each engine's runner, punica wrapper and registry path are checked.",
+        "specialize_active_lora: on for stock and steptrim (the device README's setting: one decode graph per batch "
+        "size and adapter-count bucket); off for gridtrim and both, whose kernels ignore the adapter count, so each "
+        "batch size has one LoRA graph (plus the no-LoRA one).",
+    ]
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+
+    def flush() -> None:
+        (out / "bench.txt").write_text(render(preamble, rows, notes, latency) + slot_table(rows))
+        (out / "bench.json").write_text(json.dumps({"preamble": preamble, "rows": rows, "notes": notes}, indent=1))
+
+    flush()
+    rc = 0
+    for n in args.adapters:
+        for pass_, mode in runs:
+            tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "") + (
+                f"_p{pass_ + 1}" if pass_ else "")
+            label = f"N={n} {mode}" + (f" (pass {pass_ + 1})" if pass_ else "")
+            left = args.budget_s - (time.time() - start)
+            if left < args.min_run_s:
+                notes.append(f"{label}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
+                flush()
+                continue
+            if mode in STEPTRIM_MODES and prep.poll() is None:
+                try:
+                    prep.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    notes.append(f"{label}: adapters not written within the budget")
+                    flush()
+                    continue
+            if prep.poll() not in (None, 0):
+                notes.append(f"preparation failed (rc {prep.returncode}), see prepare.log")
+                flush()
+                return 1
+            env = mode_env(mode, dict(os.environ),
+                           work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}",
+                           {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
+                           slots=not args.no_slot_release)
+            result = out / f"{tag}_{mode}.json"
+            result.unlink(missing_ok=True)
+            t = time.time()
+            print(f"[{time.time() - start:5.0f} s] {label}: starting ({left:.0f} s left)", flush=True)
+            with open(out / f"{tag}_{mode}.log", "w") as log:
+                try:
+                    code = subprocess.run(me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
+                                                "--result", str(result)] + common,
+                                          env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
+                except subprocess.TimeoutExpired:
+                    code = "timeout"
+            if code == 0 and result.exists():
+                row = json.loads(result.read_text()) | {"pass": pass_}
+                print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
+                      f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
+                      f"{row['warmup_s']:.1f} s)", flush=True)
+                notes.append(f"{label}: generate {row['elapsed_s']:.1f} s, engine start-up "
+                             f"{row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
+                             f"subprocess {time.time() - t:.0f} s"
+                             + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/"
+                                f"{row['step_ms_p90']:.1f}/{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
+                             + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms "
+                                f"before/after, load {row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
+                             + ("" if row["counters"] is None else
+                                f"; {row['counters']['skipped_forwards']}/{row['counters']['decode_forwards']} "
+                                f"decode forwards skipped (planned {row['planned_skip']:.3f}), "
+                                f"{row['counters']['released_requests']} requests released, decision "
+                                f"{row['counters']['decision_ms_mean']:.2f} ms/step"))
+            else:
+                rc = 1
+                row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_,
+                       "error": "timed out" if code == "timeout" else f"failed (rc {code})"}
+                tail = (out / f"{tag}_{mode}.log").read_text()[-3000:]
+                print(f"{label}: {row['error']}\n{tail}", flush=True)
+            rows.append(row)
+            flush()
+    if prep.poll() is None:
+        prep.kill()
+    prep_log.close()
+    print((out / "bench.txt").read_text(), flush=True)
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_bench_out")))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_bench"))
+    ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                    help="modes to run, in this order (default: stock gridtrim steptrim both; nolora, the "
+                         "backbone without LoRA, is the ceiling; stockfix, stock with the plugin's registry fix "
+                         "alone, isolates what the kernels and release add)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the modes this many times per adapter count, each pass in the reverse order of "
+                         "the one before; each row's ratio is to the stock row of its own pass")
+    ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
+                    help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
+                         "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
+    graphs = ap.add_mutually_exclusive_group()
+    graphs.add_argument("--compiled", action="store_true",
+                        help="vLLM's default compilation (torch.compile, piecewise CUDA graphs for mixed steps) in "
+                             "every mode, instead of eager mixed steps and decode-only graphs (slower start-up)")
+    graphs.add_argument("--full-graphs", action="store_true",
+                        help="no torch.compile, but full CUDA graphs for every step, mixed ones included "
+                             "(cudagraph_mode FULL), in every mode; give --capture-sizes up to 2048 (the token "
+                             "budget) so that no step runs eagerly")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
+                    help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
+    ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
+    ap.add_argument("--max-loras", type=int, default=None, metavar="M",
+                    help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
+                         "slot-bound workload: e.g. --adapters 512 --max-loras 32")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                    help="adapters vLLM keeps loaded in host memory (default 256; raised to max_loras); with "
+                         "fewer than the adapters served, adapters are reloaded from disk while serving")
+    ap.add_argument("--no-slot-release", action="store_true",
+                    help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
+                         "their adapter's slot")
+    ap.add_argument("--requests", type=int, default=N_REQUESTS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
+                    help="decode CUDA graph batch sizes; each is captured once per adapter-count case, "
+                         "so fewer sizes start the engine faster (all modes use the same)")
+    ap.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+                    help="serve open-loop with Poisson arrivals at R requests/s (LLMEngine add_request/step) "
+                         "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate's loop)")
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="S",
+                    help="after each timed run, profile S engine steps of a fresh copy of the workload "
+                         "(torch.profiler: GPU busy fraction, top kernels, top host operators) into "
+                         "OUT/<run>_profile.md")
+    ap.add_argument("--profile-python", action="store_true",
+                    help="with --profile-steps S: also S further steps under cProfile (Python functions by "
+                         "cumulative and own time), in the same file")
+    ap.add_argument("--budget-s", type=float, default=3600, help="stop starting engines past this")
+    ap.add_argument("--min-run-s", type=float, default=40, help="do not start an engine with less time left")
+    ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.profile_python and not args.profile_steps:
+        ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
+    if args.phase == "prepare":
+        try:
+            prepare(args.work, args.adapters, args.skewed, args.requests, args.seed, MODELS[args.model])
+        except BaseException:
+            import traceback
+
+            args.work.mkdir(parents=True, exist_ok=True)
+            (args.work / "prepare.failed").write_text(traceback.format_exc())
+            raise
+        return 0
+    if args.phase == "run":
+        run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
+                   args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
+                   args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
+                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras)
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Slot hand-back is token-exact. Needs a GPU and vLLM 0.26.0.
+
+    python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
+
+A small Llama (SmolLM2-135M-like shape, 8 layers, dummy weights) serves 48 random rank-8 adapters
+with ``max_loras`` = 8, so slots are the bottleneck. Each adapter is served under four names:
+plain (full LoRA, the stock engine), ``-off`` (policy none), ``-prof`` (profiled k) and ``-learn``
+(random learned heads: one third release at t = 0, one third never, one third where wᵀh < 0).
+Three engines, each in its own process:
+
+- ``stock``: plain vLLM (no ``LORAZOR_*``), the plain names;
+- ``slots``: the bridge with slot hand-back (``LORAZOR_SLOTS`` unset: on), -off, -prof, -learn;
+- ``keep``: the bridge with ``LORAZOR_SLOTS=0`` (vLLM's slot accounting), -prof, -learn.
+
+Checks: (a) policy off ≡ stock, token for token (the same schedule: nothing releases);
+(b) profiled and (c) learned: every request's tokens and release point with hand-back equal
+those without; (d) hand-back happened: some step scheduled more distinct adapters than
+max_loras, no step had more than max_loras holding a slot, and it took fewer steps;
+(e) without hand-back no step scheduled more than max_loras adapters.
+
+Hand-back changes which requests share a batch, so (b) and (c) compare runs whose batches
+differ: every engine runs with ``VLLM_BATCH_INVARIANT=1`` (vLLM's batch-invariant kernels,
+split-K off in the LoRA shrink, ``lora/ops/triton_ops/utils.py:222``), under which a request's
+tokens do not depend on its batch. A mismatch is reported with the first differing position
+relative to the request's release position.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+
+MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+         "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+         "rope_theta": 100000.0, "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+         "bos_token_id": 1, "eos_token_id": 2}
+N_ADAPTERS, MAX_LORAS, RANK, ALPHA = 48, 8, 8, 16
+PROFILED_K = [0, 1, 2, 4, 8, 16]
+ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=MAX_LORAS,
+              max_lora_rank=RANK, max_cpu_loras=4 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
+              max_model_len=1024, enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
+              gpu_memory_utilization=0.4,
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
+ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}
+
+
+def name(a: int, family: str) -> str:
+    return f"a{a:02d}" if family == "full" else f"a{a:02d}-{family}"
+
+
+def learned_bias(a: int) -> float:
+    return (-1e4, 1e4, 0.0)[a % 3]  # releases at t = 0, never, where wᵀh < 0
+
+
+def prepare(work: Path, n_requests: int) -> None:
+    """Model config, adapters, the bundle (three name families) and the request set."""
+    import numpy as np
+
+    from serve_bridge.bundle import AdapterEntry, write_bundle
+
+    if (work / "requests.json").exists():
+        return
+    write_model_config(work, MODEL)
+    fps = write_random_adapters(work, MODEL, N_ADAPTERS, RANK, ALPHA, lambda a: name(a, "full"))
+    rng = np.random.default_rng(0)
+    entries = []
+    for a in range(N_ADAPTERS):
+        w = (rng.standard_normal(MODEL["hidden_size"]) / MODEL["hidden_size"] ** 0.5).astype(np.float32)
+        entries += [AdapterEntry(name(a, "off"), fps[a], "none"),
+                    AdapterEntry(name(a, "prof"), fps[a], "profiled", k=PROFILED_K[a % len(PROFILED_K)]),
+                    AdapterEntry(name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=learned_bias(a))]
+    write_bundle(work / "bundle", backbone="tiny-llama-dummy", hidden_size=MODEL["hidden_size"],
+                 config_fingerprint="0" * 64, adapters=entries)
+    rnd = random.Random(0)
+    requests = [{"adapter": i % N_ADAPTERS, "max_tokens": rnd.randint(4, 64),
+                 "prompt": [rnd.randrange(3, MODEL["vocab_size"]) for _ in range(rnd.randint(8, 200))]}
+                for i in range(n_requests)]
+    (work / "requests.json").write_text(json.dumps(requests))
+
+
+def engine_env(engine: str, work: Path, environ: dict[str, str]) -> dict[str, str]:
+    """The engine's environment: batch-invariant kernels, engine core in-process (for the
+    read-outs), and the bridge's variables per engine (module doc)."""
+    env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
+    env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if engine != "stock":
+        env["LORAZOR_BUNDLE"] = str(work / "bundle")
+        env["LORAZOR_LOG_INTERVAL_S"] = "0"
+    if engine == "keep":
+        env["LORAZOR_SLOTS"] = "0"
+    return env
+
+
+def serve(engine: str, work: Path, out: Path) -> None:
+    """Run one engine's families; write tokens, release records and slot statistics."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from benchmarks.serving.bench import SlotStats
+
+    requests = json.loads((work / "requests.json").read_text())
+    t0 = time.time()
+    llm = LLM(model=str(work / "model"), **ENGINE)
+    stats = SlotStats.attach(llm)
+    result: dict[str, Any] = {"startup_s": time.time() - t0,
+                              "scheduler": type(llm.llm_engine.engine_core.engine_core.scheduler).__name__}
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+              for r in requests]
+    for i, family in enumerate(ENGINES[engine]):
+        loras = [LoRARequest(name(r["adapter"], family), 1000 * i + r["adapter"] + 1,
+                             str(work / "adapters" / name(r["adapter"], "full"))) for r in requests]
+        stats.start()
+        t = time.time()
+        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, lora_request=loras,
+                            use_tqdm=False)
+        part: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t,
+                                **stats.summary()}
+        if engine != "stock":
+            from serve_bridge.vllm.rpc import lorazor_requests
+
+            index = {o.request_id: j for j, o in enumerate(outs)}
+            releases: list[int | None] = [None] * len(requests)
+            for rec in llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]:
+                j = index.get(rec["req_id"].rsplit("-", 1)[0])  # internal id = external id + "-" + suffix
+                if j is not None:
+                    releases[j] = rec["release"]
+            part["releases"] = releases
+        result[family] = part
+    (out / f"{engine}.json").write_text(json.dumps(result))
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """The checks of the module doc, as (name, passed, detail)."""
+    res = {e: json.loads((out / f"{e}.json").read_text()) for e in ENGINES if (out / f"{e}.json").exists()}
+    rows: list[tuple[str, bool, str]] = []
+    n = len(requests)
+    want = {"stock": "Scheduler", "slots": "ReleaseScheduler", "keep": "Scheduler"}  # LORAZOR_SLOTS=0: vLLM's
+    found = {e: r["scheduler"] for e, r in res.items()}
+    rows.append(("engines run the expected schedulers", found == want, json.dumps(found)))
+    if "stock" in res and "slots" in res:
+        full, off = res["stock"]["full"]["tokens"], res["slots"]["off"]["tokens"]
+        same = sum(a == b for a, b in zip(full, off))
+        rows.append(("(a) policy off ≡ stock, token for token", same == n, f"{same}/{n} identical"))
+        rows.append(("(a) policy off never releases", all(r is None for r in res["slots"]["off"]["releases"]),
+                     f"{sum(r is not None for r in res['slots']['off']['releases'])} released"))
+        lengths = [len(t) for t in full]
+        rows.append(("output lengths = max_tokens", lengths == [r["max_tokens"] for r in requests],
+                     f"{sum(lengths)} tokens"))
+    if "slots" in res and "keep" in res:
+        for tag, fam in (("(b) profiled", "prof"), ("(c) learned", "learn")):
+            on, keep = res["slots"][fam], res["keep"][fam]
+            same = sum(a == b for a, b in zip(on["tokens"], keep["tokens"]))
+            diffs = [f"req {i}: first diff at token {first_difference(a, b)}, release {keep['releases'][i]}"
+                     for i, (a, b) in enumerate(zip(on["tokens"], keep["tokens"])) if a != b][:5]
+            rows.append((f"{tag}: tokens with hand-back ≡ without", same == n,
+                         f"{same}/{n} identical" + (f" ({'; '.join(diffs)})" if diffs else "")))
+            released = sum(r is not None for r in keep["releases"])
+            rows.append((f"{tag}: release points with hand-back ≡ without", on["releases"] == keep["releases"]
+                         and released > 0, f"{released} released"))
+            rows.append((f"{tag} (d): slots handed on", on["max_adapters_scheduled"] > MAX_LORAS
+                         and on["max_slots_held"] <= MAX_LORAS and on["slot_steps"] < keep["slot_steps"],
+                         f"max {on['max_adapters_scheduled']} adapters in a step, {on['max_slots_held']} holding "
+                         f"slots (max_loras {MAX_LORAS}); {on['slot_steps']} vs {keep['slot_steps']} steps"))
+            rows.append((f"{tag} (e): without hand-back ≤ max_loras adapters per step",
+                         keep["max_adapters_scheduled"] <= MAX_LORAS, f"max {keep['max_adapters_scheduled']}"))
+    return rows
+
+
+def table(rows: list[tuple[str, bool, str]]) -> str:
+    lines = ["| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {n} | {'PASS' if ok else 'FAIL'} | {d} |" for n, ok, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_slots"))
+    ap.add_argument("--requests", type=int, default=320)
+    ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
+    ap.add_argument("--engine", choices=sorted(ENGINES), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.engine:
+        serve(args.engine, args.work, args.out)
+        return 0
+    start = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prepare(args.work, args.requests)
+    requests = json.loads((args.work / "requests.json").read_text())
+    if len(requests) != args.requests:
+        print(f"{args.work}/requests.json holds {len(requests)} requests, not {args.requests}: remove {args.work}",
+              file=sys.stderr)
+        return 2
+    notes = []
+    for engine in ENGINES:
+        left = args.budget_s - (time.time() - start)
+        if left < 20:
+            notes.append(f"{engine}: not run, {left:.0f} s left")
+            continue
+        with open(args.out / f"{engine}.log", "w") as log:
+            try:
+                rc = subprocess.run([sys.executable, "-m", "benchmarks.serving.check_slots", "--engine", engine,
+                                     "--work", str(args.work), "--out", str(args.out)],
+                                    env=engine_env(engine, args.work, dict(os.environ)), stdout=log,
+                                    stderr=subprocess.STDOUT, timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        notes.append(f"{engine}: rc {rc}, {time.time() - start:.0f} s since start")
+    rows = compare(args.out, requests)
+    text = table(rows) + "\n\n" + "\n".join(notes) + "\n"
+    (args.out / "check_slots.md").write_text(text)
+    print(text, flush=True)
+    complete = len(rows) == 12
+    return 0 if complete and all(ok for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

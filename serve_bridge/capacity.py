@@ -1,0 +1,350 @@
+"""Slot capacity model: how many requests a max_loras-limited engine admits, with and without release.
+
+    python -m serve_bridge.capacity --bundle DIR --adapters 512 --skew 0.8 --max-num-seqs 256 \\
+        [--requests 2048 | --rate R --step-ms MS] [--prompt-len 100 300] [--output-len 20 100] \\
+        [--max-loras 16 32 64] [--plot slots.png] [--json slots.json]
+
+The model is a discrete-time simulation of vLLM 0.26's admission rules (the scheduler's, see
+:mod:`serve_bridge.vllm.scheduler`), one step per engine step:
+
+- running requests first, in admission order, each taking the tokens it still needs (a prefill
+  chunk or one decode token) from the step's token budget (``max_num_batched_tokens``);
+- then waiting requests, first come first served: one is admitted while fewer than
+  ``max_num_seqs`` run and budget is left, if its adapter already holds a slot or fewer than
+  ``max_loras`` adapters hold one; otherwise it is skipped for this step (vLLM's rule);
+- a request of prompt P released at r holds its adapter's slot in a step that starts before
+  position P + r (docs/design.md §2: the adapter runs at forwards t ≤ r); without release, always.
+
+Measured per step: running requests (admitted concurrency) and distinct adapters holding a slot
+(slot occupancy). KV-cache capacity is taken as ample (no preemption), and offline requests all
+arrive at step 0; open loop (``--rate``) maps Poisson arrival times to steps with ``--step-ms``.
+
+Release points come from the bundle: ``stats['release_points']`` (validation release points of
+the exported policy, written by ``predictors.export``), else a profiled k as a point mass; an
+adapter without policy (or a learned one exported without the distribution) never releases.
+Traffic adapter i uses bundle adapter i mod B (sorted names), and a request's r is drawn from its
+adapter's distribution independently of its output length. The needed max_loras is the smallest
+candidate whose throughput (requests per step) is within ``--tolerance`` of unlimited slots.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+NEVER = -1  # release point of a request that is never released
+HOT_ADAPTERS = 0.2  # skewed traffic: a share ``skew`` of requests on 20% of the adapters
+
+
+@dataclass(frozen=True)
+class ReleaseDistribution:
+    """Release points r with probabilities; ``never`` = probability of no release."""
+
+    r: tuple[int, ...]
+    p: tuple[float, ...]
+    never: float
+
+    @staticmethod
+    def point(k: int) -> ReleaseDistribution:
+        return ReleaseDistribution((int(k),), (1.0,), 0.0)
+
+    @staticmethod
+    def no_release() -> ReleaseDistribution:
+        return ReleaseDistribution((), (), 1.0)
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n release points (NEVER for no release)."""
+        values = np.array([*self.r, NEVER], dtype=np.int64)
+        return values[rng.choice(values.size, size=n, p=[*self.p, self.never])]
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A request set: adapter index, prompt and output length, release point (NEVER: none),
+    and the step it arrives at (0 offline); arrival order is the array order."""
+
+    adapter: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    release: np.ndarray
+    arrival: np.ndarray
+
+
+@dataclass(frozen=True)
+class Result:
+    """One simulation: steps to serve every request, requests per step, mean running requests
+    and mean slot occupancy over the steps with work, the largest occupancy, and the mean
+    wait from arrival to admission in steps."""
+
+    max_loras: int
+    release: bool
+    steps: int
+    requests_per_step: float
+    mean_running: float
+    mean_occupancy: float
+    max_occupancy: int
+    mean_wait_steps: float
+
+
+def distributions_from_bundle(directory: str | Path) -> tuple[list[str], list[ReleaseDistribution], list[str]]:
+    """Adapter names (sorted), their release distributions, and notes on approximations."""
+    from serve_bridge.bundle import load_bundle  # torch and safetensors, only for the bundle
+
+    bundle = load_bundle(directory)
+    names, dists, notes = sorted(bundle.adapters), [], []
+    for name in names:
+        e = bundle.adapters[name]
+        hist = e.stats.get("release_points")
+        if e.policy == "none":
+            dists.append(ReleaseDistribution.no_release())
+        elif hist:
+            total = sum(hist["count"]) + hist["never"]
+            dists.append(ReleaseDistribution(tuple(hist["r"]), tuple(c / total for c in hist["count"]),
+                                             hist["never"] / total))
+        elif e.policy == "profiled":
+            dists.append(ReleaseDistribution.point(e.k))
+        else:
+            notes.append(f"adapter '{name}': learned, without release points in its stats (re-export the bundle); "
+                         f"modelled as never released")
+            dists.append(ReleaseDistribution.no_release())
+    return names, dists, notes
+
+
+def draw_requests(n: int, dists: Sequence[ReleaseDistribution], n_adapters: int, *, skew: float | None = None,
+                  prompt_len: tuple[int, int] = (100, 300), output_len: tuple[int, int] = (20, 100),
+                  rate: float | None = None, step_ms: float | None = None, seed: int = 0) -> Requests:
+    """n requests over ``n_adapters`` adapters (adapter i releases like ``dists[i % len(dists)]``):
+    uniform, or a share ``skew`` on the first 20% of adapters; lengths uniform, inclusive.
+    With ``rate`` (req/s) arrivals are Poisson, mapped to steps of ``step_ms``."""
+    rng = np.random.default_rng(seed)
+    if skew is None:
+        adapter = rng.integers(0, n_adapters, n)
+    else:
+        hot = min(max(1, round(HOT_ADAPTERS * n_adapters)), max(1, n_adapters - 1))
+        adapter = np.where(rng.random(n) < skew, rng.integers(0, hot, n), rng.integers(hot, n_adapters, n))
+    prompt = rng.integers(prompt_len[0], prompt_len[1] + 1, n)
+    output = rng.integers(output_len[0], output_len[1] + 1, n)
+    release = np.full(n, NEVER, dtype=np.int64)
+    for a in np.unique(adapter):
+        rows = np.flatnonzero(adapter == a)
+        release[rows] = dists[a % len(dists)].draw(rows.size, rng)
+    arrival = np.zeros(n, dtype=np.int64)
+    if rate is not None:
+        gaps = rng.exponential(1.0 / rate, n)
+        gaps[0] = 0.0
+        arrival = np.floor(np.cumsum(gaps) * 1e3 / step_ms).astype(np.int64)
+    return Requests(adapter, prompt, output, release, arrival)
+
+
+def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_seqs: int = 256,
+             token_budget: int = 2048) -> Result:
+    """Serve ``reqs`` step by step under vLLM's admission rules (module doc).
+
+    vLLM scans the waiting queue in order, skipping requests whose adapter has no slot. Slots only
+    fill up during a scan, so the scan admits every request in order until all ``max_loras``
+    slots are held, then only requests of held adapters, in order; that is what this does, with
+    one queue per adapter and a heap of the held adapters' oldest requests.
+    """
+    n = reqs.adapter.size
+    adapter, prompt, output = reqs.adapter.tolist(), reqs.prompt.tolist(), reqs.output.tolist()
+    end = [p + (r if r != NEVER and release else 1 << 60) for p, r in zip(prompt, reqs.release.tolist())]
+    arrival = reqs.arrival.tolist()
+    computed, generated, admitted_at = [0] * n, [0] * n, [0] * n
+    is_waiting = [False] * n
+    running: list[int] = []
+    order: deque[int] = deque()  # waiting requests in arrival order (admitted ones dropped lazily)
+    queues: dict[int, deque[int]] = {}  # adapter → its waiting requests in arrival order
+    nxt, done, step = 0, 0, 0
+    sum_running = sum_occupied = max_occupied = work_steps = 0
+    while done < n:
+        while nxt < n and arrival[nxt] <= step:
+            order.append(nxt)
+            queues.setdefault(adapter[nxt], deque()).append(nxt)
+            is_waiting[nxt] = True
+            nxt += 1
+        budget, scheduled, holders = token_budget, [], set()
+        for i in running:
+            if budget == 0:
+                break
+            k = min(prompt[i] + generated[i] - computed[i], budget)
+            scheduled.append((i, k))
+            budget -= k
+            if computed[i] < end[i]:
+                holders.add(adapter[i])
+        heads: list[tuple[int, int]] | None = None  # (oldest waiting request, adapter) of held adapters
+        while budget > 0 and len(running) < max_num_seqs:
+            if len(holders) < max_loras:
+                while order and not is_waiting[order[0]]:
+                    order.popleft()
+                if not order:
+                    break
+                i = order[0]
+            else:
+                if heads is None:
+                    heads = [(queues[a][0], a) for a in holders if queues.get(a)]
+                    heapq.heapify(heads)
+                if not heads:
+                    break
+                i = heapq.heappop(heads)[0]
+            a = adapter[i]
+            queues[a].popleft()
+            is_waiting[i] = False
+            if heads is not None and queues[a]:
+                heapq.heappush(heads, (queues[a][0], a))
+            k = min(prompt[i], budget)
+            running.append(i)
+            scheduled.append((i, k))
+            budget -= k
+            holders.add(a)
+            admitted_at[i] = step
+        if scheduled:
+            work_steps += 1
+            sum_running += len(scheduled)
+            sum_occupied += len(holders)
+            max_occupied = max(max_occupied, len(holders))
+        finished = set()
+        for i, k in scheduled:
+            computed[i] += k
+            if computed[i] == prompt[i] + generated[i]:
+                generated[i] += 1
+                if generated[i] == output[i]:
+                    finished.add(i)
+        if finished:
+            running = [i for i in running if i not in finished]
+        done += len(finished)
+        step += 1
+    wait = np.asarray(admitted_at) - reqs.arrival
+    return Result(max_loras, release, step, n / step, sum_running / max(1, work_steps),
+                  sum_occupied / max(1, work_steps), max_occupied, float(wait.mean()) if n else 0.0)
+
+
+def sweep(reqs: Requests, candidates: Sequence[int], **engine: int) -> list[Result]:
+    """:func:`simulate` without and with release at every candidate max_loras."""
+    return [simulate(reqs, m, release=rel, **engine) for m in candidates for rel in (False, True)]
+
+
+def needed_max_loras(results: Sequence[Result], unlimited: dict[bool, Result],
+                     tolerance: float) -> dict[bool, int | None]:
+    """Per release setting, the smallest max_loras whose requests per step reach (1 − tolerance)
+    of ``unlimited``'s (one slot per adapter); None if no candidate does."""
+    out: dict[bool, int | None] = {}
+    for rel in (False, True):
+        ok = [r.max_loras for r in results
+              if r.release == rel and r.requests_per_step >= (1 - tolerance) * unlimited[rel].requests_per_step]
+        out[rel] = min(ok) if ok else None
+    return out
+
+
+def plot(results: Sequence[Result], path: str | Path, title: str) -> Path:
+    """Admitted concurrency and slot occupancy vs max_loras, with and without release (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_run, ax_occ = fig.subplots(1, 2)
+    for rel, style in ((False, "o--"), (True, "s-")):
+        rows = sorted((r for r in results if r.release == rel), key=lambda r: r.max_loras)
+        label = "with release" if rel else "without release"
+        ax_run.plot([r.max_loras for r in rows], [r.mean_running for r in rows], style, label=label)
+        ax_occ.plot([r.max_loras for r in rows], [r.mean_occupancy for r in rows], style, label=label)
+    for ax, what in ((ax_run, "mean running requests per step"), (ax_occ, "mean slots held per step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max_loras")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, format="png")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve_bridge.capacity", description=__doc__.split("\n")[0])
+    ap.add_argument("--bundle", type=Path, required=True, help="policy bundle directory")
+    ap.add_argument("--adapters", type=int, required=True, help="adapters the traffic spreads over")
+    ap.add_argument("--skew", type=float, default=None, help="share of requests on 20%% of the adapters (e.g. 0.8)")
+    ap.add_argument("--requests", type=int, default=2048, help="requests simulated")
+    ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: offline)")
+    ap.add_argument("--step-ms", type=float, default=None, help="engine step time, ms (needed with --rate)")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(20, 100), metavar=("MIN", "MAX"))
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-loras", type=int, nargs="+", default=None,
+                    help="candidate max_loras (default: powers of two up to --adapters)")
+    ap.add_argument("--tolerance", type=float, default=0.05,
+                    help="needed max_loras: within this share of the throughput with one slot per adapter")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of concurrency and occupancy vs max_loras")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    args = ap.parse_args(argv)
+    problems = [msg for bad, msg in (
+        (args.adapters < 1, "--adapters must be ≥ 1"),
+        (args.skew is not None and not 0 < args.skew < 1, "--skew must lie strictly between 0 and 1"),
+        (args.rate is not None and not (args.rate > 0 and args.step_ms and args.step_ms > 0),
+         "--rate needs a positive rate and --step-ms (the engine's step time) > 0"),
+        (min(*args.prompt_len, *args.output_len) < 1 or args.prompt_len[0] > args.prompt_len[1]
+         or args.output_len[0] > args.output_len[1], "--prompt-len and --output-len take MIN ≤ MAX, both ≥ 1"),
+        (args.max_loras is not None and min(args.max_loras) < 1, "--max-loras values must be ≥ 1"),
+        (not args.bundle.is_dir(), f"--bundle {args.bundle}: not a directory")) if bad]
+    if problems:
+        print(f"serve_bridge.capacity: {problems[0]}", file=sys.stderr)
+        return 2
+    from serve_bridge.bundle import BundleError
+
+    try:
+        names, dists, notes = distributions_from_bundle(args.bundle)
+    except BundleError as err:
+        print(f"serve_bridge.capacity: {err}", file=sys.stderr)
+        return 2
+    if not names:
+        print(f"serve_bridge.capacity: bundle {args.bundle} has no adapters", file=sys.stderr)
+        return 2
+    reqs = draw_requests(args.requests, dists, args.adapters, skew=args.skew, prompt_len=tuple(args.prompt_len),
+                         output_len=tuple(args.output_len), rate=args.rate, step_ms=args.step_ms, seed=args.seed)
+    powers = [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]
+    candidates = sorted(set(args.max_loras or powers))
+    engine = {"max_num_seqs": args.max_num_seqs, "token_budget": args.max_num_batched_tokens}
+    results = sweep(reqs, [m for m in candidates if m < args.adapters], **engine)
+    unlimited = {rel: simulate(reqs, args.adapters, release=rel, **engine) for rel in (False, True)}
+    results += list(unlimited.values())
+    need = needed_max_loras(results, unlimited, args.tolerance)
+    traffic = (f"{args.requests} requests over {args.adapters} adapters "
+               f"({'uniform' if args.skew is None else f'{args.skew:.0%} on 20%'}), prompts {args.prompt_len[0]}-"
+               f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}, "
+               + (f"Poisson {args.rate:g} req/s at {args.step_ms:g} ms/step" if args.rate else "offline")
+               + f"; max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}")
+    print(f"bundle {args.bundle}: {len(names)} adapters; {traffic}")
+    for note in notes:
+        print(f"note: {note}")
+    print("| max_loras | release | steps | req/step | mean running | mean slots held | max slots held | "
+          "mean wait (steps) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(results, key=lambda r: (r.max_loras, r.release)):
+        print(f"| {r.max_loras} | {'yes' if r.release else 'no'} | {r.steps} | {r.requests_per_step:.3f} | "
+              f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} |")
+    for rel in (False, True):
+        m = need[rel]
+        print(f"max_loras needed {'with' if rel else 'without'} release (within {args.tolerance:.0%} of one slot "
+              f"per adapter): " + (str(m) if m is not None else f"more than {max(candidates)} (try --max-loras)"))
+    if args.plot:
+        print(f"plot: {plot(results, args.plot, traffic)}")
+    if args.json:
+        args.json.write_text(json.dumps({"traffic": traffic, "notes": notes, "needed": {"without_release": need[False],
+                                         "with_release": need[True]}, "results": [asdict(r) for r in results]},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.vllm.plugin:register``).
+
+vLLM calls :func:`register` in every process it starts. It does nothing unless a LoRazor switch
+is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim, with a bundle also the release-aware
+scheduler unless ``LORAZOR_SLOTS=0``; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
+vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
+the hooks (docs/vllm_integration.md §1). vLLM swallows import errors of plugin modules, so this
+module imports nothing heavy and every check runs inside :func:`register`.
+"""
+from __future__ import annotations
+
+from serve_bridge.vllm.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
+                                   gridtrim_from_env, require_v1_runner, require_vllm_version)
+
+# punica_wrapper.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
+GRIDTRIM_WRAPPER = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
+
+
+def register() -> None:
+    """Activate the StepTrim runner iff ``BridgeSettings.from_env()`` finds it switched on
+    (``LORAZOR_BUNDLE``, or the calibration switch), GridTrim iff ``LORAZOR_GRIDTRIM`` is on."""
+    settings = BridgeSettings.from_env()
+    steptrim = settings is not None
+    gridtrim = gridtrim_from_env()
+    if not (steptrim or gridtrim):
+        return
+    import vllm
+
+    runner_env = CALIBRATION_ENV if settings is not None and settings.calibration else BUNDLE_ENV
+    on = " and ".join(name for name, flag in ((runner_env, steptrim), (GRIDTRIM_ENV, gridtrim)) if flag)
+    try:
+        require_vllm_version(vllm.__version__)
+        require_v1_runner()
+    except BridgeError as err:
+        raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None
+    from serve_bridge.vllm import lora_manager
+
+    lora_manager.install()
+    if gridtrim:
+        install_gridtrim()
+    if steptrim:
+        from serve_bridge.vllm.model_runner import install
+
+        install()
+    if settings is not None and settings.slots:
+        from serve_bridge.vllm import scheduler
+
+        scheduler.install()
+    if settings is not None and settings.calibration:
+        from serve_bridge.vllm import prefix_cache
+
+        prefix_cache.install()
+
+
+def install_gridtrim() -> None:
+    """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER` (idempotent).
+
+    The classmethod is replaced on the platform's class, so every reference to the platform sees it
+    (docs/vllm_integration.md §4).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise BridgeError(f"LoRazor GridTrim ({GRIDTRIM_ENV} is on) runs Triton kernels on NVIDIA GPUs only, "
+                          f"but vLLM's platform is {type(current_platform).__name__}; unset {GRIDTRIM_ENV}.")
+    cls = type(current_platform)
+    if cls.get_punica_wrapper() != GRIDTRIM_WRAPPER:
+        cls.get_punica_wrapper = classmethod(lambda _cls: GRIDTRIM_WRAPPER)

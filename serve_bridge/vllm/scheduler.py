@@ -1,0 +1,173 @@
+"""Release-aware adapter slots in vLLM 0.26.0's scheduler (``LORAZOR_SLOTS``, on with a bundle).
+
+A request holds a slot of ``max_loras`` while a forward still needs its adapter: with release
+position p (docs/design.md §2: the adapter runs at positions < p; :class:`serve_bridge.runtime.
+RequestState`), a step that starts at ``num_computed_tokens`` c needs it iff c < p. So from the
+forward after its release point on, a request stops counting, and waiting requests of other
+adapters are admitted into the freed slot at the next ``schedule()``. A preempted request
+restarts at c = 0 and holds a slot again until its recompute has passed p, then never again.
+
+Where p comes from (the same sources as the worker's :class:`~serve_bridge.runtime.ReleaseRuntime`,
+with the same :class:`~serve_bridge.runtime.CalibratedAdapters` check, so both sides agree):
+profiled k → p = P + k, known at admission (:func:`serve_bridge.steptrim.release_point_profiled`);
+a forced release (``extra_args``) → its position; learned → p = P + r once the worker's decision
+after forward r arrives with that step's output (:data:`RELEASES_ATTR`, set by
+``serve_bridge.vllm.model_runner``). An adapter without a usable policy always holds its slot.
+
+:class:`ReleaseScheduler` hides, for the duration of ``schedule()``, the ``lora_request`` of running
+requests that hold no slot, reads learned releases from each step's output in
+``update_from_output``, and keeps per-request state from ``add_request`` to ``_free_request``;
+:func:`install` makes it vLLM's default scheduler class. Which vLLM 0.26.0 code this relies on:
+docs/vllm_integration.md §11.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+
+from serve_bridge.bundle import Bundle
+from serve_bridge.runtime import CalibratedAdapters, RequestState, load_served_bundle, logger, request_args
+from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, release_point_profiled
+from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeSettings, require_slot_engine
+
+_BaseScheduler = vllm_scheduler.Scheduler
+
+
+class SlotTracker:
+    """Release positions of the requests that may release, and whether one holds a slot.
+
+    Requests that can never release (no usable policy, no forced release) are not tracked:
+    they always hold their slot.
+    """
+
+    def __init__(self, bundle: Bundle, verified: Mapping[str, str] | None = None) -> None:
+        self.bundle = bundle
+        self.calibrated = CalibratedAdapters(bundle, verified)  # the worker logs the warnings
+        self.states: dict[str, RequestState] = {}
+        self._mismatch_logged = False
+
+    def add(self, req_id: str, adapter: str, path: str | None, num_prompt_tokens: int,
+            extra_args: Mapping[str, Any] | None) -> None:
+        """Track a new request of ``adapter`` (served from ``path``) with P prompt tokens."""
+        try:
+            forced = request_args(extra_args)[1]
+        except ValueError:
+            forced = None  # the worker ignores malformed arguments too
+        usable = self.calibrated.check(adapter, path)
+        policy = self.bundle.policies.get(adapter) if usable else None
+        if policy is None and forced is None:
+            return
+        release = release_point_profiled(policy.k) if isinstance(policy, ProfiledPolicy) else None
+        self.states[req_id] = RequestState(adapter=adapter, slot=NO_SLOT,  # decisions are the worker's
+                                           num_prompt_tokens=int(num_prompt_tokens), release=release,
+                                           forced_release_position=forced)
+
+    def report(self, releases: Mapping[str, int] | None) -> None:
+        """Apply the worker's releases of one step (req_id → r); a request released once stays so."""
+        for req_id, r in (releases or {}).items():
+            st = self.states.get(req_id)
+            if st is None:
+                continue
+            if st.release is None:
+                st.release = int(r)
+            elif st.release != r and not self._mismatch_logged:
+                self._mismatch_logged = True
+                logger.warning("LoRazor slots: request %s released at %d by the worker, %d expected; the "
+                               "scheduler keeps %d.", req_id, r, st.release, st.release)
+
+    def holds_slot(self, req_id: str, num_computed_tokens: int) -> bool:
+        """Whether a step starting at ``num_computed_tokens`` needs the request's adapter."""
+        st = self.states.get(req_id)
+        return st is None or num_computed_tokens < st.release_position
+
+    def drop(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+
+def slot_tracker(vllm_config: Any, settings: BridgeSettings | None = None) -> SlotTracker | None:
+    """The tracker for this engine, or None (stock accounting) when slot hand-back is off or
+    LoRA is; refuses unsupported engine settings with one BridgeError."""
+    settings = BridgeSettings.from_env() if settings is None else settings
+    if settings is None or not settings.slots or vllm_config.lora_config is None:
+        return None
+    require_slot_engine(vllm_config)
+    # The workers hash LORAZOR_ADAPTERS' weights at start-up and refuse a mismatch (before the
+    # engine core builds its scheduler); no second read here.
+    bundle, verified = load_served_bundle(settings.bundle, vllm_config.model_config.get_hidden_size(),
+                                          settings.adapters, hash_weights=False)
+    logger.info("LoRazor slot hand-back active: released requests stop counting against max_loras=%d.",
+                vllm_config.lora_config.max_loras)
+    return SlotTracker(bundle, verified)
+
+
+class ReleaseScheduler(_BaseScheduler):
+    """vLLM's scheduler whose ``max_loras`` accounting skips requests past their release
+    position (module doc). Without a tracker it is vLLM's scheduler unchanged."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.lorazor_slots: SlotTracker | None = slot_tracker(vllm_config)
+
+    def add_request(self, request: Any) -> None:
+        known = request.request_id in self.requests
+        super().add_request(request)
+        lora = request.lora_request
+        if self.lorazor_slots is not None and lora is not None and not known:
+            params = request.sampling_params
+            self.lorazor_slots.add(request.request_id, lora.lora_name, lora.lora_path, request.num_prompt_tokens,
+                                   params.extra_args if params is not None else None)
+
+    def holds_slot(self, request: Any) -> bool:
+        """Whether ``request`` counts against ``max_loras`` in the next step."""
+        if request.lora_request is None:
+            return False
+        return self.lorazor_slots is None or self.lorazor_slots.holds_slot(request.request_id,
+                                                                         request.num_computed_tokens)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lorazor_slots is None:
+            return super().schedule(*args, **kwargs)
+        hidden = [(r, r.lora_request) for r in self.running if r.lora_request is not None and not self.holds_slot(r)]
+        for request, _ in hidden:
+            request.lora_request = None
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            for request, lora in hidden:
+                request.lora_request = lora
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self.lorazor_slots is not None:
+            self.lorazor_slots.report(getattr(model_runner_output, RELEASES_ATTR, None))
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.lorazor_slots is not None:
+            self.lorazor_slots.drop(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+
+def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int, int]:
+    """(requests scheduled in ``scheduler_output``, distinct adapters holding a slot among them,
+    distinct adapters among them at all), for any vLLM 0.26 scheduler, right after its
+    ``schedule()``: with a :class:`ReleaseScheduler`, released requests hold no slot; otherwise
+    every adapter request holds one (vLLM's accounting). ``schedule()`` has already advanced
+    ``num_computed_tokens`` by the scheduled tokens."""
+    tracker = getattr(scheduler, "lorazor_slots", None)
+    held, present = set(), set()
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        lora = request.lora_request
+        if lora is None:
+            continue
+        present.add(lora.lora_int_id)
+        if tracker is None or tracker.holds_slot(req_id, request.num_computed_tokens - n):
+            held.add(lora.lora_int_id)
+    return len(scheduler_output.num_scheduled_tokens), len(held), len(present)
+
+
+def install() -> None:
+    """Make vLLM's default (synchronous) scheduler :class:`ReleaseScheduler` (idempotent)."""
+    vllm_scheduler.Scheduler = ReleaseScheduler

@@ -1,0 +1,201 @@
+"""How the vLLM bridge is switched on, and the engine settings it refuses (docs/design.md §4).
+
+The bridge is active iff, when vLLM loads its general plugins, ``LORAZOR_BUNDLE`` names a policy
+bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
+``labeling.engines.vllm``: no bundle, policies set over ``collective_rpc``). ``LORAZOR_ADAPTERS``
+(``name=path,...``) optionally declares the served adapters, checked against the bundle at start-up;
+``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
+``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
+``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_GRIDTRIM``
+switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
+agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
+so this is tested on CPU without vLLM.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUNDLE_ENV = "LORAZOR_BUNDLE"
+ADAPTERS_ENV = "LORAZOR_ADAPTERS"
+LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
+SUPPORTED_VLLM = "0.26.0"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
+CALIBRATION_ENV = "LORAZOR_CALIBRATION"
+SLOTS_ENV = "LORAZOR_SLOTS"
+SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseScheduler"
+SLOT_EXECUTORS = ("uni", "mp")  # executors whose step output reaches the scheduler as the worker's object
+RELEASES_ATTR = "lorazor_releases"  # ModelRunnerOutput attribute: {req_id: r} decided in that step
+
+
+class BridgeError(RuntimeError):
+    """The bridge cannot run with this vLLM or these engine settings; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    """Activation settings read from the environment.
+
+    bundle: the policy bundle directory (None in calibration mode).
+    adapters: served adapter name → local adapter directory (empty when not declared).
+    log_interval_s: seconds between counter summaries in the log (0 = never).
+    calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
+        policies, scorer and capture set are set over ``collective_rpc``.
+    slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
+    """
+
+    bundle: Path | None
+    adapters: dict[str, str] = field(default_factory=dict)
+    log_interval_s: float = 60.0
+    calibration: bool = False
+    slots: bool = False
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
+        """The settings, or None when neither ``LORAZOR_BUNDLE`` nor ``LORAZOR_CALIBRATION``
+        is set (bridge off)."""
+        env = os.environ if environ is None else environ
+        bundle = env.get(BUNDLE_ENV, "").strip()
+        calibration = calibration_from_env(env)
+        if calibration and bundle:
+            raise BridgeError(f"{CALIBRATION_ENV} and {BUNDLE_ENV} are both set: calibration runs without a bundle "
+                              f"(its policies come over collective_rpc); unset one of them.")
+        if not (bundle or calibration):
+            return None
+        given = bool(env.get(SLOTS_ENV, "").strip())
+        slots = _switch(SLOTS_ENV, "for slot hand-back", env) if given else not calibration
+        if calibration and slots:
+            raise BridgeError(f"{SLOTS_ENV} is on in calibration mode ({CALIBRATION_ENV}): slot hand-back "
+                              f"serves a bundle's releases; unset {SLOTS_ENV}.")
+        return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
+                              adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
+                              log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
+                              calibration=calibration, slots=slots)
+
+
+def _switch(name: str, purpose: str, environ: Mapping[str, str] | None) -> bool:
+    """An on/off variable: unset, "", "0" or "off" → False, "1" or "on" → True (case and
+    surrounding whitespace ignored); anything else is refused, naming ``purpose``."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in ("", "0", "off"):
+        return False
+    if value in ("1", "on"):
+        return True
+    raise BridgeError(f"{name}={raw!r}: use 1 or on {purpose}, or 0, off or unset.")
+
+
+def calibration_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LORAZOR_CALIBRATION`` is on (see :func:`_switch`)."""
+    return _switch(CALIBRATION_ENV, "for the calibration runtime (labeling.engines.vllm sets it)", environ)
+
+
+def parse_adapters(text: str) -> dict[str, str]:
+    """Parse ``name=path,name=path`` (whitespace around items is ignored; empty text → {})."""
+    out: dict[str, str] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, sep, path = (s.strip() for s in item.partition("="))
+        if not sep or not name or not path:
+            raise BridgeError(f"{ADAPTERS_ENV}: item {item!r} is not name=path; write e.g. "
+                              f"{ADAPTERS_ENV}='sql=/adapters/sql,math=/adapters/math'.")
+        if name in out:
+            raise BridgeError(f"{ADAPTERS_ENV}: adapter '{name}' is listed twice; list each adapter once.")
+        out[name] = path
+    return out
+
+
+def _parse_interval(text: str) -> float:
+    if not text.strip():
+        return 60.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise BridgeError(f"{LOG_INTERVAL_ENV}={text!r}: give a number of seconds ≥ 0 (0 disables the log).")
+    return value
+
+
+def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LORAZOR_GRIDTRIM`` switches GridTrim on (see :func:`_switch`)."""
+    return _switch(GRIDTRIM_ENV, "to serve LoRA linears with LoRazor's GridTrim kernels (0, off or unset keep "
+                   "vLLM's)", environ)
+
+
+def require_vllm_version(found: str) -> None:
+    """Refuse any vLLM but the one whose private APIs the bridge hooks."""
+    if found != SUPPORTED_VLLM:
+        raise BridgeError(f"LoRazor's serve_bridge hooks private APIs of vLLM {SUPPORTED_VLLM}, but vLLM {found} "
+                          f"is installed. Install vllm=={SUPPORTED_VLLM} (pip install 'lorazor[vllm]'), or unset "
+                          f"{BUNDLE_ENV} to serve without StepTrim.")
+
+
+def require_v1_runner(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse unless the older GPU runner is selected explicitly (vLLM picks V2 for dense models)."""
+    env = os.environ if environ is None else environ
+    value = env.get(V2_RUNNER_ENV, "").strip().lower()
+    if value not in ("0", "false"):
+        raise BridgeError(f"LoRazor's serve_bridge runs inside vLLM's V1 GPU model runner; set {V2_RUNNER_ENV}=0 "
+                          f"(found {V2_RUNNER_ENV}={env.get(V2_RUNNER_ENV, '<unset>')!r}), or unset {BUNDLE_ENV}.")
+
+
+def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False) -> None:
+    """Refuse engine settings under which release would be wrong or unobserved.
+
+    - LoRA must be enabled (there is nothing to release otherwise).
+    - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
+      release would be reused as if computed with the adapter. It may be on when
+      ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
+      installed, whose passes with a release policy
+      :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
+    - Async scheduling off: a decision must reach the next step's LoRA mapping.
+    - No speculative decoding and no pipeline parallelism: one sampled position per
+      request per step, and final hidden states on this rank.
+    """
+    fixes = []
+    if vllm_config.lora_config is None:
+        fixes.append("enable LoRA (enable_lora=True / --enable-lora)")
+    if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
+        fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
+                     "blocks decoded after release would be cached under the adapter's name")
+    if vllm_config.scheduler_config.async_scheduling:
+        fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): a release "
+                     "decision must reach the next step's LoRA mapping")
+    if vllm_config.speculative_config is not None:
+        fixes.append("disable speculative decoding (StepTrim decides once per generated token)")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        fixes.append("use pipeline_parallel_size=1 (decisions read the final hidden states on this rank)")
+    if fixes:
+        raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine "
+                          f"settings: " + "; ".join(fixes) + ".")
+
+
+def require_slot_engine(vllm_config: Any) -> None:
+    """Refuse engine settings under which slot hand-back cannot work (``LORAZOR_SLOTS`` on).
+
+    - The scheduler must be LoRazor's (``scheduler_cls`` unset, which the plugin resolves to it,
+      or :data:`SCHEDULER_QUALNAME`): another one would keep counting released requests.
+    - The executor must be ``uni`` or ``mp``: the step output with learned releases
+      then reaches the scheduler as the driver worker's object, or pickled with its attributes.
+    """
+    fixes = []
+    cls = vllm_config.scheduler_config.scheduler_cls
+    name = cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    if name not in (None, SCHEDULER_QUALNAME):
+        fixes.append(f"use LoRazor's scheduler (unset scheduler_cls, or scheduler_cls={SCHEDULER_QUALNAME!r}), "
+                     f"not {name!r}")
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend not in SLOT_EXECUTORS:
+        fixes.append(f"use distributed_executor_backend 'mp' or 'uni' (found {backend!r}): learned releases "
+                     f"reach the scheduler with the step output only through those")
+    if fixes:
+        raise BridgeError(f"LoRazor slot hand-back ({SLOTS_ENV} is on by default with {BUNDLE_ENV}) cannot run "
+                          f"with these engine settings: " + "; ".join(fixes) + f"; or set {SLOTS_ENV}=0.")
+

@@ -1,0 +1,45 @@
+"""The GPU slot check's comparison and engine environments (benchmarks/serving/check_slots.py), on
+fabricated engine results."""
+from __future__ import annotations
+
+import json
+
+from benchmarks.serving import check_slots
+
+
+def _write(out, requests, *, keep_tokens=None, on_adapters=12, keep_adapters=8, keep_scheduler="Scheduler"):
+    tokens = [[i] * r["max_tokens"] for i, r in enumerate(requests)]
+    releases = [0 if i % 2 else None for i in range(len(requests))]
+    fam = {"tokens": tokens, "releases": releases, "slot_steps": 10, "max_slots_held": 8,
+           "max_adapters_scheduled": on_adapters}
+    keep = {**fam, "tokens": keep_tokens or tokens, "slot_steps": 14, "max_adapters_scheduled": keep_adapters}
+    (out / "stock.json").write_text(json.dumps({"scheduler": "Scheduler", "full": {"tokens": tokens}}))
+    (out / "slots.json").write_text(json.dumps({"scheduler": "ReleaseScheduler", "off": {
+        "tokens": tokens, "releases": [None] * len(requests)}, "prof": fam, "learn": fam}))
+    (out / "keep.json").write_text(json.dumps({"scheduler": keep_scheduler, "prof": keep, "learn": keep}))
+
+
+def test_compare_passes_and_fails(tmp_path):
+    requests = [{"max_tokens": 3 + i % 4} for i in range(6)]
+    _write(tmp_path, requests)
+    rows = check_slots.compare(tmp_path, requests)
+    assert len(rows) == 12 and all(ok for _, ok, _ in rows), rows
+    bad = [[9] * r["max_tokens"] for r in requests]
+    _write(tmp_path, requests, keep_tokens=bad, on_adapters=8, keep_adapters=9, keep_scheduler="ReleaseScheduler")
+    failed = {name for name, ok, _ in check_slots.compare(tmp_path, requests) if not ok}
+    assert failed == {"engines run the expected schedulers", "(b) profiled: tokens with hand-back ≡ without",
+                      "(c) learned: tokens with hand-back ≡ without", "(b) profiled (d): slots handed on",
+                      "(c) learned (d): slots handed on",
+                      "(b) profiled (e): without hand-back ≤ max_loras adapters per step",
+                      "(c) learned (e): without hand-back ≤ max_loras adapters per step"}
+    detail = dict((n, d) for n, _, d in check_slots.compare(tmp_path, requests))
+    assert "req 0: first diff at token 0, release None" in detail["(b) profiled: tokens with hand-back ≡ without"]
+
+
+def test_engine_environments(tmp_path):
+    base = {"LORAZOR_GRIDTRIM": "1", "PATH": "/bin"}
+    stock = check_slots.engine_env("stock", tmp_path, base)
+    assert "LORAZOR_GRIDTRIM" not in stock and stock["VLLM_BATCH_INVARIANT"] == "1" and stock["PATH"] == "/bin"
+    slots = check_slots.engine_env("slots", tmp_path, base)
+    assert slots["LORAZOR_BUNDLE"] == str(tmp_path / "bundle") and "LORAZOR_SLOTS" not in slots
+    assert check_slots.engine_env("keep", tmp_path, base)["LORAZOR_SLOTS"] == "0"

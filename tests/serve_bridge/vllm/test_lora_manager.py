@@ -1,0 +1,118 @@
+"""serve_bridge.vllm.lora_manager.apply_adapters against vLLM 0.26.0's
+``LRUCacheWorkerLoRAManager._apply_adapters`` / ``add_adapter`` (``lora/worker_manager.py:270-320``),
+restated over a recording adapter manager: the same calls in the same order, with one registry read
+per step instead of one per adapter."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from serve_bridge.vllm.lora_manager import apply_adapters
+
+
+class AdapterManager:
+    """Records the calls the worker manager makes; a registry of `capacity` adapters that evicts the
+    oldest on a load (``LRUCacheLoRAModelManager``'s ``remove_oldest_adapter``, ``add_adapter``)."""
+
+    def __init__(self, registered: list[int], capacity: int, lora_slots: int) -> None:
+        self.registered, self.capacity, self.lora_slots = list(registered), capacity, lora_slots
+        self.calls: list[tuple] = []
+        self.registry_reads = 0
+
+    def list_adapters(self) -> dict[int, object]:
+        self.registry_reads += 1
+        return {i: object() for i in self.registered}
+
+    def __len__(self) -> int:
+        return len(self.registered)
+
+    def get_adapter(self, lora_id: int) -> object | None:
+        self.calls.append(("get", lora_id))
+        return object() if lora_id in self.registered else None
+
+    def activate_adapter(self, lora_id: int) -> bool:
+        self.calls.append(("activate", lora_id))
+        return True
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        self.calls.append(("remove", lora_id))
+        if lora_id in self.registered:
+            self.registered.remove(lora_id)
+        return True
+
+    def remove_oldest_adapter(self) -> bool:
+        self.calls.append(("evict", self.registered[0]))
+        self.registered.pop(0)
+        return True
+
+    def add_adapter(self, lora: SimpleNamespace) -> bool:
+        self.calls.append(("add", lora.id))
+        self.registered.append(lora.id)
+        return True
+
+
+class WorkerManager:
+    """vLLM's LRUCacheWorkerLoRAManager, restated: its _apply_adapters and add_adapter, and the base
+    class's list_adapters (a new set of the registry's keys per call)."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self._adapter_manager = manager
+
+    def list_adapters(self) -> set[int]:
+        return set(self._adapter_manager.list_adapters())
+
+    def _load_adapter(self, request: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(id=request.lora_int_id)
+
+    def add_adapter(self, request: SimpleNamespace) -> bool:
+        m = self._adapter_manager
+        if request.lora_int_id not in self.list_adapters() or request.load_inplace:
+            lora = self._load_adapter(request)
+            m.remove_adapter(lora.id)
+            if len(m) + 1 > m.capacity:
+                m.remove_oldest_adapter()
+            loaded = m.add_adapter(lora)
+        else:
+            loaded = m.get_adapter(request.lora_int_id) is not None
+        m.activate_adapter(request.lora_int_id)
+        return loaded
+
+    def stock_apply_adapters(self, requests) -> None:
+        loras_map = {r.lora_int_id: r for r in requests if r}
+        if len(loras_map) > self._adapter_manager.lora_slots:
+            raise RuntimeError("too many")
+        for lora in loras_map.values():
+            self.add_adapter(lora)
+
+
+def request(lora_id: int, inplace: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(lora_int_id=lora_id, load_inplace=inplace)
+
+
+@pytest.mark.parametrize("capacity", [64, 12])  # 12: loads evict registered adapters mid-step
+def test_same_calls_in_the_same_order_with_one_registry_read_per_step(capacity):
+    steps = [
+        [request(i) for i in range(1, 11)],  # all registered
+        [request(i) for i in (3, 40, 5, 41, 1)] + [None],  # two new ones, a falsy entry
+        [request(7), request(41, inplace=True), request(2)],  # an in-place reload
+        [request(i) for i in range(50, 56)] + [request(1)],  # many loads; 1 may be evicted meanwhile
+    ]
+    stock_m, ours_m = AdapterManager(list(range(1, 11)), capacity, 16), AdapterManager(list(range(1, 11)), capacity, 16)
+    stock, ours = WorkerManager(stock_m), WorkerManager(ours_m)
+    for batch in steps:
+        stock.stock_apply_adapters(batch)
+        reads_before = ours_m.registry_reads
+        apply_adapters(ours, batch)
+        loads = sum(1 for c in ours_m.calls if c[0] == "add")
+        assert ours_m.calls == stock_m.calls and ours_m.registered == stock_m.registered
+        assert ours_m.registry_reads - reads_before <= 1 + 2 * loads  # stock: one or more per adapter
+        stock_m.calls.clear()
+        ours_m.calls.clear()
+    assert stock_m.registry_reads > ours_m.registry_reads
+
+
+def test_more_adapters_than_slots_is_one_clear_error():
+    ours = WorkerManager(AdapterManager([], 64, 2))
+    with pytest.raises(RuntimeError, match="3 LoRAs at once, more than the 2 GPU LoRA slots"):
+        apply_adapters(ours, [request(1), request(2), request(3)])

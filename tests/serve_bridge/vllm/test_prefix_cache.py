@@ -1,0 +1,133 @@
+"""serve_bridge.vllm.prefix_cache: KV-block hash keys for forced releases, over stand-ins for vLLM
+0.26.0's ``v1/core/kv_cache_utils.py`` (its extra keys and chained block hashing restated) and
+``v1/core/block_pool.py``; the settings gate and the calibration runtime's refusal."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import pickle
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from serve_bridge.vllm import prefix_cache
+from serve_bridge.calibration import CalibrationRuntime, calibration_config
+from serve_bridge.vllm.settings import BridgeError, require_supported_engine
+from serve_bridge.steptrim import ProfiledPolicy, StepTrim
+
+BLOCK = 4
+
+
+def lora_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+    """vLLM's generate_block_hash_extra_keys for a text-only LoRA request (kv_cache_utils.py:558-590)."""
+    keys = [request.lora_request.lora_name] if request.lora_request else []
+    return (tuple(keys) if keys else None), start_mm_idx
+
+
+@pytest.fixture
+def vllm_core(monkeypatch):
+    """Stand-ins for vllm.v1.core.kv_cache_utils and block_pool, with vLLM's chained hashing of full
+    blocks (kv_cache_utils.py:691-743) looking the extra-keys function up by module name."""
+    kv = ModuleType("vllm.v1.core.kv_cache_utils")
+    kv.generate_block_hash_extra_keys = lora_extra_keys
+
+    def block_hashes(request):
+        out, parent = [], None
+        for start in range(0, len(request.all_token_ids) - BLOCK + 1, BLOCK):
+            extra, _ = kv.generate_block_hash_extra_keys(request, start, start + BLOCK, 0)
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(request.all_token_ids[start:start + BLOCK]),
+                                                  extra))).digest()
+            out.append(parent)
+        return out
+
+    kv.block_hashes = block_hashes
+    pool = ModuleType("vllm.v1.core.block_pool")
+    pool.generate_block_hash_extra_keys = lora_extra_keys
+    core = ModuleType("vllm.v1.core")
+    core.kv_cache_utils, core.block_pool = kv, pool
+    for name, module in {"vllm": ModuleType("vllm"), "vllm.v1": ModuleType("vllm.v1"), "vllm.v1.core": core,
+                         "vllm.v1.core.kv_cache_utils": kv, "vllm.v1.core.block_pool": pool}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return kv, pool
+
+
+def request(tokens, lora="a", release=None, extra=None):
+    args = extra if extra is not None else ({"lorazor": {"release_position": release}} if release is not None else None)
+    return SimpleNamespace(all_token_ids=list(tokens), lora_request=SimpleNamespace(lora_name=lora) if lora else None,
+                           sampling_params=SimpleNamespace(extra_args=args))
+
+
+def test_released_blocks_hash_apart_and_earlier_blocks_are_shared(vllm_core):
+    kv, pool = vllm_core
+    prefix_cache.install()
+    prefix_cache.install()  # idempotent: wrapped once
+    assert prefix_cache.installed() and pool.generate_block_hash_extra_keys is kv.generate_block_hash_extra_keys
+    on = list(range(100, 124))  # prompt + ON tokens: 6 blocks
+    on_hashes = kv.block_hashes(request(on))
+    # OFF branch released at position 13: blocks [0,4) [4,8) [8,12) lie before it, [12,16) holds it
+    off = kv.block_hashes(request(on[:20], release=13))
+    assert off[:3] == on_hashes[:3] and off[3] != on_hashes[3] and off[4] != on_hashes[4]
+    # another release point in the same block gets other keys; one at a block edge shares that block
+    other = kv.block_hashes(request(on[:20], release=14))
+    assert other[:3] == off[:3] and other[3] != off[3]
+    edge = kv.block_hashes(request(on[:20], release=16))
+    assert edge[:4] == on_hashes[:4] and edge[4] != on_hashes[4]
+    # the keys themselves: unchanged before the release, the marker with r from its block on
+    assert kv.generate_block_hash_extra_keys(request(on, release=13), 8, 12, 0) == (("a",), 0)
+    assert kv.generate_block_hash_extra_keys(request(on, release=13), 12, 16, 0) == \
+        (("a", (prefix_cache.RELEASED_KEY, 13)), 0)
+    assert kv.generate_block_hash_extra_keys(request(on, lora=None, release=0), 0, 4, 0) == \
+        (((prefix_cache.RELEASED_KEY, 0),), 0)
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"lorazor": {"uid": "q1"}}, {"lorazor": {"release_position": -1}},
+                                   {"lorazor": "bad"}])
+def test_requests_without_a_valid_forced_release_keep_vllms_keys(vllm_core, extra):
+    kv, _ = vllm_core
+    prefix_cache.install()
+    req = request(range(8), extra=extra)
+    assert kv.generate_block_hash_extra_keys(req, 4, 8, 0) == lora_extra_keys(req, 4, 8, 0)
+    assert prefix_cache.forced_release(SimpleNamespace(sampling_params=None)) is None
+
+
+def _config(prefix: bool):
+    return SimpleNamespace(lora_config=object(), cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+                           scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+
+
+def test_prefix_caching_is_allowed_only_with_keyed_blocks(vllm_core):
+    assert not prefix_cache.installed()
+    with pytest.raises(BridgeError, match="disable prefix caching"):
+        require_supported_engine(_config(True))  # serving: runtime releases are unknown to the scheduler
+    prefix_cache.install()
+    assert prefix_cache.installed()
+    require_supported_engine(_config(True), released_blocks_keyed=True)
+    require_supported_engine(_config(False))
+
+
+def test_calibration_runtime_refuses_a_release_policy_when_prefixes_are_cached():
+    rt = CalibrationRuntime(8, "cpu", cuda_graphs=False, prefix_caching=True)
+    rt.configure(calibration_config(["a", "b"]))  # full LoRA
+    rt.configure(calibration_config(["a", "b"], policy=StepTrim([None, None], 8)))
+    with pytest.raises(ValueError, match="release policy.*prefix_caching=false"):
+        rt.configure(calibration_config(["a", "b"], policy=StepTrim([ProfiledPolicy(2), None], 8)))
+    plain = CalibrationRuntime(8, "cpu", cuda_graphs=False)
+    plain.configure(calibration_config(["a", "b"], policy=StepTrim([ProfiledPolicy(2), None], 8)))
+
+
+def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch):
+    kv, _ = vllm_core
+    sys.modules["vllm"].__version__ = "0.26.0"
+    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", SimpleNamespace(install=lambda: None))
+    worker_manager = ModuleType("vllm.lora.worker_manager")
+    worker_manager.LRUCacheWorkerLoRAManager = type("LRUCacheWorkerLoRAManager", (), {})
+    monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.worker_manager", worker_manager)
+    for name in ("LORAZOR_BUNDLE", "LORAZOR_GRIDTRIM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LORAZOR_CALIBRATION", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    importlib.import_module("serve_bridge.vllm.plugin").register()
+    assert prefix_cache.installed()

@@ -1,0 +1,231 @@
+"""Activation from the environment, the version / runner / engine gates, and the entry point."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from serve_bridge.vllm import lora_manager, plugin
+from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
+                                   require_supported_engine, require_v1_runner, require_vllm_version)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_inactive_without_bundle():
+    assert BridgeSettings.from_env({}) is None
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "  "}) is None
+
+
+def test_settings_from_env():
+    s = BridgeSettings.from_env({"LORAZOR_BUNDLE": "~/b", "LORAZOR_ADAPTERS": " sql=/a/sql , math=/a/math,",
+                                 "LORAZOR_LOG_INTERVAL_S": "0"})
+    assert s.bundle == Path("~/b").expanduser()
+    assert s.adapters == {"sql": "/a/sql", "math": "/a/math"} and s.log_interval_s == 0.0
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).log_interval_s == 60.0
+
+
+@pytest.mark.parametrize("text,match", [("sql", "not name=path"), ("=/p", "not name=path"),
+                                        ("a=/x,a=/y", "listed twice")])
+def test_bad_adapter_list(text, match):
+    with pytest.raises(BridgeError, match=match):
+        parse_adapters(text)
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_bad_log_interval(value):
+    with pytest.raises(BridgeError, match="LORAZOR_LOG_INTERVAL_S"):
+        BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_LOG_INTERVAL_S": value})
+
+
+def test_version_gate():
+    require_vllm_version("0.26.0")
+    with pytest.raises(BridgeError, match=r"vLLM 0\.26\.1 is installed.*vllm==0\.26\.0"):
+        require_vllm_version("0.26.1")
+
+
+def test_v1_runner_gate():
+    require_v1_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
+        with pytest.raises(BridgeError, match="set VLLM_USE_V2_MODEL_RUNNER=0"):
+            require_v1_runner(env)
+
+
+def _config(**over):
+    cfg = dict(lora_config=object(), cache_config=SimpleNamespace(enable_prefix_caching=False),
+               scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
+               parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+def test_engine_gate_accepts_supported_settings():
+    require_supported_engine(_config())
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"lora_config": None}, "enable LoRA"),
+    ({"cache_config": SimpleNamespace(enable_prefix_caching=True)}, "disable prefix caching"),
+    ({"scheduler_config": SimpleNamespace(async_scheduling=True)}, "disable async scheduling"),
+    ({"speculative_config": object()}, "disable speculative decoding"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "pipeline_parallel_size=1"),
+])
+def test_engine_gate_refuses(over, match):
+    with pytest.raises(BridgeError, match=match):
+        require_supported_engine(_config(**over))
+
+
+def test_engine_gate_lists_every_fix_at_once():
+    with pytest.raises(BridgeError) as err:
+        require_supported_engine(_config(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                                         scheduler_config=SimpleNamespace(async_scheduling=True)))
+    assert "prefix caching" in str(err.value) and "async scheduling" in str(err.value)
+
+
+def test_entry_point_names_register():
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, attr = eps["lorazor"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is plugin.register
+
+
+def test_a_checkout_dist_info_provides_the_entry_point(tmp_path):
+    """What scripts/env.sh and tests/gpu/conftest.py put on PYTHONPATH where LoRazor is not installed."""
+    from importlib.metadata import distributions
+
+    spec = importlib.util.spec_from_file_location("plugin_dist_info", ROOT / "scripts" / "plugin_dist_info.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [ep for dist in distributions(path=[str(module.write_dist_info(tmp_path))])
+             for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
+    assert [(ep.name, ep.value) for ep in found] == [("lorazor", "serve_bridge.vllm.plugin:register")]
+
+
+@pytest.mark.parametrize("gridtrim", [None, "", "0", "off", " OFF "])
+def test_register_is_a_no_op_without_bundle_or_gridtrim(monkeypatch, gridtrim):
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    if gridtrim is None:
+        monkeypatch.delenv("LORAZOR_GRIDTRIM", raising=False)
+    else:
+        monkeypatch.setenv("LORAZOR_GRIDTRIM", gridtrim)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would fail
+    plugin.register()
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("on", True), (" On ", True), ("0", False), ("off", False),
+                                      ("", False), ("  ", False)])
+def test_gridtrim_switch(value, on):
+    assert gridtrim_from_env({"LORAZOR_GRIDTRIM": value}) is on
+    assert gridtrim_from_env({}) is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "gridtrim"])
+def test_gridtrim_switch_refuses_other_values(value, monkeypatch):
+    with pytest.raises(BridgeError, match=r"LORAZOR_GRIDTRIM=.*use 1 or on.*0, off or unset"):
+        gridtrim_from_env({"LORAZOR_GRIDTRIM": value})
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    monkeypatch.setenv("LORAZOR_GRIDTRIM", value)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # refused before vLLM is imported
+    with pytest.raises(BridgeError, match="LORAZOR_GRIDTRIM"):
+        plugin.register()
+
+
+class _Platform:
+    """Stands in for vLLM's platform classes: a classmethod names the punica wrapper."""
+
+    cuda = True
+
+    def is_cuda(self):
+        return self.cuda
+
+    @classmethod
+    def get_punica_wrapper(cls):
+        return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
+
+
+def _fake_vllm(monkeypatch, platform_cls):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.26.0"
+    platforms = ModuleType("vllm.platforms")
+    platforms.current_platform = platform_cls()
+    worker_manager = ModuleType("vllm.lora.worker_manager")
+    worker_manager.LRUCacheWorkerLoRAManager = type("LRUCacheWorkerLoRAManager", (), {})
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.worker_manager", worker_manager)
+    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", None)  # the StepTrim runner must not load
+    monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
+    monkeypatch.setenv("LORAZOR_GRIDTRIM", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return platforms.current_platform
+
+
+def test_register_gridtrim_selects_the_wrapper(monkeypatch):
+    cuda = type("CudaPlatform", (_Platform,), {})
+    platform = _fake_vllm(monkeypatch, cuda)
+    plugin.register()
+    assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
+    manager = sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager
+    assert manager._apply_adapters is lora_manager.apply_adapters
+    plugin.register()  # idempotent
+    assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
+    assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class
+
+
+def test_register_gridtrim_refuses_non_cuda(monkeypatch):
+    cpu = type("CpuPlatform", (_Platform,), {"cuda": False})
+    platform = _fake_vllm(monkeypatch, cpu)
+    with pytest.raises(BridgeError, match="NVIDIA GPUs only.*CpuPlatform.*unset LORAZOR_GRIDTRIM"):
+        plugin.register()
+    assert platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER
+
+
+def test_register_gridtrim_refuses_v2_runner(monkeypatch):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    with pytest.raises(BridgeError, match="V1 GPU model runner.*on through LORAZOR_GRIDTRIM"):
+        plugin.register()
+
+
+def test_register_refuses_other_vllm(monkeypatch):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.27.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(BridgeError, match="vLLM 0.27.0 is installed"):
+        plugin.register()
+
+
+def test_register_refuses_v2_runner(monkeypatch):
+    fake = ModuleType("vllm")
+    fake.__version__ = "0.26.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    with pytest.raises(BridgeError, match="V1 GPU model runner"):
+        plugin.register()
+
+
+@pytest.mark.parametrize("slots,installed", [(None, True), ("0", False)])
+def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, installed):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
+    monkeypatch.delenv("LORAZOR_GRIDTRIM")
+    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
+    if slots is None:
+        monkeypatch.delenv("LORAZOR_SLOTS", raising=False)
+    else:
+        monkeypatch.setenv("LORAZOR_SLOTS", slots)
+    calls = []
+    for name in ("model_runner", "scheduler"):
+        stub = ModuleType(f"serve_bridge.vllm.{name}")
+        stub.install = lambda name=name: calls.append(name)
+        monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{name}", stub)
+        monkeypatch.setattr(sys.modules["serve_bridge.vllm"], name, stub, raising=False)
+    plugin.register()
+    assert calls == (["model_runner", "scheduler"] if installed else ["model_runner"])

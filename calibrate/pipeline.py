@@ -245,7 +245,7 @@ def stage_agreement(ctx: Context) -> dict:
             else:
                 t = test_rows[a]
                 pred = {"skip": t["test_skip"], "loss": t["test_loss_points"], "accuracy": t["test_policy_accuracy"],
-                        "full": t["test_full_accuracy"], "by": f"test stage ({ctx.section('engine')['name']})"}
+                        "full": t["test_full_accuracy"], "by": f"test stage ({ctx.engine_options.name})"}
             row = {"adapter": a, "split": split, "policy": e.policy,
                    "param": e.tau if e.policy == "learned" else (e.k if e.policy == "profiled" else None),
                    "n_requests": r["n_requests"], "predicted_by": pred["by"], "realized_by": realized_by,

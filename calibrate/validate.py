@@ -30,14 +30,14 @@ from omegaconf.errors import OmegaConfBaseException
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from labeling.backbone import DTYPES
-from labeling.evaluators.sql import database_path
+from labeling.tasks.spider import database_path
 from labeling.tasks import REGISTRY, SPLITS, TaskError, build_task
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask
 from predictors.frontier import POLICIES, parse_rule
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-ENGINES = ("hf", "vllm")
+ENGINES = ("auto", "hf", "vllm")
 VLLM_DTYPES = ("bfloat16", "float16", "float32", "auto")
 
 
@@ -117,6 +117,7 @@ TASK_OPTIONS: dict[str, Callable[[str, Any], None]] = {
     "source": text, "db_dir": optional_text, "test_split": text, "hub_config": optional_text, "extractor": text,
 }
 ENGINE_OPTIONS: dict[str, dict[str, Callable[[str, Any], None]]] = {
+    "auto": {"progress": boolean},
     "hf": {"device": text, "batch_size": positive_int, "progress": boolean},
     "vllm": {"dtype": one_of(VLLM_DTYPES), "gpu_memory_utilization": at_most_one,
              "max_num_seqs": optional_positive_int, "max_num_batched_tokens": optional_positive_int,
@@ -152,7 +153,7 @@ def validate_config(cfg: DictConfig) -> None:
     lab = sections["labeling"]
     int_list("labeling.points", lab.get("points"))
     shard = lab.get("shard_requests", "auto")
-    _need(shard == "auto" or (_is_int(shard) and shard >= 1), "labeling.shard_requests", shard,
+    _need(shard == "auto" or (str(shard).isdigit() and int(shard) >= 1), "labeling.shard_requests", shard,
           "use a positive integer or auto")
     positive_number("predictor.lam", sections["predictor"].get("lam"))
     sweep = sections["sweep"]
@@ -212,7 +213,7 @@ def _validate_adapters(a: dict[str, Any]) -> None:
 
 def _validate_engine(e: dict[str, Any]) -> None:
     name = e.get("name")
-    _need(name in ENGINES, "engine", name, "use engine=hf (transformers + peft) or engine=vllm (GPU)")
+    _need(name in ENGINES, "engine", name, "use engine=auto (the default), engine=hf (transformers + peft) or engine=vllm (GPU)")
     for key, check in ENGINE_OPTIONS[name].items():
         if key in e:
             check(f"engine.{key}", e[key])

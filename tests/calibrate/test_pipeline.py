@@ -234,7 +234,7 @@ def test_preview_measures_the_first_shard_and_stops(tmp_path: Path, capsys) -> N
     assert "engine=auto → hf on cpu: no CUDA device is visible." in out
     assert "preview on hf (cpu), measured on 1 of 3 labeling shard(s): 2 requests" in out
     assert "labels: 6 ON + ~" in out and "preview=true: stopped after the preview" in out
-    stats = json.loads((tmp_path / "labels" / "shards" / "00000.done").read_text())
+    stats = json.loads((tmp_path / "labels" / "shards" / "00000.done").read_text())["stats"]
     assert stats["requests"] == 2 and stats["on_tokens"] > 0 and stats["seconds"] > 0
     assert not (tmp_path / "labels" / "shards" / "00001.done").exists()
     assert not (tmp_path / "stages" / "labels.json").exists()

@@ -12,7 +12,7 @@ from labeling.tasks import REGISTRY, build_task
 from tests.calibrate.test_pipeline import compose_cfg
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "task"
-EXPECTED_LIMITS = {"arith": 48, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}
+EXPECTED_LIMITS = {"arith": 48, "counter": 32, "gsm8k": 256, "spider": 256, "medqa4": 128, "scienceqa": 320}
 
 
 def load(name: str) -> dict:
@@ -20,7 +20,10 @@ def load(name: str) -> dict:
 
 
 def test_one_config_per_registered_task() -> None:
-    assert {p.stem for p in CONF.glob("*.yaml")} == set(REGISTRY)
+    """Plus demo.yaml, a mix of registered tasks that extends the mix schema."""
+    assert {p.stem for p in CONF.glob("*.yaml")} == set(REGISTRY) | {"demo"}
+    assert load("demo")["defaults"] == ["base_mix", "_self_"]
+    assert compose_cfg(["task=demo"]).task.name == "mix"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_LIMITS))

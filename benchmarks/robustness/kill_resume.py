@@ -11,7 +11,8 @@ output with an uninterrupted run of the same command.
    started again; after the chain's last kill it runs to the end. ``--kills`` kills make
    ``ceil(kills / (6 × per-stage))`` chains.
 3. Every file of each chain's run directory is compared with the reference: byte-identical,
-   except the stage markers, compared without their finish time and durations (``*_seconds``).
+   except the stage and shard markers, compared without their finish time and durations
+   (``seconds``, ``*_seconds``).
    Hydra's ``.hydra/`` (the last command's config) is not compared. No ``.scratch``,
    ``.publishing`` or ``.trash`` directory may remain.
 
@@ -106,21 +107,22 @@ def stage_durations(lines: list[tuple[float, str]], end: float) -> dict[str, flo
 
 def _without_timing(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {k: _without_timing(v) for k, v in obj.items() if k != "finished_at" and not k.endswith("_seconds")}
+        return {k: _without_timing(v) for k, v in obj.items()
+                if k not in ("finished_at", "seconds") and not k.endswith("_seconds")}
     if isinstance(obj, list):
         return [_without_timing(v) for v in obj]
     return obj
 
 
 def run_contents(run_dir: Path) -> dict[str, str]:
-    """What is compared of a run directory: sha256 per file, markers without timing."""
+    """What is compared of a run directory: sha256 per file, stage and shard markers without timing."""
     out = {}
     for p in sorted(run_dir.rglob("*")):
         rel = p.relative_to(run_dir).as_posix()
         if not p.is_file() or rel.startswith(".hydra/") or rel.endswith(".log"):
             continue
         data = p.read_bytes()
-        if rel.startswith("stages/"):
+        if rel.startswith("stages/") or rel.endswith(".done"):
             data = json.dumps(_without_timing(json.loads(data)), sort_keys=True).encode()
         out[rel] = hashlib.sha256(data).hexdigest()
     return out

@@ -122,7 +122,7 @@ def _bad_gsm8k(tmp: Path) -> list[str]:
 CLI_CASES = {  # name: (overrides builder, stderr fragment)
     "negative_budget": (lambda t: ["export.budget=-1"], "export.budget=-1"),
     "unknown_rule": (lambda t: ["export.rule=P0"], "export.rule='P0'"),
-    "non_numeric_size": (lambda t: ["task.sizes.train=abc"], "task.sizes.train='abc'"),
+    "non_numeric_size": (lambda t: ["task.sizes.train=abc"], "task.sizes.train"),
     "negative_points": (lambda t: ["labeling.points=[-1,2]"], "labeling.points=[-1, 2]"),
     "unknown_stage": (lambda t: ["stages=[data,typo]"], "unknown stage(s) ['typo']"),
     "adapter_r0": (lambda t: _bad_adapter(t, "r0"), "r=0"),

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, RunDir
-from labeling.labels import _shard_stale, _write_shard
+from labeling.labels import ShardStats, _shard_stale, _write_shard
 from tests.robustness.helpers import digest
 
 OLD = {"bundle/manifest.json": "old manifest", "bundle/heads.safetensors": "old heads",
@@ -60,6 +60,8 @@ def _renames_in_commit(tmp_path: Path, with_old: bool) -> int:
         os.rename, os.replace = real_rename, real_replace
     return len(calls)
 
+
+STATS = ShardStats(requests=1, points=2, on_tokens=3, off_branches=1, off_tokens=2, seconds=0.5)
 
 RENAMES = {True: 10, False: 7}  # renames of a commit replacing OLD by NEW, and of a first commit of NEW
 
@@ -169,7 +171,7 @@ def test_changed_config_and_changed_input_stage(tmp_path: Path) -> None:
 def _shard(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
     files = {"points": tmp_path / "00000.parquet", "features": tmp_path / "00000.npy"}
     df = pd.DataFrame({"uid": ["a", "b"], "t": [0, 1], "y": [1, 0]})
-    _write_shard(tmp_path / "00000.done", files, df, np.arange(8, dtype=np.float32).reshape(2, 4))
+    _write_shard(tmp_path / "00000.done", files, df, np.arange(8, dtype=np.float32).reshape(2, 4), STATS)
     return tmp_path / "00000.done", files
 
 
@@ -201,7 +203,8 @@ def test_shard_killed_before_its_marker_is_not_reused(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(labels, "write_atomic", killed)
     with pytest.raises(Killed):
-        _write_shard(done, files, pd.DataFrame({"uid": ["c"], "t": [2], "y": [1]}), np.zeros((1, 4), np.float32))
+        _write_shard(done, files, pd.DataFrame({"uid": ["c"], "t": [2], "y": [1]}), np.zeros((1, 4), np.float32),
+                     STATS)
     assert _shard_stale(done, files) == "not labeled yet"
 
 

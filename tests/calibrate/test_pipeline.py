@@ -150,7 +150,7 @@ def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
     (["task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
     (["engine=hf", "engine.batch_size=many"], "could not be converted to Integer"),
     (["engine.batch_size=64"], "engine options need engine=hf or engine=vllm"),
-    (["task=nope"], "available: arith, gsm8k"),
+    (["task=nope"], "available: arith, counter, demo, gsm8k"),
 ])
 def test_config_mistakes_are_one_line_and_exit_2(tmp_path: Path, overrides: list[str], match: str) -> None:
     """The schema (calibrate/config.py) catches them while composing, before any work."""
@@ -192,9 +192,9 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path, case: str) -> None:
 
 
 def test_demo_config_routes_each_adapter_to_its_part(tmp_path: Path) -> None:
-    """The default config is the two-adapter demo; an adapter's `task` must name a part of the mix, every
-    part needs an adapter, and a plain task refuses `task`."""
-    ctx = Context(compose_cfg([]), RunDir(tmp_path))
+    """The two-adapter demo (task=demo adapter=demo); an adapter's `task` must name a part of the mix,
+    every part needs an adapter, and a plain task refuses `task`."""
+    ctx = Context(compose_cfg(["task=demo", "adapter=demo"]), RunDir(tmp_path))
     assert ctx.section("task")["name"] == "mix" and ctx.adapter_names == ["arith-a", "counter-a"]
     assert ctx.adapter_parts == {0: "arith", 1: "counter"}
     arith = f"{{name: a, path: {ROOT / 'labeling/data/adapters/arith-a'}"
@@ -204,7 +204,7 @@ def test_demo_config_routes_each_adapter_to_its_part(tmp_path: Path) -> None:
                  "task 'x' is not a part"}
     for override, match in cases.items():
         with pytest.raises(AdapterError, match=match):
-            Context(compose_cfg(["adapter=custom", override]), RunDir(tmp_path)).adapters
+            Context(compose_cfg(["task=demo", "adapter=custom", override]), RunDir(tmp_path)).adapters
     with pytest.raises(AdapterError, match="not a mix"):
         Context(compose_cfg([*TINY, f"adapter.adapters=[{arith}, task: arith}}]"]), RunDir(tmp_path)).adapters
 

@@ -30,7 +30,7 @@ def _copy(tiny_run: tuple[Path, dict], tmp_path: Path) -> Path:
 
 def test_export_killed_mid_publish_with_another_rule(tmp_path: Path, tiny_run, monkeypatch, capsys) -> None:
     """The failure the issue saw: a P25 re-export killed after the bundle was replaced must not
-    leave a P25 bundle under the P50 marker; the next default run serves P50 again."""
+    leave a P25 bundle under the default rule's marker; the next default run serves the default again."""
     run_dir = _copy(tiny_run, tmp_path)
     original = digest(run_dir / "bundle")
     real_replace = os.replace
@@ -44,11 +44,11 @@ def test_export_killed_mid_publish_with_another_rule(tmp_path: Path, tiny_run, m
     with pytest.raises(Killed):
         run(run_dir, [*TINY, "export.rule=P25", "stages=[export]"])
     monkeypatch.undo()
-    assert not (run_dir / "stages" / "export.json").exists()  # the P50 marker went before the bundle moved
+    assert not (run_dir / "stages" / "export.json").exists()  # the default's marker went before the bundle moved
     summaries = run(run_dir, TINY)
     out = capsys.readouterr().out
     assert "[export] finished publishing" in out and "[export] running" in out and "[export] cached" not in out
-    assert summaries["export"]["rule"] == "P50" == tiny_run[1]["export"]["rule"]
+    assert summaries["export"]["rule"] == tiny_run[1]["export"]["rule"] != "P25"
     assert digest(run_dir / "bundle") == original
     assert "[test] cached" in out  # the bundle is byte-identical, so the test stage's input is unchanged
 

@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.restated import restated_match, restatement
-from labeling.tasks.base import SPLITS, BaseTask, Example, TaskError, require_nonempty
+from labeling.tasks.base import SPLITS, BaseTask, Example, TaskError, generated_split
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -87,15 +87,7 @@ class CounterTask(BaseTask, CounterOptions):
         return [make_problem(rng, self.max_moves) for _ in range(self.n_generate[split])]
 
     def load_split(self, split: str) -> list[Example]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-        rows = self._generate(split)
-        if split != "train":
-            seen = {q for q, _, _ in self._generate("train")}
-            rows = [r for r in rows if r[0] not in seen]
-        examples = [Example(uid=f"counter-{split}-{i}", question=q, reference=a, meta={"solution": s})
-                    for i, (q, s, a) in enumerate(rows)]
-        return require_nonempty(self.name, split, self.sizes.cap(split, examples), f"generated, seed={self.seed}")
+        return generated_split(self, split)
 
     def messages(self, ex: Example) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{INSTRUCTION}\n{ex.question}"}]

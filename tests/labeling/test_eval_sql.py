@@ -11,7 +11,6 @@ import pytest
 from labeling.evaluators.sql import (
     QueryTimeout,
     ResultTooLarge,
-    SandboxError,
     SqlSandbox,
     execute_readonly,
     execution_match,

@@ -5,8 +5,6 @@ positions mapped to no adapter, as Python ints."""
 from __future__ import annotations
 
 import enum
-import importlib
-import sys
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
@@ -16,6 +14,7 @@ import torch
 from serve_bridge.runtime import build_runtime, lora_group_count
 from serve_bridge.vllm.settings import RELEASES_ATTR
 from tests.serve_bridge.test_runtime import H, _bundle, served  # noqa: F401 - served is a fixture
+from tests.serve_bridge.vllm.stubs import import_over
 
 
 def make_lora_inputs(batch, num_scheduled, num_sampled):
@@ -47,11 +46,7 @@ def hooks(monkeypatch):
     modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner = GPUModelRunner
     modules["vllm.lora.layers"].LoRAMappingType = mapping_type
     modules["vllm.v1.worker"].gpu_model_runner = modules["vllm.v1.worker.gpu_model_runner"]
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.model_runner", raising=False)
-    module = importlib.import_module("serve_bridge.vllm.model_runner")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.model_runner")  # the next import sees real vLLM again
+    module = import_over(monkeypatch, modules, "serve_bridge.vllm.model_runner")
     return module, mapping_type
 
 

@@ -11,7 +11,6 @@ releases back on the step output, as the runner does.
 """
 from __future__ import annotations
 
-import importlib
 import pickle
 import sys
 from collections import deque
@@ -26,6 +25,7 @@ from serve_bridge.runtime import build_runtime
 from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_slot_engine
 from tests.serve_bridge.engine_walk import H, hidden_state
 from tests.serve_bridge.test_runtime import _bundle, _reference_release, served  # noqa: F401 - fixture
+from tests.serve_bridge.vllm.stubs import import_over
 
 LORA_ID = {"prof0": 1, "prof2": 2, "learn": 3, "off": 4, "tampered": 5}
 
@@ -136,12 +136,7 @@ def sched(monkeypatch):
     modules = {n: ModuleType(n) for n in names}
     modules["vllm.v1.core.sched.scheduler"].Scheduler = FakeScheduler
     modules["vllm.v1.core.sched"].scheduler = modules["vllm.v1.core.sched.scheduler"]
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.scheduler", raising=False)
-    module = importlib.import_module("serve_bridge.vllm.scheduler")
-    monkeypatch.delitem(sys.modules, "serve_bridge.vllm.scheduler")
-    return module
+    return import_over(monkeypatch, modules, "serve_bridge.vllm.scheduler")
 
 
 def vllm_config(max_loras: int, scheduler_cls=None, backend="mp"):

@@ -3,20 +3,31 @@ re-run: the final outputs equal the uninterrupted tiny run's. The 24-kill versio
 is `python -m benchmarks.robustness.kill_resume` (benchmarks/results/2026-12-01-kill-resume.md)."""
 from __future__ import annotations
 
+import json
 import random
+from datetime import datetime
 from pathlib import Path
 
-from benchmarks.robustness.kill_resume import kill_chain, run_contents
+from benchmarks.robustness.kill_resume import STAGE_ORDER, kill_chain, run_contents
 from tests.calibrate.test_pipeline import TINY
 
-# Rough stage durations of the tiny run on 2 CPU cores (s); a kill lands u × this after the stage starts.
-DURATIONS = {"labels": 30.0, "sweep": 15.0, "export": 4.0}
+TARGETS = ("labels", "sweep", "export")
+
+
+def stage_seconds(run_dir: Path) -> dict[str, float]:
+    """Each stage's duration in the uninterrupted run, from consecutive stage markers' ``finished_at``
+    (1 s resolution, so at least 1 s): the kill delays follow this machine's speed."""
+    done = [datetime.fromisoformat(json.loads((run_dir / "stages" / f"{s}.json").read_text())["finished_at"])
+            for s in STAGE_ORDER]
+    return {s: max((done[i] - done[i - 1]).total_seconds(), 1.0) for i, s in enumerate(STAGE_ORDER) if i}
 
 
 def test_three_kills_then_identical_outputs(tmp_path: Path, tiny_run) -> None:
     rng = random.Random(0)
-    targets = [(stage, rng.random()) for stage in DURATIONS]
-    chain = kill_chain(tmp_path / "run", TINY, targets, DURATIONS, run_contents(tiny_run[0]))
+    # A kill lands in the first half of its stage, so a machine faster than the reference run still
+    # kills mid-stage.
+    targets = [(stage, 0.5 * rng.random()) for stage in TARGETS]
+    chain = kill_chain(tmp_path / "run", TINY, targets, stage_seconds(tiny_run[0]), run_contents(tiny_run[0]))
     assert chain.returncode == 0
     assert chain.diffs == [], chain.diffs
     assert len(chain.kills) + len(chain.skipped) == 3 and len(chain.kills) >= 2, chain

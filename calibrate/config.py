@@ -86,7 +86,7 @@ class ExportConfig:
 @dataclass
 class Config:
     """The composed config. stages: to run, in order; agreement: add the agreement stage;
-    preview: print the cost preview (labeling's first shard measured) and stop."""
+    preview: print the cost preview (measured on labeling's first shards) and stop."""
 
     task: TaskConfig = MISSING
     backbone: BackboneSpec = MISSING

@@ -76,18 +76,18 @@ def preview(ctx: Context, plan: LabelingPlan) -> float:
 
 
 def stage_labels(ctx: Context) -> dict:
-    """ON/OFF labels on the train split (resumable shards); the cost preview after the first."""
+    """ON/OFF labels on the train split (resumable shards); the cost preview after the warm-up shard."""
     lab = ctx.section("labeling")
     seen: dict[str, Any] = {}
 
-    def after_first(plan: LabelingPlan) -> None:
+    def after_warmup(plan: LabelingPlan) -> None:
         seen["plan"] = plan
         seen["estimate_s"] = preview(ctx, plan)
 
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
                                  lab["points"], ctx.run.root / "labels", ctx.shard_requests,
                                  shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts,
-                                 after_first=after_first, progress=ctx.engine_options.progress)
+                                 after_warmup=after_warmup, progress=ctx.engine_options.progress)
     if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
         m = seen["plan"].measured()
         _say(f"labels: {m.requests} requests, {m.tokens} generated tokens in {m.seconds:.1f} s of generation "

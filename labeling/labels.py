@@ -109,11 +109,13 @@ class ShardStats:
 @dataclass
 class LabelingPlan:
     """The shards of a labeling run: ``requests`` in shards of ``shard_requests``, and the stats
-    of those already done (in this run or a resumed one)."""
+    of those already done (in this run or a resumed one). ``warmup``: the first shard this process
+    generated, which also paid the engine's warm-up (first steps of each batch shape, cold caches)."""
 
     requests: int
     shard_requests: int
     done: dict[int, ShardStats]
+    warmup: int | None = None
 
     @property
     def shards(self) -> int:
@@ -121,20 +123,34 @@ class LabelingPlan:
 
     def measured(self) -> ShardStats | None:
         """All done shards' stats summed (None before the first)."""
-        if not self.done:
-            return None
-        rows = list(self.done.values())
-        return ShardStats(*(sum(getattr(r, f) for r in rows) for f in ShardStats.__dataclass_fields__))
+        return _sum(list(self.done.values()))
+
+    def steady(self) -> ShardStats | None:
+        """The done shards' stats without the warm-up shard, summed; all of them while the warm-up
+        shard is the only one (None before the first)."""
+        rows = [s for i, s in self.done.items() if i != self.warmup]
+        return _sum(rows) if rows else self.measured()
+
+    def ready_to_preview(self, next_shard: int) -> bool:
+        """Whether the preview can be made before ``next_shard`` runs: a shard past the warm-up is
+        done, or the next shard is the last one."""
+        return bool(self.done) and (any(i != self.warmup for i in self.done) or next_shard == self.shards - 1)
 
 
-# after_first(plan): called once, as soon as at least one shard is done and before the next starts
-# (or after the only one); it may raise to stop labeling there (the done shards are kept).
-AfterFirst = Callable[[LabelingPlan], None]
+def _sum(rows: list[ShardStats]) -> ShardStats | None:
+    if not rows:
+        return None
+    return ShardStats(*(sum(getattr(r, f) for r in rows) for f in ShardStats.__dataclass_fields__))
+
+
+# after_warmup(plan): called once, as soon as the plan is ready to preview and before the next
+# shard starts (or after the last one); it may raise to stop labeling there (the done shards are kept).
+AfterWarmup = Callable[[LabelingPlan], None]
 
 
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
                  points: Sequence[int], out_dir: Path, shard_requests: int, shard_key: str = "",
-                 parts: Mapping[int, str | None] | None = None, after_first: AfterFirst | None = None,
+                 parts: Mapping[int, str | None] | None = None, after_warmup: AfterWarmup | None = None,
                  progress: bool = False) -> tuple[pd.DataFrame, np.ndarray]:
     """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
 
@@ -170,16 +186,17 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
     for i in range(plan.shards):
         files = _shard_files(shard_dir, i)
         if i not in plan.done:
-            if plan.done and after_first is not None and not told:
+            if after_warmup is not None and not told and plan.ready_to_preview(i):
                 told = True
                 bar.close()  # the preview prints between two bars, not across one
-                after_first(plan)
+                after_warmup(plan)
                 bar = new_bar()
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
             start = time.perf_counter()
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
                                       fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{plan.shards}")
             stats = ShardStats.measure(results, 0, time.perf_counter() - start)
+            plan.warmup = i if plan.warmup is None else plan.warmup
             df, h = label_results(engine, task, chunk, results, adapter_names)
             stats = replace(stats, points=len(df))
             _write_shard(shard_dir / f"{i:05d}.done", files, df, h, stats)
@@ -190,8 +207,8 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
         frames.append(pd.read_parquet(files["points"]))
         feats.append(np.load(files["features"]))
     bar.close()
-    if after_first is not None and not told and tokens:  # the only shard ran in this call
-        after_first(plan)
+    if after_warmup is not None and not told and tokens:  # every shard this call ran came before the preview
+        after_warmup(plan)
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=POINT_COLUMNS)
     return df, np.concatenate(feats) if feats else np.zeros((0, engine.hidden_size), np.float32)
 

@@ -221,9 +221,10 @@ def test_wheel_ships_configs_and_demo_adapter(tmp_path: Path) -> None:
         assert f in names, f
 
 
-def test_preview_measures_the_first_shard_and_stops(tmp_path: Path, capsys) -> None:
-    """preview=true: the engine choice, then the preview from the first labeling shard (kept, with
-    its stats), then the run stops before the second shard; the labels stage is not done."""
+def test_preview_measures_the_first_shards_and_stops(tmp_path: Path, capsys) -> None:
+    """preview=true: the engine choice, then the preview from the first two labeling shards (kept,
+    with their stats; the first is the warm-up), then the run stops before the third; the labels
+    stage is not done."""
     from labeling.engines.auto import MachineFacts
 
     cpu = MachineFacts(cuda=False, gpus=0, gpu_memory=0, vllm_version=None)
@@ -232,10 +233,11 @@ def test_preview_measures_the_first_shard_and_stops(tmp_path: Path, capsys) -> N
     assert list(summaries) == ["data"]
     out = capsys.readouterr().out
     assert "engine=auto → hf on cpu: no CUDA device is visible." in out
-    assert "preview on hf (cpu), measured on 1 of 3 labeling shard(s): 2 requests" in out
+    assert "preview on hf (cpu), measured on 2 of 3 labeling shard(s): 4 requests" in out
+    assert "tokens/s after the warm-up shard)" in out
     assert "labels: 6 ON + ~" in out and "preview=true: stopped after the preview" in out
-    stats = json.loads((tmp_path / "labels" / "shards" / "00000.done").read_text())["stats"]
+    stats = json.loads((tmp_path / "labels" / "shards" / "00001.done").read_text())["stats"]
     assert stats["requests"] == 2 and stats["on_tokens"] > 0 and stats["seconds"] > 0
-    assert not (tmp_path / "labels" / "shards" / "00001.done").exists()
+    assert not (tmp_path / "labels" / "shards" / "00002.done").exists()
     assert not (tmp_path / "stages" / "labels.json").exists()
     assert json.loads((tmp_path / "engine.json").read_text())["device"] == "cpu"

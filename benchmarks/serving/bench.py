@@ -360,8 +360,8 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
                    full_graphs: bool = False, max_loras: int | None = None,
                    max_cpu_loras: int | None = None) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
-    workload), ``max_cpu_loras`` 256 or the given one, at least max_loras, and the decode CUDA
-    graph sizes;
+    workload), ``max_cpu_loras`` N (every adapter stays loaded in host memory after the warm-up
+    request per adapter) or the given one, at least max_loras, and the decode CUDA graph sizes;
     ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
     ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
     module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
@@ -388,7 +388,7 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
-    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or 256, slots),
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or n_adapters, slots),
                  specialize_active_lora=SPECIALIZE[mode])
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
@@ -842,7 +842,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                                                tensor_parallel_size=args.tensor_parallel_size,
                                                compiled=args.compiled, full_graphs=args.full_graphs)
                                 | {"max_loras": args.max_loras or "N",
-                                   "max_cpu_loras": f"max({args.max_cpu_loras or 256}, max_loras)",
+                                   "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
                                    "specialize_active_lora": "per mode"}),
         "slots: " + ("steptrim/both keep vLLM's accounting (LORAZOR_SLOTS=0)" if args.no_slot_release else
                      "steptrim/both hand a released request's adapter slot on (LoRazor's scheduler); mean running "
@@ -965,8 +965,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
                          "slot-bound workload: e.g. --adapters 512 --max-loras 32")
     ap.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
-                    help="adapters vLLM keeps loaded in host memory (default 256; raised to max_loras); with "
-                         "fewer than the adapters served, adapters are reloaded from disk while serving")
+                    help="adapters vLLM keeps loaded in host memory (default: all of them, as a server that keeps "
+                         "its tenants' adapters in host memory; raised to max_loras); with fewer than the adapters "
+                         "served, adapters are reloaded from disk while serving")
     ap.add_argument("--no-slot-release", action="store_true",
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")

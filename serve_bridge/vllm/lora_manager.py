@@ -1,14 +1,21 @@
-"""One adapter-registry read per step in vLLM's LRU worker LoRA manager (either LoRazor switch).
+"""vLLM's worker LoRA manager with cheaper per-step adapter bookkeeping (either LoRazor switch).
 
-vLLM's ``_apply_adapters`` copies the whole adapter registry once per adapter of the batch, every
-step (at 128 adapters, the largest host cost of a step after waiting for the GPU).
-:func:`apply_adapters` makes the same calls on the adapter manager, in the same order, and reads the
-registry once per step, again only after it loaded an adapter (docs/vllm_integration.md §6).
+- :func:`apply_adapters`: vLLM's ``_apply_adapters`` copies the whole adapter registry once per
+  adapter of the batch, every step; this makes the same calls on the adapter manager, in the same
+  order, and reads the registry once per step, again only after it loaded an adapter.
+- :func:`activate_adapter`: vLLM writes an adapter into a GPU slot with a few small copies per
+  layer (hundreds per adapter); this writes the same slot contents with one host-to-device copy
+  (``serve_bridge.slot_copy``). It matters where slots turn over often: many adapters, few slots.
+
+docs/vllm_integration.md §6 has the vLLM lines these follow.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
+
+from serve_bridge.slot_copy import SlotImage, SlotWriter
 
 
 def apply_adapters(self: Any, lora_requests: Iterable[Any]) -> None:
@@ -27,8 +34,37 @@ def apply_adapters(self: Any, lora_requests: Iterable[Any]) -> None:
             registered = self.list_adapters()
 
 
+def activate_adapter(self: Any, lora_id: int) -> bool:
+    """``LoRAModelManager.activate_adapter``: the same bookkeeping (the first free slot), the slot
+    written from the adapter's slot image, rendered at its first activation and kept while vLLM
+    keeps the adapter loaded (it doubles the adapter's host memory)."""
+    if lora_id in self._active_adapters:
+        return False
+    index = next((i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
+    if index is None:
+        raise ValueError("No free lora slots")
+    self._active_adapters[lora_id] = None
+    lora_model = self._registered_adapters[lora_id]
+    self.lora_index_to_id[index] = lora_model.id
+    state = self.__dict__.get("_lorazor_slots")
+    if state is None:
+        state = self.__dict__["_lorazor_slots"] = (SlotWriter(self.modules), weakref.WeakKeyDictionary())
+    writer, images = state
+    image: SlotImage | None = images.get(lora_model)
+    if image is None:
+        def weights(name: str) -> tuple[Any, Any] | None:
+            layer = self._get_lora_layer_weights(lora_model, name)
+            return (layer.lora_a, layer.lora_b) if layer else None
+
+        image = images[lora_model] = writer.image(weights)
+    writer.write(image, index)
+    return True
+
+
 def install() -> None:
-    """Make vLLM's LRU worker LoRA manager use :func:`apply_adapters` (idempotent)."""
+    """Make vLLM's LoRA managers use :func:`apply_adapters` and :func:`activate_adapter` (idempotent)."""
+    from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
     LRUCacheWorkerLoRAManager._apply_adapters = apply_adapters
+    LoRAModelManager.activate_adapter = activate_adapter

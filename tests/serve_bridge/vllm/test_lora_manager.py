@@ -116,3 +116,80 @@ def test_more_adapters_than_slots_is_one_clear_error():
     ours = WorkerManager(AdapterManager([], 64, 2))
     with pytest.raises(RuntimeError, match="3 LoRAs at once, more than the 2 GPU LoRA slots"):
         apply_adapters(ours, [request(1), request(2), request(3)])
+
+
+class LoRAModel:
+    """vLLM's ``LoRAModel`` (``lora/lora_model.py:60``): an id and per-layer weights."""
+
+    def __init__(self, lora_id: int, loras: dict) -> None:
+        self.id, self.loras = lora_id, loras
+
+
+class SlotManager:
+    """The state ``LoRAModelManager.activate_adapter`` reads and writes (``lora/model_manager.py:301-340``)."""
+
+    def __init__(self, adapters: dict[int, dict]) -> None:
+        from tests.serve_bridge.test_slot_copy import MAX_LORAS, layers
+
+        self.modules = layers()
+        self.lora_index_to_id: list[int | None] = [None] * MAX_LORAS
+        self._active_adapters: dict[int, None] = {}
+        self._registered_adapters = {i: LoRAModel(i, w) for i, w in adapters.items()}
+
+    def _get_lora_layer_weights(self, lora_model: LoRAModel, name: str) -> SimpleNamespace | None:
+        w = lora_model.loras[name]
+        return SimpleNamespace(lora_a=w[0], lora_b=w[1]) if w is not None else None
+
+    def deactivate(self, lora_id: int) -> None:  # the id leaves _active_adapters; _deactivate_adapter (:342-347)
+        self.lora_index_to_id[self.lora_index_to_id.index(lora_id)] = None
+        del self._active_adapters[lora_id]
+
+
+def vllm_activate_adapter(self: SlotManager, lora_id: int) -> bool:
+    """vLLM 0.26.0's ``LoRAModelManager.activate_adapter``, restated."""
+    if lora_id in self._active_adapters:
+        return False
+    slot = next((i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
+    if slot is None:
+        raise ValueError("No free lora slots")
+    self._active_adapters[lora_id] = None
+    lora_model = self._registered_adapters[lora_id]
+    self.lora_index_to_id[slot] = lora_model.id
+    for name, module in self.modules.items():
+        weights = self._get_lora_layer_weights(lora_model, name)
+        if not weights:
+            module.reset_lora(slot)
+            continue
+        module.set_lora(slot, weights.lora_a, weights.lora_b)
+    return True
+
+
+def test_activate_adapter_matches_vllm() -> None:
+    """Random activations and deactivations: the same return values, slot bookkeeping, errors and
+    slot contents as vLLM's activate_adapter."""
+    import random
+
+    import torch
+
+    from serve_bridge.vllm.lora_manager import activate_adapter
+    from tests.serve_bridge.test_slot_copy import layers, random_adapter, state
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    adapters = {i: random_adapter(rng, layers()) for i in range(1, 9)}
+    ours, ref = SlotManager(adapters), SlotManager(adapters)
+    for _ in range(60):
+        lora_id = rng.choice(list(adapters))
+        if lora_id in ref._active_adapters and rng.random() < 0.5:
+            ours.deactivate(lora_id)
+            ref.deactivate(lora_id)
+            continue
+        try:
+            want = vllm_activate_adapter(ref, lora_id)
+        except ValueError as err:
+            with pytest.raises(ValueError, match=str(err)):
+                activate_adapter(ours, lora_id)
+            continue
+        assert activate_adapter(ours, lora_id) == want
+        assert ours.lora_index_to_id == ref.lora_index_to_id and ours._active_adapters == ref._active_adapters
+        assert all(torch.equal(a, b) for a, b in zip(state(ours.modules), state(ref.modules)))

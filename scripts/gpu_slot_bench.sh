@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# Slot hand-back on one H200, in about 9 minutes:
-#   1. correctness (benchmarks/serving/check_slots.py): policy off token-identical to stock on 320
-#      requests; profiled and learned policies token-identical with and without slot hand-back;
-#   2. the slot-bound throughput table: 512 adapters, max_loras 32, uniform traffic, offline,
-#      Llama-3.2-3B shape, rank 8, full CUDA graphs, modes stock, gridtrim, both (REQUESTS requests,
-#      default 1024 to fit 9 minutes; the table of 2026-12-01 used 2048), with mean running requests and
-#      slots held per step beside the capacity model's prediction.
+# The slot-bound serving tables (each fits a 10-minute window on one H200):
+#   correctness check_slots: policy off token-identical to stock on 320 requests; profiled and learned
+#               policies token-identical with and without slot hand-back
+#   uniform512  512 adapters, max_loras 32, uniform traffic, offline: both, gridtrim, stock, nolora
+#   skewed1024  1024 adapters, max_loras 64, skewed (80% of requests on 20% of adapters): stock, gridtrim, both
+#   full128     128 adapters, max_loras 128 (no slot pressure, the no-regression check): nolora, stock, gridtrim, both
+#   poisson512  512 adapters, max_loras 32, open-loop Poisson arrivals at RATE req/s (default: 0.8 × gridtrim's
+#               offline req/s in OUT/uniform512, else 20): gridtrim, both; P50/P90 TTFT and TPOT
+# Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections, full CUDA graphs, REQUESTS
+# requests (default 2048), every adapter kept in host memory; mean running requests and slots held
+# per step beside the capacity model's prediction. Each table prints the line
+#   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY
 # Usage, from anywhere (vLLM 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
-#   bash scripts/gpu_slot_bench.sh OUT_DIR
-# Writes OUT_DIR/correctness/check_slots.md and OUT_DIR/slots_512_32/bench.{txt,json}.
-# Environment: REQUESTS (bench requests, default 1024), BUDGET_S (whole run, default 540).
+#   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
+# Writes OUT_DIR/<table>/bench.{txt,json}, or OUT_DIR/correctness/check_slots.md.
+# Environment: REQUESTS, RATE, BUDGET_S (per table, default 560).
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR}
-requests=${REQUESTS:-1024}
-budget=${BUDGET_S:-540}
+out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
+shift
+[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 poisson512" >&2; exit 2; }
+requests=${REQUESTS:-2048}
+budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
 export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
 # slot statistics read the engine core's scheduler, so it runs in this process
@@ -25,20 +32,50 @@ out=$(cd "$out" && pwd)
 cd "$root"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 git log -1 --format='commit %H %cd' 2>/dev/null || true
-start=$(date +%s)
 rc=0
-python3 -m benchmarks.serving.check_slots --out "$out/correctness" --budget-s 220 || rc=1
-left=$((budget - ($(date +%s) - start)))
-python3 -m benchmarks.serving.bench --out "$out/slots_512_32" --work /tmp/lorazor_bench_slots \
-    --adapters 512 --max-loras 32 --requests "$requests" --modes stock gridtrim both --full-graphs \
-    --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 --budget-s "$left" --min-run-s 60 || rc=1
-python3 - "$out/slots_512_32/bench.json" <<'PY' || rc=1
+
+bench() {  # table, then bench arguments
+    local table=$1 start=$2
+    shift 2
+    python3 -m benchmarks.serving.bench --out "$out/$table" --work "/tmp/lorazor_bench_$table" --requests "$requests" \
+        --full-graphs --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 \
+        --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" || rc=1
+    python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
-rows = {r["mode"]: r for r in json.load(open(sys.argv[1]))["rows"] if "error" not in r}
-if {"stock", "gridtrim", "both"} <= set(rows):
-    b, g, s = (rows[m]["req_per_s"] for m in ("both", "gridtrim", "stock"))
-    print(f"slot-bound 512/32 uniform: both/gridtrim = {b / g:.2f}, both/stock = {b / s:.2f}")
-else:
-    print(f"slot-bound 512/32 uniform: rows missing ({sorted(rows)} finished)")
+table, path = sys.argv[1], sys.argv[2]
+rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
+ratios = [f"both/{m} = {rows['both']['req_per_s'] / rows[m]['req_per_s']:.2f}"
+          for m in ("gridtrim", "stock") if "both" in rows and m in rows]
+print(f"slot-bound {table}: " + (", ".join(ratios) if ratios else f"rows missing ({sorted(rows)} finished)"))
 PY
+}
+
+for table in "$@"; do
+    start=$(date +%s)
+    case $table in
+    correctness)
+        python3 -m benchmarks.serving.check_slots --out "$out/$table" --budget-s $((budget - 30)) || rc=1 ;;
+    uniform512)
+        bench "$table" "$start" --adapters 512 --max-loras 32 --modes both gridtrim stock nolora ;;
+    skewed1024)
+        bench "$table" "$start" --adapters 1024 --max-loras 64 --skewed --modes both gridtrim stock ;;
+    full128)
+        bench "$table" "$start" --adapters 128 --modes both gridtrim stock nolora ;;
+    poisson512)
+        rate=${RATE:-$(python3 - "$out/uniform512/bench.json" <<'PY'
+import json, sys
+try:
+    rows = {r["mode"]: r for r in json.load(open(sys.argv[1]))["rows"] if "error" not in r}
+    print(f"{0.8 * rows['gridtrim']['req_per_s']:.1f}")
+except (OSError, KeyError, ValueError):
+    print("20")
+PY
+)}
+        echo "Poisson arrivals at $rate req/s"
+        bench "$table" "$start" --adapters 512 --max-loras 32 --arrival-rate "$rate" --modes both gridtrim ;;
+    *)
+        echo "unknown table '$table': correctness, uniform512, skewed1024, full128 or poisson512" >&2
+        exit 2 ;;
+    esac
+done
 exit $rc

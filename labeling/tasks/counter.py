@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.restated import restated_match, restatement
-from labeling.tasks.base import SPLITS, BaseTask, Example, TaskError, generated_split
+from labeling.tasks.base import SPLITS, Example, GeneratedTask, TaskError
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -68,7 +68,7 @@ class CounterOptions:
 
 
 @dataclass
-class CounterTask(BaseTask, CounterOptions):
+class CounterTask(GeneratedTask, CounterOptions):
     """Running count over 1…``max_moves`` changes, ``#### N`` then ``The answer is N.``
 
     n_generate: problems generated per split (not a config option).
@@ -85,9 +85,6 @@ class CounterTask(BaseTask, CounterOptions):
     def _generate(self, split: str) -> list[tuple[str, str, str]]:
         rng = random.Random(self.seed * 1000 + 500 + SPLITS.index(split))
         return [make_problem(rng, self.max_moves) for _ in range(self.n_generate[split])]
-
-    def load_split(self, split: str) -> list[Example]:
-        return generated_split(self, split)
 
     def messages(self, ex: Example) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{INSTRUCTION}\n{ex.question}"}]

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.numeric import numeric_match
+from labeling.options import CheckedOptions
 from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
@@ -52,7 +53,9 @@ def make_problem(rng: random.Random) -> tuple[str, str, str]:
 
 
 @dataclass
-class ArithOptions:
+class ArithOptions(CheckedOptions):
+    rules = {"max_new_tokens": "positive_int", "seed": "integer"}
+
     max_new_tokens: int = 48
     seed: int = 0
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from labeling.options import CheckedOptions
+
 SPLITS = ("train", "validation", "test")
 
 
@@ -60,8 +62,10 @@ def require_nonempty(task: str, split: str, rows: list[Example], source: str) ->
 
 
 @dataclass
-class SplitSizes:
+class SplitSizes(CheckedOptions):
     """Optional caps on split sizes (None = all rows). Caps apply after the seeded split."""
+
+    rules = {"train": "split_size", "validation": "split_size", "test": "split_size"}
 
     train: int | None = None
     validation: int | None = None

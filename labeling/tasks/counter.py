@@ -28,7 +28,8 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.restated import restated_match, restatement
-from labeling.tasks.base import SPLITS, Example, GeneratedTask, TaskError
+from labeling.options import CheckedOptions
+from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -59,8 +60,10 @@ def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
 
 
 @dataclass
-class CounterOptions:
+class CounterOptions(CheckedOptions):
     """max_moves: the most changes a problem has (1…12)."""
+
+    rules = {"max_new_tokens": "positive_int", "seed": "integer", "max_moves": tuple(range(1, 13))}
 
     max_new_tokens: int = 32
     seed: int = 0
@@ -77,10 +80,6 @@ class CounterTask(GeneratedTask, CounterOptions):
     name = "counter"
     Options = CounterOptions
     n_generate: dict[str, int] = field(default_factory=lambda: {"train": 4000, "validation": 600, "test": 600})
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_moves <= 12:
-            raise TaskError(f"counter task: max_moves must be in 1…12, got {self.max_moves}")
 
     def _generate(self, split: str) -> list[tuple[str, str, str]]:
         rng = random.Random(self.seed * 1000 + 500 + SPLITS.index(split))

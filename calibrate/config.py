@@ -6,22 +6,29 @@ is a config error) and a key the YAML does not set takes the dataclass's default
 dataclasses live next to the code they configure: each task's ``Options`` (labeling/tasks),
 :class:`~labeling.engines.hf.HFOptions`, :class:`~labeling.engines.vllm.options.VLLMOptions`,
 :class:`~labeling.engines.auto.AutoOptions`, :class:`~labeling.backbone.BackboneSpec`.
+
+Every dataclass checks its values when it is built (``__post_init__``, :mod:`labeling.options`);
+:func:`check_config` builds the composed config and so runs every check, before any work.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from calibrate.errors import ConfigError
 from calibrate.resolvers import register_resolvers
 from labeling.backbone import BackboneSpec
 from labeling.engines.auto import AutoOptions
 from labeling.engines.hf import HFOptions
 from labeling.engines.vllm.options import VLLMOptions
-from labeling.tasks import REGISTRY, SplitSizes
+from labeling.options import CheckedOptions, OptionError, check_value
+from labeling.tasks import REGISTRY, SplitSizes, task_class
 from labeling.tasks.mix import MixOptions, MixTask
+from predictors.frontier import POLICIES, parse_rule
 
 
 @dataclass
@@ -32,37 +39,63 @@ class TaskConfig:
     options: Any = MISSING
     sizes: SplitSizes = field(default_factory=SplitSizes)
 
+    def __post_init__(self) -> None:
+        expected = MixOptions if self.name == MixTask.name else task_class(self.name).Options
+        if not isinstance(self.options, expected):
+            raise OptionError("name", self.name, f"the options are {type(self.options).__name__}'s; choose the "
+                              f"task with task={self.name}, which brings its own options")
+
 
 @dataclass
 class AdapterConfig:
     """name: the adapter set's name (in the run directory's name); adapters: {name, path} each, and
-    ``task`` (the part of a mixed task it serves) where the task mixes several."""
+    ``task`` (the part of a mixed task it serves) where the task mixes several; at least one, names
+    unique."""
 
     name: str = MISSING
     adapters: list[dict[str, str]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.adapters:
+            raise OptionError("adapters", self.adapters, "list at least one {name, path} (see conf/adapter/custom.yaml)")
+        for i, entry in enumerate(self.adapters):
+            if not {"name", "path"} <= set(entry) <= {"name", "path", "task"}:
+                raise OptionError(f"adapters[{i}]", entry, "use {name: <serving name>, path: <peft directory>} "
+                                  "with an optional task: <part of a mix task>")
+            for key in ("name", "path"):
+                check_value(f"adapters[{i}].{key}", entry[key], "text")
+        names = [entry["name"] for entry in self.adapters]
+        if len(set(names)) != len(names):
+            raise OptionError("adapters", names, "give each adapter its own name")
+
 
 @dataclass
-class LabelingConfig:
+class LabelingConfig(CheckedOptions):
     """points: release points T; shard_requests: requests per resumable shard, or ``auto``
     (:attr:`calibrate.context.Context.shard_requests`)."""
+
+    rules = {"points": "points", "shard_requests": "auto_or_positive_int"}
 
     points: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 7, 15, 31, 63])
     shard_requests: str = "auto"
 
 
 @dataclass
-class PredictorConfig:
+class PredictorConfig(CheckedOptions):
     """One linear head per adapter (predictors/heads.py) with L2 weight ``lam``."""
+
+    rules = {"lam": "positive_number"}
 
     name: str = "linear"
     lam: float = 0.1
 
 
 @dataclass
-class SweepConfig:
+class SweepConfig(CheckedOptions):
     """The exact one-pass sweep (predictors/sweep.py): τ quantiles per head, τ at target training
     skip levels, profiled ks, and the confidence of each candidate's loss upper bound."""
+
+    rules = {"n_tau": "positive_int", "ks": "points", "confidence": "probability"}
 
     n_tau: int = 32
     skip_levels: list[float] = field(default_factory=lambda: [
@@ -73,14 +106,26 @@ class SweepConfig:
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(CheckedOptions):
     """rule: budget (``budget``: the allowed validation accuracy loss in points, on its upper bound)
-    | P25 | P50 | P75; policy: learned | profiled."""
+    | P<percent> (P25, P50, P75...); policy: learned | profiled."""
+
+    rules = {"budget": "non_negative_number", "policy": POLICIES, "table_format": ("csv",)}
 
     rule: str = "budget"
     budget: float = 2.0
     policy: str = "learned"
     table_format: str = "csv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rule == "budget":
+            return
+        try:
+            parse_rule(self.rule)
+        except ValueError as err:
+            raise OptionError("rule", self.rule, "use P<percent> with 0 < percent ≤ 100 (e.g. P50) or budget "
+                              "(the largest skip within export.budget points)") from err
 
 
 @dataclass
@@ -101,8 +146,44 @@ class Config:
     agreement: bool = False
     preview: bool = False
 
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise OptionError("stages", self.stages, "name at least one stage")
+        if not isinstance(self.engine, ENGINES.get(self.engine.name, ())):
+            raise OptionError("engine", self.engine.name, "use engine=auto (the default), engine=hf (transformers + "
+                              "peft) or engine=vllm (GPU)")
+
 
 ENGINES = {"auto": AutoOptions, "hf": HFOptions, "vllm": VLLMOptions}
+# The nodes below the root, leaves first: check_config builds them in this order, so an error names its node.
+NODES = ("task.options", "task.sizes", "task", "backbone", "adapter", "engine", "labeling", "predictor", "sweep",
+         "export")
+
+
+def check_config(cfg: DictConfig) -> Config:
+    """``cfg`` as its dataclasses, every value checked (their ``__post_init__``); a ConfigError whose
+    one line names the key (``export.budget=-1: …``) on the first bad value, a TaskError for an
+    unknown task."""
+    for path in NODES:
+        _build(cfg, path)
+    return _build(cfg, "")
+
+
+def _build(cfg: DictConfig, path: str) -> Any:
+    """The node at ``path`` ("" = the root) as its dataclass, which has every key the node has
+    (``+key=value`` can add one the schema lacks)."""
+    node = OmegaConf.select(cfg, path) if path else cfg
+    try:
+        built = OmegaConf.to_object(node)
+    except OptionError as err:
+        raise ConfigError(f"{path}.{err}" if path else str(err)) from err
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve, e.g. ${oops}
+        raise ConfigError(f"the config does not resolve: {str(err).splitlines()[0]}") from err
+    known = [f.name for f in fields(built)]
+    unknown = sorted(set(node) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}: no such key; {path} has {known}.")
+    return built
 
 
 def register() -> None:

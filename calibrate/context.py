@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from calibrate.config import ENGINES
+from calibrate.config import Config, check_config
 from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter, weights_file
@@ -32,12 +32,14 @@ ENGINE_IDENTITY = ("name", "dtype", "device")
 class Context:
     """Config + run dir + lazily built task, backbone and engine.
 
+    config: ``cfg`` as its dataclasses, every value checked (a ConfigError here on a bad one).
     facts: the machine facts ``engine=auto`` decides on (:mod:`labeling.engines.auto`); probed
     when first needed unless given (tests inject them).
     """
 
     def __init__(self, cfg: DictConfig, run: RunDir, facts: MachineFacts | None = None) -> None:
         self.cfg = cfg
+        self.config: Config = check_config(cfg)
         self.run = run
         self._facts = facts
 
@@ -72,18 +74,9 @@ class Context:
         return section
 
     @cached_property
-    def _engine_config(self) -> AutoOptions | HFOptions | VLLMOptions:
-        """The ``engine`` group as its options dataclass (its ``name`` picks the class)."""
-        e = self.section("engine")
-        if e["name"] not in ENGINES:
-            raise ConfigError(f"engine.name={e['name']!r}: choose the engine with engine=auto (the default), "
-                              f"engine=hf (transformers + peft, CPU or GPU) or engine=vllm (GPU).")
-        return ENGINES[e["name"]](**e)
-
-    @cached_property
     def engine_choice(self) -> EngineChoice | None:
         """What ``engine=auto`` resolved to and why (None for an explicit engine)."""
-        options = self._engine_config
+        options = self.config.engine
         if not isinstance(options, AutoOptions):
             return None
         facts = self._facts if self._facts is not None else probe_facts()
@@ -95,7 +88,7 @@ class Context:
         ``engine=auto`` chose."""
         if self.engine_choice is not None:
             return self.engine_choice.options
-        return self._engine_config  # type: ignore[return-value]
+        return self.config.engine  # type: ignore[return-value]
 
     @cached_property
     def _adapter_identities(self) -> list[dict[str, str]]:
@@ -113,14 +106,12 @@ class Context:
         the engine busy — two hf batches (``batch_size``), or every vLLM replica's full batch
         (``max_num_seqs`` × ``data_parallel_size``; ``max_num_seqs`` None counts as 1024, vLLM's
         default on ≥ 70 GiB GPUs)."""
-        n = self.cfg.labeling.shard_requests
+        n = self.config.labeling.shard_requests
         if n == "auto":
             e = self.engine_options
             if isinstance(e, VLLMOptions):
                 return (e.max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS) * e.data_parallel_size
             return 2 * e.batch_size
-        if not str(n).isdigit() or int(n) < 1:
-            raise ConfigError(f"labeling.shard_requests={n!r}: use a positive integer or auto.")
         return int(n)
 
     @cached_property
@@ -130,17 +121,8 @@ class Context:
 
     @cached_property
     def adapters(self) -> list[AdapterSpec]:
-        entries = self.section("adapter")["adapters"]
-        if not entries:
-            raise AdapterError("adapter.adapters is empty: list at least one {name, path} "
-                               "(see conf/adapter/custom.yaml).")
-        if any(not {"name", "path"} <= set(a) <= {"name", "path", "task"} for a in entries):
-            raise AdapterError(f"adapter.adapters: each entry is {{name, path}} with an optional task, got {entries} "
-                               "(conf/adapter).")
-        specs = [AdapterSpec(name=a["name"], path=str(a["path"]), task=a.get("task")) for a in entries]
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise AdapterError(f"adapter names must be unique, got {names} (conf/adapter).")
+        specs = [AdapterSpec(name=a["name"], path=str(a["path"]), task=a.get("task"))
+                 for a in self.config.adapter.adapters]
         self._check_parts(specs)
         return specs
 

@@ -15,15 +15,17 @@ from pathlib import Path
 
 import torch
 
+from labeling.options import CheckedOptions, OptionError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class BackboneError(ValueError):
-    """A user-facing backbone problem (missing package, unknown dtype...)."""
+    """A user-facing backbone problem (missing package, unreadable config...)."""
 
 
 @dataclass
-class BackboneSpec:
+class BackboneSpec(CheckedOptions):
     """Where a backbone comes from.
 
     name: short name, also the cache key (``smollm2``, ``llama3b``...).
@@ -34,7 +36,12 @@ class BackboneSpec:
     dtype: compute dtype name (``float32`` on CPU, ``bfloat16`` on GPU).
     extra_stop_tokens: tokens that also end a response, besides the tokenizer's and the
         generation config's EOS (e.g. a chat model's turn-start marker).
+
+    Either ``hf_id``, or ``gguf_file`` with ``gguf_package`` or ``gguf_dir``, is set.
     """
+
+    rules = {"name": "text", "hf_id": "optional_text", "gguf_package": "optional_text", "gguf_file": "optional_text",
+             "gguf_dir": "optional_text", "dtype": tuple(DTYPES), "extra_stop_tokens": "texts"}
 
     name: str
     hf_id: str | None = None
@@ -43,6 +50,14 @@ class BackboneSpec:
     gguf_dir: str | None = None
     dtype: str = "float32"
     extra_stop_tokens: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.gguf_package or self.gguf_dir) and not self.gguf_file:
+            raise OptionError("gguf_file", self.gguf_file, "name the GGUF file in gguf_package or gguf_dir")
+        if not (self.hf_id or self.gguf_package or self.gguf_dir):
+            raise OptionError("hf_id", self.hf_id, "set hf_id (hub id or local directory), or gguf_package with "
+                              "gguf_file")
 
 
 def cache_root() -> Path:
@@ -108,8 +123,6 @@ def load_backbone(spec: BackboneSpec, device: str = "cpu"):
     """Load (model, tokenizer) in eval mode. The tokenizer pads on the left."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec.dtype not in DTYPES:
-        raise BackboneError(f"backbone '{spec.name}': dtype {spec.dtype!r} unknown; use one of {sorted(DTYPES)}.")
     path = resolve_backbone_dir(spec)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.engines.chat import ChatIO
 from labeling.forks import ForkFn, forks_at
+from labeling.options import CheckedOptions
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -66,9 +67,11 @@ def generated_tokens(res: GenResult) -> int:
 
 
 @dataclass
-class HFOptions:
+class HFOptions(CheckedOptions):
     """``engine=hf``'s options: the device the model runs on (``cpu``, ``cuda``, ``cuda:1``...),
     requests per batch, and a progress bar per pass."""
+
+    rules = {"device": "text", "batch_size": "positive_int"}
 
     name: str = "hf"
     device: str = "cpu"

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import Literal, get_args
 
 STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 Mode = Literal["strict", "flexible", "strict_then_flexible"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 
 def _to_number(text: str) -> Decimal | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from labeling.options import OptionError
 from labeling.tasks.arith import ArithTask
 from labeling.tasks.base import SPLITS, Example, SplitSizes, Task, TaskError
 from labeling.tasks.gsm8k import GSM8KTask
@@ -34,10 +35,15 @@ def build_task(name: str, sizes: dict[str, int | None] | None = None, **options:
     """
     if name == MixTask.name:
         return _build_mix(sizes, options)
+    return task_class(name)(sizes=SplitSizes(**(sizes or {})), **options)
+
+
+def task_class(name: str) -> type:
+    """The registered task class ``name``; TaskError naming the known tasks for another name."""
     if name not in REGISTRY:
         raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(REGISTRY))}. "
                         f"Add conf/task/{name}.yaml and register the class in labeling/tasks/__init__.py.")
-    return REGISTRY[name](sizes=SplitSizes(**(sizes or {})), **options)
+    return REGISTRY[name]
 
 
 def _build_mix(sizes: dict[str, int | None] | None, options: dict[str, Any]) -> MixTask:
@@ -48,8 +54,13 @@ def _build_mix(sizes: dict[str, int | None] | None, options: dict[str, Any]) -> 
         raise TaskError(f"task 'mix': unknown option(s) {sorted(options)}; it takes only `parts`.")
     if MixTask.name in parts:
         raise TaskError("task 'mix': a part cannot itself be a mix.")
-    return MixTask({p: build_task(p, sizes=(spec or {}).get("sizes"), **((spec or {}).get("options") or {}))
-                    for p, spec in parts.items()})
+    built = {}
+    for p, spec in parts.items():
+        try:
+            built[p] = build_task(p, sizes=(spec or {}).get("sizes"), **((spec or {}).get("options") or {}))
+        except OptionError as err:
+            raise TaskError(f"task 'mix': part '{p}': {err}") from err
+    return MixTask(built)
 
 
-__all__ = ["SPLITS", "Example", "MixTask", "REGISTRY", "SplitSizes", "Task", "TaskError", "build_task"]
+__all__ = ["SPLITS", "Example", "MixTask", "REGISTRY", "SplitSizes", "Task", "TaskError", "build_task", "task_class"]

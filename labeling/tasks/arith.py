@@ -16,7 +16,8 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.numeric import numeric_match
-from labeling.tasks.base import SPLITS, BaseTask, Example, generated_split
+from labeling.options import CheckedOptions
+from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -52,13 +53,15 @@ def make_problem(rng: random.Random) -> tuple[str, str, str]:
 
 
 @dataclass
-class ArithOptions:
+class ArithOptions(CheckedOptions):
+    rules = {"max_new_tokens": "positive_int", "seed": "integer"}
+
     max_new_tokens: int = 48
     seed: int = 0
 
 
 @dataclass
-class ArithTask(BaseTask, ArithOptions):
+class ArithTask(GeneratedTask, ArithOptions):
     """Seeded arithmetic word problems with a ``#### N`` answer (numeric match).
 
     n_generate: problems generated per split before the train/eval overlap is dropped (not a
@@ -73,9 +76,6 @@ class ArithTask(BaseTask, ArithOptions):
         offset = SPLITS.index(split)
         rng = random.Random(self.seed * 1000 + offset)
         return [make_problem(rng) for _ in range(self.n_generate[split])]
-
-    def load_split(self, split: str) -> list[Example]:
-        return generated_split(self, split)
 
     def messages(self, ex: Example) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{ex.question}\n{INSTRUCTION}"}]

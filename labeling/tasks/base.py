@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from labeling.options import CheckedOptions
+
 SPLITS = ("train", "validation", "test")
 
 
@@ -60,8 +62,10 @@ def require_nonempty(task: str, split: str, rows: list[Example], source: str) ->
 
 
 @dataclass
-class SplitSizes:
+class SplitSizes(CheckedOptions):
     """Optional caps on split sizes (None = all rows). Caps apply after the seeded split."""
+
+    rules = {"train": "split_size", "validation": "split_size", "test": "split_size"}
 
     train: int | None = None
     validation: int | None = None
@@ -89,16 +93,23 @@ class BaseTask:
     sizes: SplitSizes = field(default_factory=SplitSizes)
 
 
-def generated_split(task: Any, split: str) -> list[Example]:
-    """A seeded generated task's split: ``task._generate(split)`` rows (question, solution, answer),
-    the evaluation splits without the questions train has, capped by ``task.sizes``; uids
-    ``<name>-<split>-<i>``."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    rows = task._generate(split)
-    if split != "train":
-        seen = {q for q, _, _ in task._generate("train")}
-        rows = [r for r in rows if r[0] not in seen]
-    examples = [Example(uid=f"{task.name}-{split}-{i}", question=q, reference=a, meta={"solution": s})
-                for i, (q, s, a) in enumerate(rows)]
-    return require_nonempty(task.name, split, task.sizes.cap(split, examples), f"generated, seed={task.seed}")
+@dataclass
+class GeneratedTask(BaseTask):
+    """A seeded generated task (its options have ``seed``): ``_generate(split)`` gives its
+    (question, solution, answer) rows."""
+
+    def _generate(self, split: str) -> list[tuple[str, str, str]]:
+        raise NotImplementedError
+
+    def load_split(self, split: str) -> list[Example]:
+        """The ``_generate(split)`` rows, the evaluation splits without the questions train has,
+        capped by ``sizes``; uids ``<name>-<split>-<i>``."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+        rows = self._generate(split)
+        if split != "train":
+            seen = {q for q, _, _ in self._generate("train")}
+            rows = [r for r in rows if r[0] not in seen]
+        examples = [Example(uid=f"{self.name}-{split}-{i}", question=q, reference=a, meta={"solution": s})
+                    for i, (q, s, a) in enumerate(rows)]
+        return require_nonempty(self.name, split, self.sizes.cap(split, examples), f"generated, seed={self.seed}")

@@ -28,7 +28,8 @@ import random
 from dataclasses import dataclass, field
 
 from labeling.evaluators.restated import restated_match, restatement
-from labeling.tasks.base import SPLITS, BaseTask, Example, TaskError, generated_split
+from labeling.options import CheckedOptions
+from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pens")
@@ -59,8 +60,10 @@ def make_problem(rng: random.Random, max_moves: int) -> tuple[str, str, str]:
 
 
 @dataclass
-class CounterOptions:
+class CounterOptions(CheckedOptions):
     """max_moves: the most changes a problem has (1…12)."""
+
+    rules = {"max_new_tokens": "positive_int", "seed": "integer", "max_moves": tuple(range(1, 13))}
 
     max_new_tokens: int = 32
     seed: int = 0
@@ -68,7 +71,7 @@ class CounterOptions:
 
 
 @dataclass
-class CounterTask(BaseTask, CounterOptions):
+class CounterTask(GeneratedTask, CounterOptions):
     """Running count over 1…``max_moves`` changes, ``#### N`` then ``The answer is N.``
 
     n_generate: problems generated per split (not a config option).
@@ -78,16 +81,9 @@ class CounterTask(BaseTask, CounterOptions):
     Options = CounterOptions
     n_generate: dict[str, int] = field(default_factory=lambda: {"train": 4000, "validation": 600, "test": 600})
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_moves <= 12:
-            raise TaskError(f"counter task: max_moves must be in 1…12, got {self.max_moves}")
-
     def _generate(self, split: str) -> list[tuple[str, str, str]]:
         rng = random.Random(self.seed * 1000 + 500 + SPLITS.index(split))
         return [make_problem(rng, self.max_moves) for _ in range(self.n_generate[split])]
-
-    def load_split(self, split: str) -> list[Example]:
-        return generated_split(self, split)
 
     def messages(self, ex: Example) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{INSTRUCTION}\n{ex.question}"}]

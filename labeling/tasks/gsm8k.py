@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from labeling.evaluators.numeric import numeric_match
+from labeling.evaluators.numeric import MODES, numeric_match
 from labeling.tasks.base import BaseTask, Example, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -26,6 +26,8 @@ def clean_solution(answer: str) -> str:
 class GSM8KOptions(PaperSplitOptions):
     """source: hub id or a local directory with train.jsonl / test.jsonl; extractor: a
     :data:`labeling.evaluators.numeric.Mode`; the split options of :class:`PaperSplitOptions`."""
+
+    rules = {"extractor": MODES}
 
     source: str = "openai/gsm8k"
     max_new_tokens: int = 256

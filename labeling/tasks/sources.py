@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labeling.options import CheckedOptions
 from labeling.tasks.base import SPLITS, TaskError
 
 
@@ -69,9 +70,12 @@ def carve_validation(rows: list[dict[str, Any]], split: str, val_size: int, seed
 
 
 @dataclass
-class PaperSplitOptions:
+class PaperSplitOptions(CheckedOptions):
     """The options of a task split by :func:`paper_split`: ``val_size`` rows of the official train
-    split become the validation split, chosen with ``seed``."""
+    split become the validation split, chosen with ``seed``. Each subclass declares the task's
+    ``source`` (hub id or local directory) and ``max_new_tokens`` with their defaults."""
+
+    rules = {"source": "text", "max_new_tokens": "positive_int", "val_size": "non_negative_int", "seed": "integer"}
 
     val_size: int = 500
     seed: int = 1234

@@ -65,6 +65,9 @@ class SpiderOptions(PaperSplitOptions):
     """db_dir: the Spider release's ``database`` folder; test_split: the source split used as
     test; timeout_s: execution timeout per query."""
 
+    rules = {"hub_config": "optional_text", "db_dir": "optional_text", "test_split": "text",
+             "timeout_s": "positive_number"}
+
     source: str = "xlangai/spider"
     hub_config: str | None = "spider"
     db_dir: str | None = None

@@ -181,7 +181,7 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path, case: str) -> None:
                             AdapterError, "does not exist"),
         "wrong_hidden": ([f"adapter.adapters=[{{name: big, path: {_adapter_for_hidden(tmp_path, 4096)}}}]",
                           "stages=[labels]"], AdapterError, "hidden size 4096.*576"),
-        "empty_split": (["task.sizes.validation=0", "stages=[data]"], TaskError, "empty"),
+        "empty_split": (["task.sizes.validation=0", "stages=[data]"], ConfigError, "validation=0: .* empty"),
         "missing_local": (["task=gsm8k", "task.options.source=/nonexistent/gsm8k", "stages=[data]"], TaskError,
                           "does not exist"),
         "bad_stage": (["stages=[data,typo]"], ConfigError, "unknown stage"),

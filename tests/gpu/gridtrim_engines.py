@@ -22,7 +22,6 @@ cannot pass.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -153,15 +152,8 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="one engine of the GridTrim test, in this process")
-    ap.add_argument("--phase", choices=MODES, required=True)
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--requests", type=int, required=True)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--fully-sharded-loras", action="store_true")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = release_engines.engine_arguments("one engine of the GridTrim test, in this process", list(MODES),
+                                            requests=int)
     serve(args.phase, args.work, args.out, args.requests, args.tensor_parallel_size, args.fully_sharded_loras)
 
 

@@ -295,15 +295,25 @@ def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str
     return env
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="one engine of the token-exactness test, in this process")
-    ap.add_argument("--phase", choices=["stock", "plugin", "badbundle"], required=True)
+def engine_arguments(description: str, phases: list[str], **extra: type) -> argparse.Namespace:
+    """The command line of one engine process: ``--phase`` (one of ``phases``), ``--work``, ``--out``
+    (created), the parallel layout, and a required ``--<name>`` of the given type per ``extra``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--phase", choices=phases, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    for name, kind in extra.items():
+        ap.add_argument(f"--{name}", type=kind, required=True)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--fully-sharded-loras", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> None:
+    args = engine_arguments("one engine of the token-exactness test, in this process",
+                            ["stock", "plugin", "badbundle"])
     if args.phase == "badbundle":
         bad_bundle(args.work, args.out)
     else:

@@ -1,32 +1,29 @@
 """Numeric extractors (lm-eval GSM8K strict / flexible) and numeric_match."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from labeling.evaluators.numeric import extract_answer, extract_flexible, extract_strict, numeric_match
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("so 3 + 4 = 7\n#### 7", "7"),
-    ("#### 1,234", "1,234"),
-    ("#### -5", "-5"),
-    ("#### 3.5 then #### 9", "3.5"),  # strict takes the first match
-    ("the answer is 7", None),
-    ("####7", None),  # strict needs the space
+@pytest.mark.parametrize("extract, response, expected", [
+    (extract_strict, "so 3 + 4 = 7\n#### 7", "7"),
+    (extract_strict, "#### 1,234", "1,234"),
+    (extract_strict, "#### -5", "-5"),
+    (extract_strict, "#### 3.5 then #### 9", "3.5"),  # strict takes the first match
+    (extract_strict, "the answer is 7", None),
+    (extract_strict, "####7", None),  # strict needs the space
+    (extract_flexible, "3 + 4 = 7, so she has 7 apples", "7"),
+    (extract_flexible, "It costs $1,200.", "$1,200."),
+    (extract_flexible, "first 12 then -7", "-7"),
+    (extract_flexible, "no digits here", None),
+    (extract_flexible, "", None),
 ])
-def test_strict(response: str, expected: str | None) -> None:
-    assert extract_strict(response) == expected
-
-
-@pytest.mark.parametrize("response, expected", [
-    ("3 + 4 = 7, so she has 7 apples", "7"),
-    ("It costs $1,200.", "$1,200."),
-    ("first 12 then -7", "-7"),
-    ("no digits here", None),
-    ("", None),
-])
-def test_flexible(response: str, expected: str | None) -> None:
-    assert extract_flexible(response) == expected
+def test_strict_and_flexible_extractors(extract: Callable[[str], str | None], response: str,
+                                        expected: str | None) -> None:
+    assert extract(response) == expected
 
 
 @pytest.mark.parametrize("response, reference, mode, expected", [

@@ -41,15 +41,18 @@ def make_adapter(d: Path, *, r: int = 4, hidden: int = HIDDEN, config: dict[str,
     return d
 
 
-def make_database(path: Path, wal: bool = False) -> Path:
-    """A small SQLite database with two tables (optionally in WAL mode)."""
+def make_database(path: Path, wal: bool = False, singers: list[tuple[str, int]] | None = None) -> Path:
+    """A small SQLite database with two tables (optionally in WAL mode): ``singers`` as the
+    (name, age) rows of ``singer`` (ids 1, 2, …; names unique, so it has an index), by default 200
+    made-up ones; ``concert`` empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(path)
     if wal:
         conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, age INTEGER)")
+    conn.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT UNIQUE, age INTEGER)")
     conn.execute("CREATE TABLE concert (id INTEGER PRIMARY KEY, singer_id INTEGER, year INTEGER)")
-    conn.executemany("INSERT INTO singer (name, age) VALUES (?, ?)", [(f"s{i}", 20 + i) for i in range(200)])
+    rows = [(f"s{i}", 20 + i) for i in range(200)] if singers is None else singers
+    conn.executemany("INSERT INTO singer (name, age) VALUES (?, ?)", rows)
     conn.commit()
     conn.close()
     return path

@@ -22,6 +22,7 @@ from safetensors.numpy import save
 from labeling.evaluators.sql import QueryTimeout, ResultTooLarge, SqlSandbox, execution_match
 from serve_bridge.bundle import HEADS_FILE, MANIFEST, AdapterEntry, BundleError, load_bundle, write_bundle
 from serve_bridge.steptrim import K_LIMIT, StepTrim
+from tests.robustness.helpers import make_database
 
 # As tests/kernels/conftest.py: without a GPU, Triton (imported by the launch checks below, which
 # raise before any launch) runs in its interpreter; the mode is fixed at its first import.
@@ -46,19 +47,11 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- SQL sandbox
-ROWS = [(1, "Ann", 34), (2, "Ben", 28), (3, "Cara", 41)]
+SINGERS = [("Ann", 34), ("Ben", 28), ("Cara", 41)]  # ids 1, 2, 3
 
 
 def make_db(path: Path, wal: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path)
-    if wal:
-        conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT UNIQUE, age INTEGER)")
-    conn.executemany("INSERT INTO singer VALUES (?, ?, ?)", ROWS)
-    conn.commit()
-    conn.close()
-    return path
+    return make_database(path, wal, SINGERS)
 
 
 @pytest.fixture(scope="module")
@@ -545,104 +538,84 @@ def _layer(m: int = len(BASE), k: int = 64, rank: int = 8, n: int = 32, loras: i
     return x, a, b, y, part
 
 
-def k_shrink_worklist_too_small():
+def _full_worklist(meta):
+    return _allocate(len(BASE), meta.num_slots)
+
+
+def _plan(slots: int, dtype: torch.dtype = torch.int32):
+    from kernels.gridtrim import GridTrimPlan
+
+    return lambda meta: GridTrimPlan(slots, 16, torch.arange(slots, dtype=dtype), None)
+
+
+def _shrink(m: int = len(BASE), x_of: Callable = lambda x: x, part_of: Callable = lambda p: p,
+            schedule: Callable = _full_worklist) -> None:
+    """lora_shrink on a fresh layer of ``m`` tokens (metadata: BASE), with x and the partials passed
+    through ``x_of`` / ``part_of`` and the schedule ``schedule(meta)``."""
     from kernels.shrink import lora_shrink
 
-    x, a, _, _, part = _layer()
+    x, a, _, _, part = _layer(m=m)
     meta = _meta(BASE)
-    lora_shrink(x, [a], part, meta, _allocate(8, meta.num_slots))
+    lora_shrink(x_of(x), [a], part_of(part), meta, schedule(meta))
+
+
+def _expand(part_of: Callable = lambda p: p, y_of: Callable = lambda y: y, schedule: Callable = _full_worklist,
+            offset_start: int = 0) -> None:
+    """lora_expand on a fresh layer (metadata: BASE), with the partials and y passed through
+    ``part_of`` / ``y_of``, the schedule ``schedule(meta)`` and ``offset_start``."""
+    from kernels.expand import lora_expand
+
+    _, _, b, y, part = _layer()
+    meta = _meta(BASE)
+    lora_expand(part_of(part), [b], y_of(y), meta, schedule(meta), offset_start=offset_start)
+
+
+def k_shrink_worklist_too_small():
+    _shrink(schedule=lambda meta: _allocate(8, meta.num_slots))
 
 
 def k_shrink_meta_more_tokens_than_x():
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer(m=20)
-    meta = _meta(BASE)
-    lora_shrink(x, [a], part, meta, _allocate(len(BASE), meta.num_slots))
+    _shrink(m=20)
 
 
 def k_shrink_plan_over_more_slots():
-    from kernels.gridtrim import GridTrimPlan
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer()
-    meta = _meta(BASE)
-    plan = GridTrimPlan(9, 16, torch.arange(9, dtype=torch.int32), None)
-    lora_shrink(x, [a], part, meta, plan)
+    _shrink(schedule=_plan(9))
 
 
 def k_shrink_plan_int64_slots():
-    from kernels.gridtrim import GridTrimPlan
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer()
-    meta = _meta(BASE)
-    lora_shrink(x, [a], part, meta, GridTrimPlan(5, 16, torch.arange(5), None))
+    _shrink(schedule=_plan(5, torch.int64))
 
 
 def k_shrink_x_float32():
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer()
-    meta = _meta(BASE)
-    lora_shrink(x.float(), [a], part, meta, _allocate(len(BASE), meta.num_slots))
+    _shrink(x_of=lambda x: x.float())
 
 
 def k_shrink_x_1d():
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer()
-    meta = _meta(BASE)
-    lora_shrink(x[0], [a], part, meta, _allocate(len(BASE), meta.num_slots))
+    _shrink(x_of=lambda x: x[0])
 
 
 def k_shrink_partials_fp16():
-    from kernels.shrink import lora_shrink
-
-    x, a, _, _, part = _layer()
-    meta = _meta(BASE)
-    lora_shrink(x, [a], part.half(), meta, _allocate(len(BASE), meta.num_slots))
+    _shrink(part_of=lambda p: p.half())
 
 
 def k_expand_partials_fp16():
-    from kernels.expand import lora_expand
-
-    _, _, b, y, part = _layer()
-    meta = _meta(BASE)
-    lora_expand(part.half(), [b], y, meta, _allocate(len(BASE), meta.num_slots))
+    _expand(part_of=lambda p: p.half())
 
 
 def k_expand_y_1d():
-    from kernels.expand import lora_expand
-
-    _, _, b, y, part = _layer()
-    meta = _meta(BASE)
-    lora_expand(part, [b], y[:, 0], meta, _allocate(len(BASE), meta.num_slots))
+    _expand(y_of=lambda y: y[:, 0])
 
 
 def k_expand_negative_offset():
-    from kernels.expand import lora_expand
-
-    _, _, b, y, part = _layer()
-    meta = _meta(BASE)
-    lora_expand(part, [b], y, meta, _allocate(len(BASE), meta.num_slots), offset_start=-4)
+    _expand(offset_start=-4)
 
 
 def k_expand_worklist_too_small():
-    from kernels.expand import lora_expand
-
-    _, _, b, y, part = _layer()
-    meta = _meta(BASE)
-    lora_expand(part, [b], y, meta, _allocate(4, 2))
+    _expand(schedule=lambda meta: _allocate(4, 2))
 
 
 def k_expand_plan_fewer_metadata_slots():
-    from kernels.expand import lora_expand
-    from kernels.gridtrim import GridTrimPlan
-
-    _, _, b, y, part = _layer()
-    meta = _meta(BASE)
-    lora_expand(part, [b], y, meta, GridTrimPlan(6, 16, torch.arange(6, dtype=torch.int32), None))
+    _expand(schedule=_plan(6))
 
 
 def k_punica_mapping_too_long():

@@ -1,6 +1,6 @@
 """Bad configs, bad data files, corrupt databases and broken adapters: each is caught by
-calibrate/validate.py (or the adapter check it runs) with one clear error before any work, and
-no user file changes. Good inputs pass."""
+the config's dataclasses (calibrate.config.check_config) or calibrate/validate.py (and the adapter
+check it runs) with one clear error before any work, and no user file changes. Good inputs pass."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from calibrate.__main__ import config_error
 from calibrate.errors import ConfigError, UserError
-from calibrate.validate import check_database, validate_config, validate_task_data
+from calibrate.config import check_config
+from calibrate.validate import check_database, validate_task_data
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter
 from labeling.tasks import TaskError, build_task
 from tests.calibrate.test_pipeline import TINY, compose_cfg
@@ -37,12 +38,13 @@ BAD_CONFIGS = [
     ("task.sizes.validation=abc", ConfigError, "task.sizes.validation='abc'"),
     ("task.sizes.test=1.5", ConfigError, "task.sizes.test=1.5"),
     ("task.sizes.train=true", ConfigError, "task.sizes.train=True"),
-    ("task.sizes.train=0", TaskError, "would be empty"),
-    ("+task.sizes.dev=3", ConfigError, "task.sizes.dev: no such split"),
+    ("task.sizes.train=0", ConfigError, "task.sizes.train=0"),
+    ("+task.sizes.dev=3", ConfigError, "task.sizes.dev: no such key"),
     ("task.options.max_new_tokens=0", ConfigError, "task.options.max_new_tokens=0"),
     ("task.options.max_new_tokens=many", ConfigError, "task.options.max_new_tokens='many'"),
     ("task.options.seed=x", ConfigError, "task.options.seed='x'"),
-    ("+task.options.colour=red", ConfigError, "task.options.colour: task 'arith' has no such option"),
+    ("+task.options.colour=red", ConfigError, "task.options.colour: no such key"),
+    ("task.name=gsm8k", ConfigError, "task.name='gsm8k': the options are ArithOptions's"),
     ("task.name=nope", TaskError, "unknown task 'nope'"),
     ("labeling.points=[]", ConfigError, "labeling.points=[]"),
     ("labeling.points=[0,-1]", ConfigError, "labeling.points=[0, -1]"),
@@ -77,7 +79,8 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("override,error,fragment", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
 def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str) -> None:
     """Hydra's schema refuses a value of the wrong type while composing (the CLI prints it as one
-    line, calibrate.__main__.config_error); validation refuses the rest."""
+    line, calibrate.__main__.config_error); the config's dataclasses refuse the rest when
+    check_config builds them."""
     try:
         cfg = compose_cfg([*TINY, *override.split(";")])
     except ConfigCompositionException as err:
@@ -85,7 +88,7 @@ def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str
         assert fragment.split("=")[0].split("'")[0] in line and "\n" not in line, line
         return
     with pytest.raises(error) as info:
-        validate_config(cfg)
+        check_config(cfg)
     assert isinstance(info.value, UserError)
     message = str(info.value)
     assert fragment in message and "\n" not in message, message
@@ -98,7 +101,7 @@ GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.rule=P100", "e
 
 @pytest.mark.parametrize("overrides", GOOD_CONFIGS)
 def test_good_config_passes(overrides: str) -> None:
-    validate_config(compose_cfg([*TINY, *filter(None, overrides.split(";"))]))
+    check_config(compose_cfg([*TINY, *filter(None, overrides.split(";"))]))
 
 
 # --- local data files ---------------------------------------------------------------------

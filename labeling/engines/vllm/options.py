@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from labeling.adapters import AdapterSpec
+from labeling.options import CheckedOptions
 from serve_bridge.vllm.settings import (  # SUPPORTED_VLLM also serves engine=auto
     BUNDLE_ENV, CALIBRATION_ENV, SUPPORTED_VLLM, V2_RUNNER_ENV)
 
@@ -16,7 +17,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRA
 
 
 @dataclass
-class VLLMOptions:
+class VLLMOptions(CheckedOptions):
     """vLLM 0.26.0 engine options, GPU only (``pip install 'lorazor[vllm]'``).
 
     The engine runs serve_bridge's calibration runtime inside vLLM (it sets
@@ -24,6 +25,12 @@ class VLLMOptions:
     in-process), so release, s_t and h_t come from the same StepTrim code as serving. Fixed, not
     options: LoRA on and async scheduling off (``serve_bridge.vllm.settings.require_supported_engine``).
     """
+
+    rules = {"dtype": ("bfloat16", "float16", "float32", "auto"), "gpu_memory_utilization": "fraction",
+             "max_num_seqs": "optional_positive_int", "max_num_batched_tokens": "optional_positive_int",
+             "max_model_len": "optional_positive_int", "tensor_parallel_size": "positive_int",
+             "data_parallel_size": "positive_int", "max_cudagraph_capture_size": "optional_positive_int",
+             "max_lora_rank": "auto_or_positive_int"}
 
     name: str = "vllm"
     # Model dtype in vLLM (bfloat16 | float16 | float32 | auto). Greedy tokens can differ from the
@@ -97,8 +104,6 @@ def llm_kwargs(model_dir: str, adapters: list[AdapterSpec], options: VLLMOptions
     """
     if not adapters:
         raise ValueError("engine=vllm needs at least one adapter (the bridge runs with LoRA enabled).")
-    if options.max_lora_rank != "auto" and not options.max_lora_rank.isdigit():
-        raise ValueError(f"engine.max_lora_rank={options.max_lora_rank!r}: use auto or a rank in {LORA_RANKS}")
     kw: dict[str, Any] = {
         "model": str(model_dir), "tokenizer": str(model_dir), "dtype": options.dtype,
         "enable_lora": True, "max_loras": len(adapters), "max_cpu_loras": len(adapters),

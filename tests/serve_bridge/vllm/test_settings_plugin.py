@@ -192,23 +192,21 @@ def test_register_gridtrim_refuses_v2_runner(monkeypatch):
         plugin.register()
 
 
-def test_register_refuses_other_vllm(monkeypatch):
+@pytest.mark.parametrize("version, v2_runner, message", [
+    ("0.27.0", "0", "vLLM 0.27.0 is installed"),
+    ("0.26.0", None, "V1 GPU model runner"),
+])
+def test_register_refuses_an_unsupported_vllm(monkeypatch, version, v2_runner, message):
+    """Another vLLM version, or the V2 model runner (VLLM_USE_V2_MODEL_RUNNER unset), is refused."""
     fake = ModuleType("vllm")
-    fake.__version__ = "0.27.0"
+    fake.__version__ = version
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    with pytest.raises(BridgeError, match="vLLM 0.27.0 is installed"):
-        plugin.register()
-
-
-def test_register_refuses_v2_runner(monkeypatch):
-    fake = ModuleType("vllm")
-    fake.__version__ = "0.26.0"
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    with pytest.raises(BridgeError, match="V1 GPU model runner"):
+    if v2_runner is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
+    with pytest.raises(BridgeError, match=message):
         plugin.register()
 
 

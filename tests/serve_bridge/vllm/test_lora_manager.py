@@ -146,21 +146,21 @@ class SlotManager:
 
 
 def vllm_activate_adapter(self: SlotManager, lora_id: int) -> bool:
-    """vLLM 0.26.0's ``LoRAModelManager.activate_adapter``, restated."""
+    """vLLM 0.26.0's ``LoRAModelManager.activate_adapter``, restated: the first free slot, then every
+    layer's ``set_lora`` (or ``reset_lora`` where the adapter has no weights)."""
     if lora_id in self._active_adapters:
         return False
-    slot = next((i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
-    if slot is None:
+    if None not in self.lora_index_to_id:
         raise ValueError("No free lora slots")
+    slot = self.lora_index_to_id.index(None)
     self._active_adapters[lora_id] = None
-    lora_model = self._registered_adapters[lora_id]
-    self.lora_index_to_id[slot] = lora_model.id
+    self.lora_index_to_id[slot] = lora_id
     for name, module in self.modules.items():
-        weights = self._get_lora_layer_weights(lora_model, name)
-        if not weights:
+        weights = self._get_lora_layer_weights(self._registered_adapters[lora_id], name)
+        if weights:
+            module.set_lora(slot, weights.lora_a, weights.lora_b)
+        else:
             module.reset_lora(slot)
-            continue
-        module.set_lora(slot, weights.lora_a, weights.lora_b)
     return True
 
 

@@ -12,6 +12,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from serve_bridge.vllm import prefix_cache
+from tests.serve_bridge.vllm.stubs import fake_lora_managers
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
 from serve_bridge.vllm.settings import BridgeError, require_supported_engine
 from serve_bridge.steptrim import ProfiledPolicy, StepTrim
@@ -121,10 +122,7 @@ def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch
     kv, _ = vllm_core
     sys.modules["vllm"].__version__ = "0.26.0"
     monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", SimpleNamespace(install=lambda: None))
-    worker_manager = ModuleType("vllm.lora.worker_manager")
-    worker_manager.LRUCacheWorkerLoRAManager = type("LRUCacheWorkerLoRAManager", (), {})
-    monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
-    monkeypatch.setitem(sys.modules, "vllm.lora.worker_manager", worker_manager)
+    fake_lora_managers(monkeypatch)
     for name in ("LORAZOR_BUNDLE", "LORAZOR_GRIDTRIM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LORAZOR_CALIBRATION", "1")

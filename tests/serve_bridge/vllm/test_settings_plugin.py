@@ -11,6 +11,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from serve_bridge.vllm import lora_manager, plugin
+from tests.serve_bridge.vllm.stubs import fake_lora_managers
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
                                    require_supported_engine, require_v1_runner, require_vllm_version)
 
@@ -152,12 +153,9 @@ def _fake_vllm(monkeypatch, platform_cls):
     fake.__version__ = "0.26.0"
     platforms = ModuleType("vllm.platforms")
     platforms.current_platform = platform_cls()
-    worker_manager = ModuleType("vllm.lora.worker_manager")
-    worker_manager.LRUCacheWorkerLoRAManager = type("LRUCacheWorkerLoRAManager", (), {})
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
-    monkeypatch.setitem(sys.modules, "vllm.lora.worker_manager", worker_manager)
+    fake_lora_managers(monkeypatch)
     monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", None)  # the StepTrim runner must not load
     monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
     monkeypatch.setenv("LORAZOR_GRIDTRIM", "1")
@@ -170,8 +168,8 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch):
     platform = _fake_vllm(monkeypatch, cuda)
     plugin.register()
     assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
-    manager = sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager
-    assert manager._apply_adapters is lora_manager.apply_adapters
+    assert sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager._apply_adapters is lora_manager.apply_adapters
+    assert sys.modules["vllm.lora.model_manager"].LoRAModelManager.activate_adapter is lora_manager.activate_adapter
     plugin.register()  # idempotent
     assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class

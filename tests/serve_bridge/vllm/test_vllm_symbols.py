@@ -74,6 +74,10 @@ SIGNATURES = {
     "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager._apply_adapters": ["lora_requests"],
     "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.add_adapter": ["lora_request"],
     "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.list_adapters": [],
+    "vllm.lora.model_manager:LoRAModelManager.activate_adapter": ["lora_id"],
+    "vllm.lora.model_manager:LoRAModelManager._get_lora_layer_weights": ["lora_model", "module_name"],
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.set_lora": ["index", "lora_a", "lora_b"],
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.reset_lora": ["index"],
     "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys":
         ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     "vllm.entrypoints.llm:LLM.collective_rpc": ["method", "timeout", "args", "kwargs"],

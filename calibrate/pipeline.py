@@ -68,7 +68,7 @@ def preview(ctx: Context, plan: LabelingPlan) -> float:
     """Print the cost preview (calibrate/preview.py) and return its labeling estimate (seconds);
     stop the run after it with ``preview=true``."""
     work = Workload({split: len(ctx.task.load_split(split)) for split in SPLITS}, len(ctx.adapter_names),
-                    len(ctx.section("labeling")["points"]))
+                    max(len(set(p)) for p in ctx.label_points.values()))
     _say(format_preview(plan, work, engine_label(ctx)))
     if ctx.cfg.preview:
         raise PreviewDone
@@ -77,7 +77,6 @@ def preview(ctx: Context, plan: LabelingPlan) -> float:
 
 def stage_labels(ctx: Context) -> dict:
     """ON/OFF labels on the train split (resumable shards); the cost preview after the first."""
-    lab = ctx.section("labeling")
     seen: dict[str, Any] = {}
 
     def after_first(plan: LabelingPlan) -> None:
@@ -85,7 +84,7 @@ def stage_labels(ctx: Context) -> dict:
         seen["estimate_s"] = preview(ctx, plan)
 
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
-                                 lab["points"], ctx.run.root / "labels", ctx.shard_requests,
+                                 ctx.label_points, ctx.run.root / "labels", ctx.shard_requests,
                                  shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts,
                                  after_first=after_first, progress=ctx.engine_options.progress)
     if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
@@ -188,12 +187,21 @@ def _bundle_steptrim(ctx: Context, engine) -> tuple[Bundle, StepTrim]:
 
 def realize(ctx: Context, engine, split: str, steptrim: StepTrim, desc: str) -> dict[str, dict]:
     """Run ``split`` × adapters with full LoRA and with ``steptrim`` on ``engine``; per adapter:
-    requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1)."""
+    requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1).
+
+    A request whose adapter has no policy (never released) runs exactly as full LoRA under
+    ``steptrim``, so its full-LoRA response stands for it; only the others are generated again."""
     pairs = build_requests(engine, ctx.task, ctx.task.load_split(split), range(len(ctx.adapter_names)),
                            ctx.adapter_parts)
     reqs = [r for _, r in pairs]
     full = engine.generate(reqs, ctx.task.max_new_tokens, desc=f"{desc}: full LoRA")
-    trim = engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc=f"{desc}: bundle policy")
+    released = [i for i, r in enumerate(reqs) if steptrim.policies[r.slot] is not None]
+    trim = list(full)
+    if released:
+        again = engine.generate([reqs[i] for i in released], ctx.task.max_new_tokens, steptrim=steptrim,
+                                desc=f"{desc}: bundle policy")
+        for i, res in zip(released, again):
+            trim[i] = res
     out = {}
     for a_idx, a in enumerate(ctx.adapter_names):
         sel = [i for i, (_, r) in enumerate(pairs) if r.slot == a_idx]

@@ -31,7 +31,7 @@ from calibrate.context import Context
 from calibrate.errors import ConfigError
 from labeling.backbone import DTYPES
 from labeling.tasks.spider import database_path
-from labeling.tasks import REGISTRY, SPLITS, TaskError, build_task
+from labeling.tasks import REGISTRY, SPLITS, MixTask, TaskError, build_task
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask
 from predictors.frontier import POLICIES, parse_rule
@@ -152,6 +152,11 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_engine(sections["engine"])
     lab = sections["labeling"]
     int_list("labeling.points", lab.get("points"))
+    task_points = lab.get("task_points") or {}
+    _need(isinstance(task_points, dict), "labeling.task_points", task_points,
+          "use a mapping of task names to lists of release points")
+    for name, points in task_points.items():
+        int_list(f"labeling.task_points.{name}", points)
     shard = lab.get("shard_requests", "auto")
     _need(shard == "auto" or (str(shard).isdigit() and int(shard) >= 1), "labeling.shard_requests", shard,
           "use a positive integer or auto")
@@ -164,6 +169,9 @@ def validate_config(cfg: DictConfig) -> None:
 
 def _validate_task(task: dict[str, Any]) -> None:
     name = task.get("name")
+    if name == MixTask.name:
+        _validate_mix(task)
+        return
     if name not in REGISTRY:
         build_task(str(name))  # raises the TaskError that names the known tasks
     options = task.get("options") or {}
@@ -184,6 +192,27 @@ def _validate_task(task: dict[str, Any]) -> None:
               "use a positive integer (the split's first rows) or null (all rows)")
         if value == 0:
             raise TaskError(f"task.sizes.{key}=0: split '{key}' would be empty; use a positive integer or null.")
+
+
+def _validate_mix(task: dict[str, Any]) -> None:
+    """A mix task: no sizes of its own, only ``parts``, each part a registered task's own config."""
+    options = task.get("options") or {}
+    _need(isinstance(options, dict), "task.options", options, "use a mapping with `parts`")
+    unknown = sorted(set(options) - {"parts"})
+    if unknown:
+        raise ConfigError(f"task.options.{unknown[0]}: task 'mix' takes only `parts`.")
+    parts = options.get("parts") or {}
+    _need(isinstance(parts, dict) and len(parts) > 0, "task.options.parts", parts,
+          "name at least one task, e.g. parts: {arith: {}, counter: {}} (conf/task/demo.yaml)")
+    for part, spec in parts.items():
+        spec = spec or {}
+        _need(isinstance(spec, dict) and set(spec) <= {"options", "sizes"}, f"task.options.parts.{part}", spec,
+              "use a mapping with `options` and `sizes`")
+        if part == MixTask.name:
+            raise ConfigError("task.options.parts.mix: a part cannot itself be a mix.")
+        _validate_task({"name": part, "options": spec.get("options"), "sizes": spec.get("sizes")})
+    if any(v is not None for v in (task.get("sizes") or {}).values()):
+        raise ConfigError("task.sizes: task 'mix' takes sizes per part (task.options.parts.<part>.sizes).")
 
 
 def _validate_backbone(b: dict[str, Any]) -> None:

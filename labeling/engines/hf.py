@@ -215,10 +215,12 @@ class HFEngine(ChatIO):
                 rows_next = [rows[j] for j in keep] + [f for _, f in forks]
                 if not rows_next:
                     break
-                index = torch.tensor(keep + [j for j, _ in forks], device=dev)
-                _reindex_cache(cache, index)
-                mask = torch.cat([mask.index_select(0, index), torch.ones((len(index), 1), dtype=mask.dtype, device=dev)], 1)
-                positions = positions.index_select(0, index)[:, -1:] + 1
+                if forks or len(keep) < len(rows):  # else every row goes on in place
+                    index = torch.tensor(keep + [j for j, _ in forks], device=dev)
+                    _reindex_cache(cache, index)
+                    mask, positions = mask.index_select(0, index), positions.index_select(0, index)
+                mask = torch.cat([mask, torch.ones((len(rows_next), 1), dtype=mask.dtype, device=dev)], 1)
+                positions = positions[:, -1:] + 1
                 ids = torch.tensor([[row.tokens[-1]] for row in rows_next], device=dev)
                 rows = rows_next
                 t += 1

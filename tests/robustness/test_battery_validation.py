@@ -48,6 +48,13 @@ BAD_CONFIGS = [
     ("labeling.points=[0,-1]", ConfigError, "labeling.points=[0, -1]"),
     ("labeling.points=[0,one]", ConfigError, "labeling.points"),
     ("labeling.points=3", ConfigError, "labeling.points=3"),
+    ("labeling.task_points.counter=[]", ConfigError, "labeling.task_points.counter=[]"),
+    ("+labeling.task_points.arith=[0,-3]", ConfigError, "labeling.task_points.arith=[0, -3]"),
+    ("task=demo;adapter=demo;task.options.parts.counter.sizes.train=-1", ConfigError, "task.sizes.train=-1"),
+    ("task=demo;adapter=demo;+task.options.parts.counter.options.colour=red", ConfigError,
+     "task.options.colour: task 'counter' has no such option"),
+    ("task=demo;adapter=demo;+task.options.parts.mix={}", ConfigError, "a part cannot itself be a mix"),
+    ("task=demo;adapter=demo;task.sizes.train=5", ConfigError, "sizes per part"),
     ("labeling.shard_requests=0", ConfigError, "labeling.shard_requests='0'"),
     ("labeling.shard_requests=some", ConfigError, "labeling.shard_requests='some'"),
     ("predictor.lam=0", ConfigError, "predictor.lam=0"),
@@ -93,7 +100,8 @@ def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str
 
 GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.rule=P100", "export.policy=profiled",
                 "labeling.points=[0]", "task.sizes.train=null", "engine=vllm", "labeling.shard_requests=auto",
-                "task=gsm8k;task.options.source=/data/gsm8k"]
+                "task=gsm8k;task.options.source=/data/gsm8k", "task=demo;adapter=demo",
+                "+labeling.task_points.arith=[0,5]"]
 
 
 @pytest.mark.parametrize("overrides", GOOD_CONFIGS)

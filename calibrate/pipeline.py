@@ -126,11 +126,7 @@ def stage_sweep(ctx: Context) -> dict:
                    ForkPlanner(cands.taus, cands.ks), ctx.adapter_parts)
     save_trees(ctx.run.out("sweep", "trees.parquet"), tp.trees)
     priced = price(tp.trees, cands, confidence=float(ctx.section("sweep")["confidence"]))
-    front = pareto(priced)
-    budget = float(ctx.section("export")["budget"])
-    rules = [*DEFAULT_RULES, f"budget={budget:g}"]
-    tables = {"candidates": priced, "frontier": front, "selection": select(priced, rules),
-              "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, budget)}
+    tables = {"candidates": priced, "frontier": pareto(priced), "k_table": k_table(priced)}
     write_tables(ctx.run.out("sweep"), tables)
     cost = sweep_cost(tp.trees, cands)
     full = {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")}
@@ -148,7 +144,9 @@ def stage_sweep(ctx: Context) -> dict:
 
 
 def stage_export(ctx: Context) -> dict:
-    """Choose the operating point, write the bundle and the plots."""
+    """Choose the operating point, write the bundle, the plots, the selection of every rule and the
+    learned-vs-profiled comparison at ``export.budget`` (so another budget re-runs only this stage
+    and the test)."""
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
@@ -157,8 +155,9 @@ def stage_export(ctx: Context) -> dict:
                             config={s: ctx.section(s) for s in CONFIG_SECTIONS},
                             adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
     rule = resolve_rule(ex["rule"], ex["budget"])
-    front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
+    front, sel = pareto(priced), select(priced, list(dict.fromkeys([*DEFAULT_RULES, rule, f"budget={ex['budget']:g}"])))
     budget = parse_rule(rule).max_loss
+    write_tables(ctx.run.out("export"), {"selection": sel, "budget_comparison": compare_at_budget(priced, ex["budget"])})
     why = {}
     for a in ctx.adapter_names:
         e = next(e for e in entries if e.name == a)
@@ -295,7 +294,7 @@ STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, .
     "data": (stage_data, ("task",), ()),
     "labels": (stage_labels, ("task", "backbone", "adapter", "engine", "labeling"), ("data",)),
     "heads": (stage_heads, ("predictor", "sweep"), ("labels",)),
-    "sweep": (stage_sweep, ("task", "backbone", "adapter", "engine", "sweep", "export"), ("heads",)),
+    "sweep": (stage_sweep, ("task", "backbone", "adapter", "engine", "sweep"), ("heads",)),
     "export": (stage_export, ("export",), ("sweep",)),
     "test": (stage_test, ("task", "backbone", "adapter", "engine"), ("export",)),
     "agreement": (stage_agreement, ("task", "backbone", "adapter", "engine"), ("test",)),

@@ -150,7 +150,7 @@ def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
+    (["task=arith", "task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
     (["engine=hf", "engine.batch_size=many"], "could not be converted to Integer"),
     (["engine.batch_size=64"], "engine options need engine=hf or engine=vllm"),
     (["task=nope"], "available: arith, counter, demo, gsm8k"),

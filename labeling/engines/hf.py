@@ -9,6 +9,12 @@ produced by forward t is shared) and runs without adapter from forward t+1 on â€
 "profiled k = t" â€” so the prompt is never re-run per branch. Every row advances one token
 per step, so all rows always share one cache length and forks are a row gather.
 
+Shared prompt prefix. The leading prompt tokens that every request of one slot in a batch
+shares (the chat template's system turn, a task's fixed instruction) run once per slot, and
+each of those rows starts from a copy of that KV; only the rest of each prompt is prefilled
+per row. A row's cache is [padding | shared prefix | padding | rest of its prompt], masked and
+positioned as one contiguous prompt.
+
 Hidden state h_t is the final-norm output at the position that produced token t+1
 (captured with a forward hook on the backbone's final norm).
 """

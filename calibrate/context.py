@@ -152,7 +152,8 @@ class Context:
             if s.task is not None and (parts is None or s.task not in parts):
                 known = f"the mix task's parts are {sorted(parts)}" if parts else "the run's task is not a mix"
                 raise AdapterError(f"adapter '{s.name}': task '{s.task}' is not a part of this run's task ({known}); "
-                                   f"fix adapter.adapters[].task or choose task=demo.")
+                                   f"fix adapter.adapters[].task, choose task=demo, or pick adapters without a task "
+                                   f"(adapter=arith_demo for task=arith, or adapter=custom).")
         if parts is not None:
             unset = [s.name for s in specs if s.task is None]
             if unset:

@@ -1,5 +1,5 @@
 # Two entry points on a fresh machine (Python 3.10+, no GPU, PyPI reachable):
-#   make demo   set up .venv, then calibrate the embedded default end to end
+#   make demo   set up .venv, then calibrate the embedded demo (both shipped adapters) end to end
 #   make test   set up .venv, then run the test suite
 PY ?= python3
 VENV ?= .venv
@@ -26,6 +26,10 @@ $(DEV_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
+# One torch thread unless OMP_NUM_THREADS is set: on a 2-core machine that other jobs share, torch's two
+# threads wait on each other at every op, and the demo ran 7-11x slower than with one
+# (benchmarks/results/2026-12-01-demo-two-adapters.md).
+demo: export OMP_NUM_THREADS ?= 1
 demo: setup
 	$(BIN)/python -m calibrate
 

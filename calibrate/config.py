@@ -71,13 +71,21 @@ class AdapterConfig:
 
 @dataclass
 class LabelingConfig(CheckedOptions):
-    """points: release points T; shard_requests: requests per resumable shard, or ``auto``
+    """points: release points T; task_points: task name → the release points of that task's
+    requests instead (the run's task, or a part of a mix task; other names are ignored);
+    shard_requests: requests per resumable shard, or ``auto``
     (:attr:`calibrate.context.Context.shard_requests`)."""
 
     rules = {"points": "points", "shard_requests": "auto_or_positive_int"}
 
     points: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 7, 15, 31, 63])
+    task_points: dict[str, list[int]] = field(default_factory=dict)
     shard_requests: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for task, points in self.task_points.items():
+            check_value(f"task_points.{task}", points, "points")
 
 
 @dataclass

@@ -134,7 +134,8 @@ class Context:
             if s.task is not None and (parts is None or s.task not in parts):
                 known = f"the mix task's parts are {sorted(parts)}" if parts else "the run's task is not a mix"
                 raise AdapterError(f"adapter '{s.name}': task '{s.task}' is not a part of this run's task ({known}); "
-                                   f"fix adapter.adapters[].task or choose task=demo.")
+                                   f"fix adapter.adapters[].task, choose task=demo, or pick adapters without a task "
+                                   f"(adapter=arith_demo for task=arith, or adapter=custom).")
         if parts is not None:
             unset = [s.name for s in specs if s.task is None]
             if unset:
@@ -148,6 +149,14 @@ class Context:
     def adapter_parts(self) -> dict[int, str | None]:
         """Slot → the task part its adapter serves (None: every request)."""
         return {i: s.task for i, s in enumerate(self.adapters)}
+
+    @property
+    def label_points(self) -> dict[int, list[int]]:
+        """Slot → the release points T its training requests are labeled at: ``labeling.task_points``
+        of the task (part) its adapter serves, else ``labeling.points``."""
+        lab = self.section("labeling")
+        by_task = lab.get("task_points") or {}
+        return {i: list(by_task.get(part or self.task.name, lab["points"])) for i, part in self.adapter_parts.items()}
 
     @property
     def adapter_names(self) -> list[str]:

@@ -68,7 +68,7 @@ def preview(ctx: Context, plan: LabelingPlan) -> float:
     """Print the cost preview (calibrate/preview.py) and return its labeling estimate (seconds);
     stop the run after it with ``preview=true``."""
     work = Workload({split: len(ctx.task.load_split(split)) for split in SPLITS}, len(ctx.adapter_names),
-                    len(ctx.section("labeling")["points"]))
+                    max(len(set(p)) for p in ctx.label_points.values()))
     _say(format_preview(plan, work, engine_label(ctx)))
     if ctx.cfg.preview:
         raise PreviewDone
@@ -77,7 +77,6 @@ def preview(ctx: Context, plan: LabelingPlan) -> float:
 
 def stage_labels(ctx: Context) -> dict:
     """ON/OFF labels on the train split (resumable shards); the cost preview after the warm-up shard."""
-    lab = ctx.section("labeling")
     seen: dict[str, Any] = {}
 
     def after_warmup(plan: LabelingPlan) -> None:
@@ -85,7 +84,7 @@ def stage_labels(ctx: Context) -> dict:
         seen["estimate_s"] = preview(ctx, plan)
 
     points, feats = run_labeling(ctx.engine, ctx.task, ctx.task.load_split("train"), ctx.adapter_names,
-                                 lab["points"], ctx.run.root / "labels", ctx.shard_requests,
+                                 ctx.label_points, ctx.run.root / "labels", ctx.shard_requests,
                                  shard_key=stage_fingerprints(ctx)["labels"], parts=ctx.adapter_parts,
                                  after_warmup=after_warmup, progress=ctx.engine_options.progress)
     if "plan" in seen:  # the whole labeling's generation time (all shards, resumed ones included)
@@ -127,11 +126,7 @@ def stage_sweep(ctx: Context) -> dict:
                    ForkPlanner(cands.taus, cands.ks), ctx.adapter_parts)
     save_trees(ctx.run.out("sweep", "trees.parquet"), tp.trees)
     priced = price(tp.trees, cands, confidence=float(ctx.section("sweep")["confidence"]))
-    front = pareto(priced)
-    budget = float(ctx.section("export")["budget"])
-    rules = [*DEFAULT_RULES, f"budget={budget:g}"]
-    tables = {"candidates": priced, "frontier": front, "selection": select(priced, rules),
-              "k_table": k_table(priced), "budget_comparison": compare_at_budget(priced, budget)}
+    tables = {"candidates": priced, "frontier": pareto(priced), "k_table": k_table(priced)}
     write_tables(ctx.run.out("sweep"), tables)
     cost = sweep_cost(tp.trees, cands)
     full = {a: float(g["full_accuracy"].iloc[0]) for a, g in priced.groupby("adapter")}
@@ -149,7 +144,9 @@ def stage_sweep(ctx: Context) -> dict:
 
 
 def stage_export(ctx: Context) -> dict:
-    """Choose the operating point, write the bundle and the plots."""
+    """Choose the operating point, write the bundle, the plots, the selection of every rule and the
+    learned-vs-profiled comparison at ``export.budget`` (so another budget re-runs only this stage
+    and the test)."""
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
@@ -158,8 +155,9 @@ def stage_export(ctx: Context) -> dict:
                             config={s: ctx.section(s) for s in CONFIG_SECTIONS},
                             adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
     rule = resolve_rule(ex["rule"], ex["budget"])
-    front, sel = pareto(priced), select(priced, [*DEFAULT_RULES, rule])
+    front, sel = pareto(priced), select(priced, list(dict.fromkeys([*DEFAULT_RULES, rule, f"budget={ex['budget']:g}"])))
     budget = parse_rule(rule).max_loss
+    write_tables(ctx.run.out("export"), {"selection": sel, "budget_comparison": compare_at_budget(priced, ex["budget"])})
     why = {}
     for a in ctx.adapter_names:
         e = next(e for e in entries if e.name == a)
@@ -188,12 +186,21 @@ def _bundle_steptrim(ctx: Context, engine) -> tuple[Bundle, StepTrim]:
 
 def realize(ctx: Context, engine, split: str, steptrim: StepTrim, desc: str) -> dict[str, dict]:
     """Run ``split`` × adapters with full LoRA and with ``steptrim`` on ``engine``; per adapter:
-    requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1)."""
+    requests, full-LoRA and policy accuracy (%), loss (points) and realized skip (0–1).
+
+    A request whose adapter has no policy (never released) runs exactly as full LoRA under
+    ``steptrim``, so its full-LoRA response stands for it; only the others are generated again."""
     pairs = build_requests(engine, ctx.task, ctx.task.load_split(split), range(len(ctx.adapter_names)),
                            ctx.adapter_parts)
     reqs = [r for _, r in pairs]
     full = engine.generate(reqs, ctx.task.max_new_tokens, desc=f"{desc}: full LoRA")
-    trim = engine.generate(reqs, ctx.task.max_new_tokens, steptrim=steptrim, desc=f"{desc}: bundle policy")
+    released = [i for i, r in enumerate(reqs) if steptrim.policies[r.slot] is not None]
+    trim = list(full)
+    if released:
+        again = engine.generate([reqs[i] for i in released], ctx.task.max_new_tokens, steptrim=steptrim,
+                                desc=f"{desc}: bundle policy")
+        for i, res in zip(released, again):
+            trim[i] = res
     out = {}
     for a_idx, a in enumerate(ctx.adapter_names):
         sel = [i for i, (_, r) in enumerate(pairs) if r.slot == a_idx]
@@ -287,7 +294,7 @@ STAGES: dict[str, tuple[Callable[[Context], dict], tuple[str, ...], tuple[str, .
     "data": (stage_data, ("task",), ()),
     "labels": (stage_labels, ("task", "backbone", "adapter", "engine", "labeling"), ("data",)),
     "heads": (stage_heads, ("predictor", "sweep"), ("labels",)),
-    "sweep": (stage_sweep, ("task", "backbone", "adapter", "engine", "sweep", "export"), ("heads",)),
+    "sweep": (stage_sweep, ("task", "backbone", "adapter", "engine", "sweep"), ("heads",)),
     "export": (stage_export, ("export",), ("sweep",)),
     "test": (stage_test, ("task", "backbone", "adapter", "engine"), ("export",)),
     "agreement": (stage_agreement, ("task", "backbone", "adapter", "engine"), ("test",)),

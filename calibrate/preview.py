@@ -21,7 +21,7 @@ class PreviewDone(Exception):
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests per split (examples, before × adapters), adapters, and label points per request."""
+    """Requests per split (examples, before × adapters), adapters, and the most label points of a request."""
 
     splits: dict[str, int]
     adapters: int

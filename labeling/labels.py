@@ -149,17 +149,20 @@ AfterWarmup = Callable[[LabelingPlan], None]
 
 
 def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adapter_names: Sequence[str],
-                 points: Sequence[int], out_dir: Path, shard_requests: int, shard_key: str = "",
+                 points: Sequence[int] | Mapping[int, Sequence[int]], out_dir: Path, shard_requests: int, shard_key: str = "",
                  parts: Mapping[int, str | None] | None = None, after_warmup: AfterWarmup | None = None,
                  progress: bool = False) -> tuple[pd.DataFrame, np.ndarray]:
     """Label ``examples`` × adapters in resumable shards under ``out_dir/shards``; return all points.
 
+    ``points``: the release points T, or adapter slot → that adapter's T.
     Finished shards are reused only by a run with the same ``shard_key`` (the caller's config
     fingerprint) and the same ``shard_requests``, which fix each shard's composition; any other
     run starts the shards afresh. ``parts``: slot → task part, as in :func:`build_requests`.
     ``progress``: a bar over all requests (shards done before a resume count as done) with
     requests/s, generated tokens/s and an ETA."""
-    t_set = frozenset(int(t) for t in points)
+    t_sets = {s: frozenset(int(t) for t in (points[s] if isinstance(points, Mapping) else points))
+              for s in range(len(adapter_names))}
+    captured = frozenset().union(*t_sets.values())
     pairs = build_requests(engine, task, examples, range(len(adapter_names)), parts)
     shard_dir = out_dir / "shards"
     layout = f"{shard_key}\nshard_requests={shard_requests}\nrequests={len(pairs)}\n"
@@ -193,8 +196,8 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
                 bar = new_bar()
             chunk = pairs[i * shard_requests:(i + 1) * shard_requests]
             start = time.perf_counter()
-            results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=t_set.__contains__,
-                                      fork=lambda res, t, s: t in t_set, desc=f"labels shard {i + 1}/{plan.shards}")
+            results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=captured.__contains__,
+                                      fork=lambda res, t, s: t in t_sets[res.slot], desc=f"labels shard {i + 1}/{plan.shards}")
             stats = ShardStats.measure(results, 0, time.perf_counter() - start)
             plan.warmup = i if plan.warmup is None else plan.warmup
             df, h = label_results(engine, task, chunk, results, adapter_names)

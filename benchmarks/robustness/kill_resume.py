@@ -43,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_ORDER = ("data", "labels", "heads", "sweep", "export", "test")
-KILL_CONFIG = ["task.sizes.train=3", "task.sizes.validation=1", "task.sizes.test=1",
+KILL_CONFIG = ["task=arith", "adapter=arith_demo", "task.sizes.train=3", "task.sizes.validation=1", "task.sizes.test=1",
                "task.options.max_new_tokens=10", "labeling.points=[0,2]", "labeling.shard_requests=1",
                "sweep.n_tau=4", "sweep.ks=[0,1,2,4]", "engine.progress=false"]
 BOOKKEEPING = (".scratch", ".publishing", ".trash")

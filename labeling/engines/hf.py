@@ -9,6 +9,12 @@ produced by forward t is shared) and runs without adapter from forward t+1 on �
 "profiled k = t" — so the prompt is never re-run per branch. Every row advances one token
 per step, so all rows always share one cache length and forks are a row gather.
 
+Shared prompt prefix. The leading prompt tokens that every request of one slot in a batch
+shares (the chat template's system turn, a task's fixed instruction) run once per slot, and
+each of those rows starts from a copy of that KV; only the rest of each prompt is prefilled
+per row. A row's cache is [padding | shared prefix | padding | rest of its prompt], masked and
+positioned as one contiguous prompt.
+
 Hidden state h_t is the final-norm output at the position that produced token t+1
 (captured with a forward hook on the backbone's final norm).
 """
@@ -29,6 +35,7 @@ from labeling.options import CheckedOptions
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+MIN_SHARED_PREFIX = 8  # prompt tokens a slot's requests must share before they are run once for all
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,39 @@ class HFEngine(ChatIO):
         bar.close()
         return results
 
+    def _shared_prefixes(self, reqs: list[GenRequest]) -> tuple[list[int], list[dict[int, tuple[torch.Tensor, torch.Tensor]]]]:
+        """Per request, how many leading prompt tokens it shares with every other request of its slot
+        in the batch (0 if none, or if alone; always at least one token left to prefill), and per
+        layer, slot → the (keys, values) of that shared prefix, run once with the slot's adapter."""
+        from transformers import DynamicCache
+
+        by_slot: dict[int, list[int]] = {}
+        for j, r in enumerate(reqs):
+            by_slot.setdefault(r.slot, []).append(j)
+        shared = [0] * len(reqs)
+        kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        for slot, members in by_slot.items():
+            prompts = [reqs[j].prompt_ids for j in members]
+            n = min(len(p) for p in prompts) - 1
+            for i in range(n):
+                if any(p[i] != prompts[0][i] for p in prompts[1:]):
+                    n = i
+                    break
+            if len(members) < 2 or n < MIN_SHARED_PREFIX:
+                continue
+            ids = torch.tensor([prompts[0][:n]], device=self.device)
+            cache = DynamicCache()
+            kwargs = {"adapter_names": [BASE if slot == NO_SLOT else self.adapters[slot].name]} if self.adapters else {}
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(n, device=self.device)[None],
+                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
+            for layer, c in enumerate(cache.layers):
+                if layer == len(kv):
+                    kv.append({})
+                kv[layer][slot] = (c.keys, c.values)
+            for j in members:
+                shared[j] = n
+        return shared, kv
+
     @torch.no_grad()
     def _generate_batch(self, reqs: list[GenRequest], max_new: int, steptrim: StepTrim | None,
                         scorer: StepTrim | None, capture, fork) -> list[GenResult]:
@@ -164,20 +204,35 @@ class HFEngine(ChatIO):
 
         dev = self.device
         pad = self.tokenizer.pad_token_id
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((len(reqs), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for j, r in enumerate(reqs):
-            ids[j, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[j, width - len(r.prompt_ids):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        results = [GenResult(uid=r.uid, slot=r.slot) for r in reqs]
-        rows = [_Row(req=j, branch=None, released=False, tokens=[]) for j in range(len(reqs))]
-        cache = DynamicCache()
         captured: dict[str, torch.Tensor] = {}
         hook = self._norm.register_forward_hook(lambda m, a, out: captured.__setitem__("h", out[:, -1]))
         try:
+            # Prompt tokens that all requests of one slot share (chat template, task instruction) are
+            # run once per slot; each row's cache starts with its slot's copy: [pad | shared | pad | rest].
+            shared, kv = self._shared_prefixes(reqs)
+            head = max(shared)
+            rest = [r.prompt_ids[n:] for r, n in zip(reqs, shared)]
+            width = max(len(x) for x in rest)
+            ids = torch.full((len(reqs), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(reqs), head + width), dtype=torch.long)
+            for j, (x, n) in enumerate(zip(rest, shared)):
+                ids[j, width - len(x):] = torch.tensor(x)
+                mask[j, head - n:head] = 1
+                mask[j, head + width - len(x):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, head:]
+            cache = DynamicCache()
+            for layer, per_slot in enumerate(kv):
+                k0, v0 = next(iter(per_slot.values()))
+                keys = k0.new_zeros((len(reqs), k0.shape[1], head, k0.shape[3]))
+                values = v0.new_zeros((len(reqs), v0.shape[1], head, v0.shape[3]))
+                for j, r in enumerate(reqs):
+                    if shared[j]:
+                        keys[j, :, head - shared[j]:] = per_slot[r.slot][0][0]
+                        values[j, :, head - shared[j]:] = per_slot[r.slot][1][0]
+                cache.update(keys, values, layer)
+            results = [GenResult(uid=r.uid, slot=r.slot) for r in reqs]
+            rows = [_Row(req=j, branch=None, released=False, tokens=[]) for j in range(len(reqs))]
             t = 0
             while rows:
                 names = [BASE if (row.released or reqs[row.req].slot == NO_SLOT)
@@ -218,10 +273,12 @@ class HFEngine(ChatIO):
                 rows_next = [rows[j] for j in keep] + [f for _, f in forks]
                 if not rows_next:
                     break
-                index = torch.tensor(keep + [j for j, _ in forks], device=dev)
-                _reindex_cache(cache, index)
-                mask = torch.cat([mask.index_select(0, index), torch.ones((len(index), 1), dtype=mask.dtype, device=dev)], 1)
-                positions = positions.index_select(0, index)[:, -1:] + 1
+                if forks or len(keep) < len(rows):  # else every row goes on in place
+                    index = torch.tensor(keep + [j for j, _ in forks], device=dev)
+                    _reindex_cache(cache, index)
+                    mask, positions = mask.index_select(0, index), positions.index_select(0, index)
+                mask = torch.cat([mask, torch.ones((len(rows_next), 1), dtype=mask.dtype, device=dev)], 1)
+                positions = positions[:, -1:] + 1
                 ids = torch.tensor([[row.tokens[-1]] for row in rows_next], device=dev)
                 rows = rows_next
                 t += 1

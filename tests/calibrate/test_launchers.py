@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 def test_joblib_multirun_runs_each_job_in_its_own_run_dir(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "calibrate", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-         "task=arith", "task.sizes.validation=4,5", "stages=[data]", f"hydra.sweep.dir={tmp_path}",
+         "task=arith", "adapter=arith_demo", "task.sizes.validation=4,5", "stages=[data]", f"hydra.sweep.dir={tmp_path}",
          "hydra.sweep.subdir=v${task.sizes.validation}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

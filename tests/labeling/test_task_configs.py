@@ -47,8 +47,17 @@ def test_options_are_typed_and_closed() -> None:
         compose_cfg(["task=gsm8k", "task.options.val_size=many"])
 
 
-def test_arith_demo_config_builds_small_splits() -> None:
-    cfg = compose_cfg([]).task
+def test_the_default_is_the_two_adapter_demo() -> None:
+    """`python -m calibrate` with no arguments (make demo): task=demo adapter=demo, counter's
+    validation large enough for a 2-point budget on an exact 95 % bound with no request broken."""
+    cfg = compose_cfg([])
+    assert cfg.task.name == "mix" and cfg.adapter.name == "demo"
+    assert sorted(cfg.task.options.parts) == ["arith", "counter"]
+    assert cfg.task.options.parts.counter.sizes.validation >= 149
+
+
+def test_arith_config_builds_small_splits() -> None:
+    cfg = compose_cfg(["task=arith"]).task
     assert dict(cfg.sizes) == {"train": 96, "validation": 48, "test": 48}
     task = build_task(cfg.name, sizes=dict(cfg.sizes), **cfg.options)
     assert len(task.load_split("validation")) == 48

@@ -50,6 +50,8 @@ BAD_CONFIGS = [
     ("labeling.points=[0,-1]", ConfigError, "labeling.points=[0, -1]"),
     ("labeling.points=[0,one]", ConfigError, "labeling.points"),
     ("labeling.points=3", ConfigError, "labeling.points=3"),
+    ("labeling.task_points.counter=[]", ConfigError, "labeling.task_points.counter=[]"),
+    ("+labeling.task_points.arith=[0,-3]", ConfigError, "labeling.task_points.arith=[0, -3]"),
     ("labeling.shard_requests=0", ConfigError, "labeling.shard_requests='0'"),
     ("labeling.shard_requests=some", ConfigError, "labeling.shard_requests='some'"),
     ("predictor.lam=0", ConfigError, "predictor.lam=0"),
@@ -96,12 +98,33 @@ def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str
 
 GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.rule=P100", "export.policy=profiled",
                 "labeling.points=[0]", "task.sizes.train=null", "engine=vllm", "labeling.shard_requests=auto",
-                "task=gsm8k;task.options.source=/data/gsm8k"]
+                "task=gsm8k;task.options.source=/data/gsm8k", "+labeling.task_points.arith=[0,5]"]
 
 
 @pytest.mark.parametrize("overrides", GOOD_CONFIGS)
 def test_good_config_passes(overrides: str) -> None:
     check_config(compose_cfg([*TINY, *filter(None, overrides.split(";"))]))
+
+
+# The demo's mix task: each part is checked as a task of its own.
+BAD_DEMO_CONFIGS = [
+    ("task.options.parts.counter.sizes.train=-1", "task.sizes.train=-1"),
+    ("+task.options.parts.counter.options.colour=red", "task.options.colour: task 'counter' has no such option"),
+    ("+task.options.parts.mix={}", "a part cannot itself be a mix"),
+    ("task.sizes.train=5", "sizes per part"),
+]
+
+
+@pytest.mark.parametrize("override,fragment", BAD_DEMO_CONFIGS, ids=[c[0] for c in BAD_DEMO_CONFIGS])
+def test_bad_demo_config_is_one_clear_error(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_cfg(["task=demo", "adapter=demo", override]))
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_demo_config_passes() -> None:
+    validate_config(compose_cfg([]))
+    validate_config(compose_cfg(["task=demo", "adapter=demo"]))
 
 
 # --- local data files ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ registers its class here by name.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from labeling.options import OptionError
@@ -35,7 +36,13 @@ def build_task(name: str, sizes: dict[str, int | None] | None = None, **options:
     """
     if name == MixTask.name:
         return _build_mix(sizes, options)
-    return task_class(name)(sizes=SplitSizes(**(sizes or {})), **options)
+    cls = task_class(name)
+    for kind, given, known in (("option", options, cls.Options), ("split size", sizes or {}, SplitSizes)):
+        unknown = sorted(set(given) - {f.name for f in fields(known)})
+        if unknown:
+            raise TaskError(f"task {name!r} has no {kind} {unknown[0]!r}; its {kind}s: "
+                            f"{', '.join(f.name for f in fields(known))}.")
+    return cls(sizes=SplitSizes(**(sizes or {})), **options)
 
 
 def task_class(name: str) -> type:
@@ -56,6 +63,9 @@ def _build_mix(sizes: dict[str, int | None] | None, options: dict[str, Any]) -> 
         raise TaskError("task 'mix': a part cannot itself be a mix.")
     built = {}
     for p, spec in parts.items():
+        extra = sorted(set(spec or {}) - {"options", "sizes"})
+        if extra:
+            raise TaskError(f"task 'mix': part '{p}': unknown key {extra[0]!r}; a part takes `options` and `sizes`.")
         try:
             built[p] = build_task(p, sizes=(spec or {}).get("sizes"), **((spec or {}).get("options") or {}))
         except OptionError as err:

@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 from calibrate.__main__ import config_error
 from calibrate.errors import ConfigError, UserError
 from calibrate.config import check_config
+from calibrate.context import Context
+from calibrate.rundir import RunDir
 from calibrate.validate import check_database, validate_task_data
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter
 from labeling.tasks import TaskError, build_task
@@ -106,25 +108,33 @@ def test_good_config_passes(overrides: str) -> None:
     check_config(compose_cfg([*TINY, *filter(None, overrides.split(";"))]))
 
 
-# The demo's mix task: each part is checked as a task of its own.
+# The demo's mix task: each part is checked as a task of its own when the run builds its task,
+# before any model loads.
 BAD_DEMO_CONFIGS = [
-    ("task.options.parts.counter.sizes.train=-1", "task.sizes.train=-1"),
-    ("+task.options.parts.counter.options.colour=red", "task.options.colour: task 'counter' has no such option"),
+    ("task.options.parts.counter.sizes.train=-1", "part 'counter': train=-1"),
+    ("task.options.parts.counter.options.max_moves=0", "part 'counter': max_moves=0"),
+    ("+task.options.parts.counter.options.colour=red", "task 'counter' has no option 'colour'"),
+    ("+task.options.parts.counter.sizes.dev=4", "task 'counter' has no split size 'dev'"),
+    ("+task.options.parts.counter.extra=1", "part 'counter': unknown key 'extra'"),
     ("+task.options.parts.mix={}", "a part cannot itself be a mix"),
     ("task.sizes.train=5", "sizes per part"),
 ]
 
 
+def demo_task(tmp_path: Path, *overrides: str) -> object:
+    return Context(compose_cfg(["task=demo", "adapter=demo", *overrides]), RunDir(tmp_path)).task
+
+
 @pytest.mark.parametrize("override,fragment", BAD_DEMO_CONFIGS, ids=[c[0] for c in BAD_DEMO_CONFIGS])
-def test_bad_demo_config_is_one_clear_error(override: str, fragment: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        validate_config(compose_cfg(["task=demo", "adapter=demo", override]))
+def test_bad_demo_config_is_one_clear_error(tmp_path: Path, override: str, fragment: str) -> None:
+    with pytest.raises(UserError) as info:
+        demo_task(tmp_path, override)
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_demo_config_passes() -> None:
-    validate_config(compose_cfg([]))
-    validate_config(compose_cfg(["task=demo", "adapter=demo"]))
+def test_demo_config_passes(tmp_path: Path) -> None:
+    check_config(compose_cfg([]))
+    assert sorted(demo_task(tmp_path).parts) == ["arith", "counter"]
 
 
 # --- local data files ---------------------------------------------------------------------

@@ -154,9 +154,8 @@ class Context:
     def label_points(self) -> dict[int, list[int]]:
         """Slot → the release points T its training requests are labeled at: ``labeling.task_points``
         of the task (part) its adapter serves, else ``labeling.points``."""
-        lab = self.section("labeling")
-        by_task = lab.get("task_points") or {}
-        return {i: list(by_task.get(part or self.task.name, lab["points"])) for i, part in self.adapter_parts.items()}
+        lab = self.config.labeling
+        return {i: list(lab.task_points.get(part or self.task.name, lab.points)) for i, part in self.adapter_parts.items()}
 
     @property
     def adapter_names(self) -> list[str]:

@@ -199,7 +199,8 @@ def run_labeling(engine: HFEngine, task: Task, examples: Sequence[Example], adap
             results = engine.generate([r for _, r in chunk], task.max_new_tokens, capture=captured.__contains__,
                                       fork=lambda res, t, s: t in t_sets[res.slot], desc=f"labels shard {i + 1}/{plan.shards}")
             stats = ShardStats.measure(results, 0, time.perf_counter() - start)
-            plan.warmup = i if plan.warmup is None else plan.warmup
+            if plan.warmup is None:
+                plan.warmup = i
             df, h = label_results(engine, task, chunk, results, adapter_names)
             stats = replace(stats, points=len(df))
             _write_shard(shard_dir / f"{i:05d}.done", files, df, h, stats)

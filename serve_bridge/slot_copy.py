@@ -51,8 +51,8 @@ class SlotWriter:
         self.fast = {name: ts for name, ts in stacked.items()
                      if all(t.dtype == first.dtype and t.device == first.device for t in ts)}
         shapes = [t.shape[1:] for ts in self.fast.values() for t in ts]
-        self.staging = torch.empty(sum(math.prod(s) for s in shapes), dtype=first.dtype, device=first.device)
         sizes = [math.prod(s) for s in shapes]
+        self.staging = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.sources = [v.view(s) for v, s in zip(torch.split(self.staging, sizes), shapes)]
         self._targets: dict[int, list[torch.Tensor]] = {}
 

@@ -196,7 +196,7 @@ class Context:
         try:
             import vllm  # noqa: F401
         except ImportError as err:
-            raise ConfigError("engine=vllm needs vllm==0.26.0 and a GPU: pip install 'lorazor[vllm]'") from err
+            raise ConfigError("engine=vllm needs vLLM (0.33.0 or 0.26.0) and a GPU: pip install 'lorazor[vllm]'") from err
         from labeling.engines.vllm.engine import VLLMEngine
 
         self.check_adapters()

@@ -11,7 +11,7 @@
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
 # per step beside the capacity model's prediction. Each table prints the line
 #   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY
-# Usage, from anywhere (vLLM 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
+# Usage, from anywhere (vLLM 0.33.0 or 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
 # Writes OUT_DIR/<table>/bench.{txt,json}, or OUT_DIR/correctness/check_slots.md.
@@ -23,7 +23,10 @@ shift
 requests=${REQUESTS:-2048}
 budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
-export PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=0
+export PYTHONUNBUFFERED=1
+# the runner of the installed vLLM's line (V1 on 0.26.0, V2 on 0.33.0)
+eval "$(cd "$root" && python3 -c 'from serve_bridge.vllm.versions import runner_environment as r
+print("".join(f"export {k}={v}; " for k, v in r().items()))')"
 # slot statistics read the engine core's scheduler, so it runs in this process
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 unset LORAZOR_BUNDLE LORAZOR_ADAPTERS LORAZOR_GRIDTRIM LORAZOR_SLOTS LORAZOR_CALIBRATION
@@ -31,6 +34,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$root"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+python3 -c 'import torch, vllm; print("vLLM", vllm.__version__, "torch", torch.__version__)' || true
 git log -1 --format='commit %H %cd' 2>/dev/null || true
 rc=0
 

@@ -202,6 +202,9 @@ class CalibrationRuntime(ReleaseRuntime):
         self._capture_plan = plan if plan.rows else None
         return mapping
 
+    def wants_hidden(self) -> bool:
+        return super().wants_hidden() or self._capture_plan is not None
+
     def capture(self, hidden: torch.Tensor) -> None:
         """Record s_t (scorer) and h_t (capture set) of this step's tagged rows from ``hidden``
         [R, H], the rows :meth:`decide` receives; call it before or after ``decide``."""

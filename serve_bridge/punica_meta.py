@@ -127,13 +127,17 @@ class HostPunicaMetadata:
         pin = device.type == "cuda"
         self._long_device = torch.empty(5 * t, dtype=torch.int64, device=device)
         self._long_host = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)
+        # vLLM 0.26 allocates _embeddings_indices as [2, T] (an extra-vocabulary row, then the
+        # LoRA row), vLLM 0.33 as [T] (the LoRA row alone): keep the layout vLLM allocated.
+        shape = tuple(wrapper._embeddings_indices.shape)
         (wrapper._token_lora_indices, wrapper._sampler_indices, wrapper._sampler_indices_padded,
          embeddings) = self._long_device.split([t, t, t, 2 * t])
-        wrapper._embeddings_indices = embeddings.view(2, t)
+        rows = shape[0] if len(shape) == 2 else 1
+        wrapper._embeddings_indices = embeddings[:rows * t].view(shape)
         # the host twins of those four buffers, views of the pinned block
         self._token_indices, self._sampler_indices, self._sampler_padded, host_embeddings = \
             np.split(self._long_host.numpy(), [t, 2 * t, 3 * t])
-        self._embeddings = host_embeddings.reshape(2, t)
+        self._embeddings = host_embeddings[:rows * t].reshape(rows, t)
         metas = (wrapper.token_mapping_meta, wrapper.prompt_mapping_meta)
         sizes = [sum(_KernelMetaBlock.sizes(m, block_m)) for m in metas]
         self._int_device = torch.empty(sum(sizes), dtype=torch.int32, device=device)
@@ -171,11 +175,11 @@ class HostPunicaMetadata:
         self._token_indices[:n] = tokens
         self._sampler_indices[:m] = sampler
         self._sampler_padded[:m] = np.arange(m) + np.where(sampler == -1, max_loras - 1, sampler) * m
-        # _embeddings_indices: row 0 is the slot × extra vocabulary size, 0 since vLLM 0.26 dropped
-        # extra vocabularies; row 1 the slot × vocabulary size, slot 0 for tokens without an adapter.
-        # Neither can be -1, so vLLM's -1 replacement changes nothing.
-        self._embeddings[0, :n] = 0
-        self._embeddings[1, :n] = np.maximum(tokens, 0) * vocab_size
+        # _embeddings_indices' last row is the slot × vocabulary size, slot 0 for tokens without an
+        # adapter; vLLM 0.26's first row is the slot × extra vocabulary size, 0 since 0.26 dropped
+        # extra vocabularies. Neither can be -1, so 0.26's -1 replacement changes nothing.
+        self._embeddings[:-1, :n] = 0
+        self._embeddings[-1, :n] = np.maximum(tokens, 0) * vocab_size
         self._wrapper.indices_len[:] = [n, m, m, n]
         self._blocks[0].write(tokens)
         self._blocks[1].write(sampler)

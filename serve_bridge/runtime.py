@@ -360,6 +360,11 @@ class ReleaseRuntime:
         self.mapping_ms += (time.perf_counter() - start) * 1e3
         return mapping
 
+    def wants_hidden(self) -> bool:
+        """Whether this step's :meth:`decide` has rows to decide (a runner that must gather the
+        sampled rows' hidden states first can skip that when it has none)."""
+        return self._plan is not None
+
     def decide(self, hidden: torch.Tensor) -> None:
         """Launch this step's decisions on ``hidden`` [R, H], the final-norm hidden states of
         the sampled positions in batch order; they take effect from the next step on."""

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from serve_bridge.vllm.versions import runner_environment
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -92,7 +93,7 @@ def engine_env(engine: str, work: Path, environ: dict[str, str]) -> dict[str, st
     """The engine's environment: batch-invariant kernels, engine core in-process (for the
     read-outs), and the bridge's variables per engine (module doc)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
-    env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | runner_environment()
     if engine != "stock":
         env["LORAZOR_BUNDLE"] = str(work / "bundle")
         env["LORAZOR_LOG_INTERVAL_S"] = "0"

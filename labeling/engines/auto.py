@@ -1,6 +1,6 @@
 """``engine=auto``: the engine to run, chosen from facts probed on this machine.
 
-vLLM when CUDA is available and ``vllm==0.26.0`` is installed; else the hf engine on CUDA when
+vLLM when CUDA is available and a supported vLLM (0.33.0 or 0.26.0) is installed; else the hf engine on CUDA when
 CUDA is available; else the hf engine on the CPU. On vLLM, one replica per visible GPU (data
 parallel), unless the model's weights do not fit one GPU: then the smallest power-of-two
 tensor-parallel size whose share of the weights fits, and as many replicas as the GPUs hold.
@@ -10,12 +10,11 @@ GPU's memory). Every choice comes with one line saying what was chosen and why.
 """
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from labeling.engines.hf import HFOptions
-from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions
+from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions, installed_vllm, supported_vllm_text
 
 WEIGHT_SHARE = 0.5  # of the memory vLLM may use per GPU; the rest is KV cache and activations
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
@@ -54,11 +53,7 @@ def probe_facts() -> MachineFacts:
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
     memory = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0)
-    try:
-        version: str | None = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    return MachineFacts(cuda=cuda and gpus > 0, gpus=gpus, gpu_memory=memory, vllm_version=version)
+    return MachineFacts(cuda=cuda and gpus > 0, gpus=gpus, gpu_memory=memory, vllm_version=installed_vllm())
 
 
 def tensor_parallel_size(weight_bytes: int, facts: MachineFacts, utilization: float) -> int:
@@ -78,11 +73,11 @@ def resolve_engine(facts: MachineFacts, parameters: Callable[[], int], model: st
     if not facts.cuda:
         return EngineChoice(HFOptions(device="cpu", progress=options.progress),
                             "engine=auto → hf on cpu: no CUDA device is visible.")
-    if facts.vllm_version != SUPPORTED_VLLM:
+    if facts.vllm_version not in SUPPORTED_VLLM:
         found = f"vllm {facts.vllm_version} is installed" if facts.vllm_version else "vllm is not installed"
         return EngineChoice(HFOptions(device="cuda", progress=options.progress),
                             f"engine=auto → hf on cuda (one GPU): {found}, the vLLM engine needs "
-                            f"vllm=={SUPPORTED_VLLM} (pip install 'lorazor[vllm]').")
+                            f"{supported_vllm_text()}.")
     vllm = VLLMOptions(progress=options.progress)
     weights = parameters() * DTYPE_BYTES[vllm.dtype]
     tp = tensor_parallel_size(weights, facts, vllm.gpu_memory_utilization)

@@ -1,4 +1,4 @@
-"""StepTrim inside vLLM's V1 GPU model runner: one subclass, installed in place of vLLM's.
+"""StepTrim inside vLLM 0.26's V1 GPU model runner: one subclass, installed in place of vLLM's.
 
 Per step the runner masks the LoRA mapping by each request's release position (positions at or
 after it run without the adapter) and activates only the adapters the masked mapping still uses,
@@ -17,11 +17,9 @@ import torch
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 from vllm.lora.layers import LoRAMappingType
 
-from serve_bridge.calibration import CalibrationRuntime
-from serve_bridge.runtime import ReleaseRuntime, build_runtime, logger, lora_ids
-from serve_bridge.vllm import prefix_cache
-from serve_bridge.vllm.settings import (RELEASES_ATTR, BridgeError, BridgeSettings, require_slot_engine,
-                                        require_supported_engine)
+from serve_bridge.runtime import ReleaseRuntime, lora_ids
+from serve_bridge.vllm.runner_setup import start_runtime
+from serve_bridge.vllm.settings import RELEASES_ATTR
 
 _BaseRunner = gpu_model_runner.GPUModelRunner
 
@@ -31,25 +29,10 @@ class LoRazorGPUModelRunner(_BaseRunner):
     punica wrapper reads the masked mapping this runner hands to ``_set_active_loras``."""
 
     def __init__(self, vllm_config: Any, device: Any) -> None:
-        settings = BridgeSettings.from_env()
-        if settings is None:
-            raise BridgeError("LoRazorGPUModelRunner was built without LORAZOR_BUNDLE or LORAZOR_CALIBRATION; the "
-                              "plugin installs it only when one of them is set in every vLLM process.")
-        require_supported_engine(vllm_config, released_blocks_keyed=settings.calibration and prefix_cache.installed())
-        if settings.slots:
-            require_slot_engine(vllm_config)
-        hidden_size = vllm_config.model_config.get_hidden_size()
-        runtime = _start_runtime(settings, hidden_size, device, bool(vllm_config.cache_config.enable_prefix_caching))
-        runtime.report_releases = settings.slots
+        runtime = start_runtime(vllm_config, device)
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self._lorazor_groups: int | None = None
-        if settings.calibration:
-            logger.info("LoRazor calibration runtime active (hidden size %d); policies come over collective_rpc.",
-                        hidden_size)
-        else:
-            logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d).",
-                        settings.bundle, len(runtime.slot_of), hidden_size)
 
     def _update_states(self, scheduler_output: Any) -> Any:
         rt = self.lorazor
@@ -119,15 +102,6 @@ class LoRazorGPUModelRunner(_BaseRunner):
             if releases:  # only steps that ran a forward decide, and those build a fresh output
                 setattr(out, RELEASES_ATTR, releases)
         return out
-
-
-def _start_runtime(settings: BridgeSettings, hidden_size: int, device: Any, prefix_caching: bool) -> ReleaseRuntime:
-    """Serving: the bundle's runtime. Calibration: an empty runtime configured over ``collective_rpc``,
-    told whether the engine caches prefixes (it then refuses release policies)."""
-    if settings.calibration:
-        return CalibrationRuntime(hidden_size, device, log_interval_s=settings.log_interval_s,
-                                  prefix_caching=prefix_caching)
-    return build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s)
 
 
 def install() -> None:

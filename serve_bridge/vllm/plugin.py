@@ -4,13 +4,15 @@ vLLM calls :func:`register` in every process it starts. It does nothing unless a
 is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim, with a bundle also the release-aware
 scheduler unless ``LORAZOR_SLOTS=0``; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
 vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
-the hooks (docs/vllm_integration.md §1). vLLM swallows import errors of plugin modules, so this
+the hooks, the runner's from the installed vLLM's seam (:mod:`serve_bridge.vllm.versions`;
+docs/vllm_integration.md §0-1). vLLM swallows import errors of plugin modules, so this
 module imports nothing heavy and every check runs inside :func:`register`.
 """
 from __future__ import annotations
 
+from serve_bridge.vllm import versions
 from serve_bridge.vllm.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
-                                   gridtrim_from_env, require_v1_runner, require_vllm_version)
+                                        gridtrim_from_env)
 
 # punica_wrapper.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
 GRIDTRIM_WRAPPER = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
@@ -29,19 +31,17 @@ def register() -> None:
     runner_env = CALIBRATION_ENV if settings is not None and settings.calibration else BUNDLE_ENV
     on = " and ".join(name for name, flag in ((runner_env, steptrim), (GRIDTRIM_ENV, gridtrim)) if flag)
     try:
-        require_vllm_version(vllm.__version__)
-        require_v1_runner()
+        seam = versions.seam(vllm.__version__)
+        seam.require_runner()
     except BridgeError as err:
         raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None
     from serve_bridge.vllm import lora_manager
 
-    lora_manager.install()
+    lora_manager.install(seam.sync_allowed)
     if gridtrim:
         install_gridtrim()
     if steptrim:
-        from serve_bridge.vllm.model_runner import install
-
-        install()
+        seam.install_runner()
     if settings is not None and settings.slots:
         from serve_bridge.vllm import scheduler
 

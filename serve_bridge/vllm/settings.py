@@ -22,7 +22,6 @@ from typing import Any
 BUNDLE_ENV = "LORAZOR_BUNDLE"
 ADAPTERS_ENV = "LORAZOR_ADAPTERS"
 LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
-SUPPORTED_VLLM = "0.26.0"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
 CALIBRATION_ENV = "LORAZOR_CALIBRATION"
@@ -129,27 +128,11 @@ def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
                    "vLLM's)", environ)
 
 
-def require_vllm_version(found: str) -> None:
-    """Refuse any vLLM but the one whose private APIs the bridge hooks."""
-    if found != SUPPORTED_VLLM:
-        raise BridgeError(f"LoRazor's serve_bridge hooks private APIs of vLLM {SUPPORTED_VLLM}, but vLLM {found} "
-                          f"is installed. Install vllm=={SUPPORTED_VLLM} (pip install 'lorazor[vllm]'), or unset "
-                          f"{BUNDLE_ENV} to serve without StepTrim.")
-
-
-def require_v1_runner(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse unless the older GPU runner is selected explicitly (vLLM picks V2 for dense models)."""
-    env = os.environ if environ is None else environ
-    value = env.get(V2_RUNNER_ENV, "").strip().lower()
-    if value not in ("0", "false"):
-        raise BridgeError(f"LoRazor's serve_bridge runs inside vLLM's V1 GPU model runner; set {V2_RUNNER_ENV}=0 "
-                          f"(found {V2_RUNNER_ENV}={env.get(V2_RUNNER_ENV, '<unset>')!r}), or unset {BUNDLE_ENV}.")
-
-
 def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False) -> None:
     """Refuse engine settings under which release would be wrong or unobserved.
 
-    - LoRA must be enabled (there is nothing to release otherwise).
+    - LoRA must be enabled (there is nothing to release otherwise), on a generative model
+      (pooling models decode nothing; vLLM 0.33's classification heads are not slot-copied).
     - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
       release would be reused as if computed with the adapter. It may be on when
       ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
@@ -162,6 +145,9 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
     fixes = []
     if vllm_config.lora_config is None:
         fixes.append("enable LoRA (enable_lora=True / --enable-lora)")
+    runner = vllm_config.model_config.runner_type
+    if runner != "generate":
+        fixes.append(f"serve a generative model (runner 'generate', found {runner!r}): release acts on decoded tokens")
     if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
         fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
                      "blocks decoded after release would be cached under the adapter's name")

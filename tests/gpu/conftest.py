@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from serve_bridge.vllm.versions import runner_environment
 from tests.gpu.harness import ROOT
 
 
@@ -41,7 +42,7 @@ def _plugin_visible() -> bool:
 def vllm_env(tmp_path_factory) -> dict[str, str]:
     """Environment for a vLLM engine process started from the checkout root (no ``LORAZOR_*``)."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM 0.26.0 (pip install -e '.[vllm]')")
+        pytest.skip("needs vLLM 0.33.0 or 0.26.0 (pip install -e '.[vllm]')")
     paths = [str(ROOT)]
     if not _plugin_visible():
         spec = importlib.util.spec_from_file_location("plugin_dist_info", ROOT / "scripts" / "plugin_dist_info.py")
@@ -50,6 +51,6 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
         paths.insert(0, str(module.write_dist_info(tmp_path_factory.mktemp("entry_points"))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env |= {"VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONUNBUFFERED": "1"}
+    env |= runner_environment() | {"PYTHONUNBUFFERED": "1"}
     return env
 

@@ -1,6 +1,6 @@
-"""serve_bridge.punica_meta against a restatement of what vLLM 0.26.0's
-``PunicaWrapperGPU.update_metadata`` writes: ``convert_mapping`` (``lora/punica_wrapper/
-utils.py:54-160``, here) into the base buffers (``punica_base.py:168-202``) and
+"""serve_bridge.punica_meta against a restatement of what vLLM 0.26.0's and 0.33.0's
+``PunicaWrapperGPU.update_metadata`` write: ``convert_mapping`` (``lora/punica_wrapper/
+utils.py:54-160`` in 0.26, :53-140 in 0.33, here) into the base buffers (``punica_base.py:168-202``) and
 ``LoRAKernelMeta.prepare_tensors`` (``lora/ops/triton_ops/lora_kernel_metadata.py:109-168``,
 test_gridtrim's ``VllmKernelMeta``) for the token and the sampler mappings, on fresh random
 mappings, over buffers that start stale."""
@@ -20,24 +20,31 @@ from tests.serve_bridge.test_gridtrim import DEVICE, VllmKernelMeta
 T, SLOTS, VOCAB = 256, 8, 1000  # max_num_batched_tokens, lora_config.max_loras, vocabulary
 
 
-def wrapper(captured: list[int]) -> SimpleNamespace:
-    """PunicaWrapperGPU's metadata attributes (punica_base.py:138-154, punica_gpu.py:55-73), stale."""
+def wrapper(captured: list[int], vllm: str = "0.26.0") -> SimpleNamespace:
+    """PunicaWrapperGPU's metadata attributes (punica_base.py:138-154, punica_gpu.py:55-73), stale;
+    ``_embeddings_indices`` is [2, T] in vLLM 0.26 and [T] in 0.33 (punica_base.py:142)."""
     def buf(*shape: int) -> torch.Tensor:
         return torch.full(shape, 9999, dtype=torch.long, device=DEVICE)
+    embeddings = buf(2, T) if vllm == "0.26.0" else buf(T)
     return SimpleNamespace(_token_lora_indices=buf(T), _sampler_indices=buf(T), _sampler_indices_padded=buf(T),
-                           _embeddings_indices=buf(2, T), indices_len=[None] * 4,
+                           _embeddings_indices=embeddings, indices_len=[None] * 4,
                            token_mapping_meta=VllmKernelMeta(SLOTS, T, captured),
                            prompt_mapping_meta=VllmKernelMeta(SLOTS, T, captured))
 
 
-def convert_mapping(index_mapping, prompt_mapping, lora_index_to_id, max_loras, vocab_size):
-    """vLLM's convert_mapping (utils.py:54-160), restated with extra_vocab_size = 0."""
+def convert_mapping(index_mapping, prompt_mapping, lora_index_to_id, max_loras, vocab_size, vllm="0.26.0"):
+    """vLLM's convert_mapping, restated: 0.26's (utils.py:54-160) with extra_vocab_size = 0, whose
+    embeddings indices are [extra-vocabulary row, LoRA row] with -1 replaced; 0.33's
+    (utils.py:53-140), whose embeddings indices are the LoRA row alone (utils.py:123)."""
     slot = {lora_id: i for i, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
     lora = torch.tensor([slot[x] if x > 0 else -1 for x in index_mapping], dtype=torch.long)
     emb = torch.tensor([slot[x] if x > 0 else 0 for x in index_mapping], dtype=torch.long)
     sampler = torch.tensor([slot[x] if x > 0 else -1 for x in prompt_mapping], dtype=torch.long)
-    embeddings = torch.stack([emb * 0, emb * vocab_size])
-    embeddings = torch.where(embeddings == -1, max_loras - 1, embeddings)
+    if vllm == "0.26.0":
+        embeddings = torch.stack([emb * 0, emb * vocab_size])
+        embeddings = torch.where(embeddings == -1, max_loras - 1, embeddings)
+    else:
+        embeddings = emb * vocab_size
     padded = torch.where(sampler == -1, max_loras - 1, sampler)
     padded = torch.arange(len(padded)) + padded * len(padded)
     return lora, sampler, padded, embeddings
@@ -73,11 +80,12 @@ def random_step(gen: np.random.Generator, lora_index_to_id: list[int | None], n:
     return draw(n), draw(m)
 
 
+@pytest.mark.parametrize("vllm", ["0.26.0", "0.33.0"])
 @pytest.mark.parametrize("captured, max_id", [([], 10**6), ([1, 2, 4, 8, 9], 10**6), ([], 10**12)])
-def test_update_writes_what_vllm_writes(captured, max_id):
+def test_update_writes_what_vllm_writes(captured, max_id, vllm):
     """Ids up to 10**6 take the lookup table, larger ones the binary search."""
     gen = np.random.default_rng(0)
-    w = wrapper(captured)
+    w = wrapper(captured, vllm)
     host = HostPunicaMetadata(w)
     token_list, prompt_list = host.worklists
     # adapter ids are arbitrary positive ints; two slots are empty
@@ -87,12 +95,12 @@ def test_update_writes_what_vllm_writes(captured, max_id):
         index_mapping, prompt_mapping = random_step(gen, lora_index_to_id, n, m, no_adapter)
         host.update(index_mapping, prompt_mapping, lora_index_to_id, SLOTS + 1, VOCAB)
         lora, sampler, padded, embeddings = convert_mapping(index_mapping, prompt_mapping, lora_index_to_id,
-                                                            SLOTS + 1, VOCAB)
+                                                            SLOTS + 1, VOCAB, vllm)
         assert w.indices_len == [n, m, m, n]
         assert torch.equal(w._token_lora_indices[:n].cpu(), lora)
         assert torch.equal(w._sampler_indices[:m].cpu(), sampler)
         assert torch.equal(w._sampler_indices_padded[:m].cpu(), padded)
-        assert torch.equal(w._embeddings_indices[:, :n].cpu(), embeddings)
+        assert torch.equal(w._embeddings_indices[..., :n].cpu(), embeddings)
         assert_kernel_meta(w.token_mapping_meta, lora, captured, token_list)
         assert_kernel_meta(w.prompt_mapping_meta, sampler, captured, prompt_list)
 

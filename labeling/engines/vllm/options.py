@@ -10,18 +10,21 @@ from typing import Any
 
 from labeling.adapters import AdapterSpec
 from labeling.options import CheckedOptions
-from serve_bridge.vllm.settings import (  # SUPPORTED_VLLM also serves engine=auto
-    BUNDLE_ENV, CALIBRATION_ENV, SUPPORTED_VLLM, V2_RUNNER_ENV)
+from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV
+from serve_bridge.vllm.versions import SUPPORTED as SUPPORTED_VLLM  # these three also serve engine=auto
+from serve_bridge.vllm.versions import installed_version as installed_vllm
+from serve_bridge.vllm.versions import runner_environment
+from serve_bridge.vllm.versions import supported_text as supported_vllm_text
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRARanks
 
 
 @dataclass
 class VLLMOptions(CheckedOptions):
-    """vLLM 0.26.0 engine options, GPU only (``pip install 'lorazor[vllm]'``).
+    """vLLM engine options (0.33.0 or 0.26.0), GPU only (``pip install 'lorazor[vllm]'``).
 
     The engine runs serve_bridge's calibration runtime inside vLLM (it sets
-    LORAZOR_CALIBRATION=1 and VLLM_USE_V2_MODEL_RUNNER=0 itself, and runs vLLM's engine core
+    LORAZOR_CALIBRATION=1 and the runner its vLLM line needs itself, and runs vLLM's engine core
     in-process), so release, s_t and h_t come from the same StepTrim code as serving. Fixed, not
     options: LoRA on and async scheduling off (``serve_bridge.vllm.settings.require_supported_engine``).
     """
@@ -133,11 +136,13 @@ def stop_ids_for(model_dir: str, tokenizer: Any, spec: Any) -> set[int]:
     return stop_token_ids(gen, tokenizer, spec)
 
 
-def prepare_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
+def prepare_environment(environ: dict[str, str] | os._Environ = os.environ, vllm_version: str | None = None) -> None:
     """The variables every vLLM process must see before ``LLM`` starts: the calibration runtime
-    (no bundle), the V1 runner, and the engine core in this process (so ``collective_rpc``
-    callables need no insecure serialization, see :mod:`serve_bridge.vllm.rpc`)."""
+    (no bundle), the runner of the vLLM line (``vllm_version``, default the installed one, read
+    without importing it: V1 on 0.26, V2 on 0.33), and the engine core in this process (so
+    ``collective_rpc`` callables need no insecure serialization, see :mod:`serve_bridge.vllm.rpc`)."""
     environ.pop(BUNDLE_ENV, None)
     environ[CALIBRATION_ENV] = "1"
-    environ[V2_RUNNER_ENV] = "0"
+    # another vLLM gets no runner switch: the plugin refuses it, in one line, when the engine starts
+    environ.update(runner_environment(vllm_version))
     environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -11,7 +11,7 @@ import torch
 from labeling.engines.hf import GenRequest, GenResult
 from labeling.forks import ForkFn, forks_at
 from serve_bridge.runtime import REQUEST_ARGS_KEY
-from serve_bridge.vllm.settings import CALIBRATION_ENV, V2_RUNNER_ENV
+from serve_bridge.vllm.settings import CALIBRATION_ENV
 from serve_bridge.steptrim import NO_SLOT
 
 
@@ -61,7 +61,7 @@ def on_result(req: GenRequest, tokens: Sequence[int], record: Mapping[str, Any] 
     """A GenResult from the ON tokens and the request's calibration record."""
     if record is None:
         raise RuntimeError(f"request {req.uid}: vLLM returned no LoRazor record; every vLLM process must run the "
-                           f"LoRazor runner ({CALIBRATION_ENV}=1 and {V2_RUNNER_ENV}=0 before vLLM starts).")
+                           f"LoRazor runner ({CALIBRATION_ENV}=1 before vLLM starts).")
     tokens = [int(x) for x in tokens]
     if record["forwards"] != len(tokens):
         raise RuntimeError(f"request {req.uid}: the runtime saw {record['forwards']} forwards for {len(tokens)} "

@@ -1,9 +1,11 @@
-"""serve_bridge.vllm.lora_manager.apply_adapters against vLLM 0.26.0's
-``LRUCacheWorkerLoRAManager._apply_adapters`` / ``add_adapter`` (``lora/worker_manager.py:270-320``),
-restated over a recording adapter manager: the same calls in the same order, with one registry read
-per step instead of one per adapter."""
+"""serve_bridge.vllm.lora_manager.apply_adapters against vLLM's
+``LRUCacheWorkerLoRAManager._apply_adapters`` / ``add_adapter`` (0.26.0: ``lora/worker_manager.py:270-320``;
+0.33.0: :273-323, the same calls inside ``gpu_sync_allowed()``), restated over a recording adapter
+manager: the same calls in the same order, inside the GPU-sync allowance where vLLM has one, with one
+registry read per step instead of one per adapter."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,7 @@ class AdapterManager:
         self.registered, self.capacity, self.lora_slots = list(registered), capacity, lora_slots
         self.calls: list[tuple] = []
         self.registry_reads = 0
+        self.sync_allowed = False  # inside the worker manager's GPU-sync allowance
 
     def list_adapters(self) -> dict[int, object]:
         self.registry_reads += 1
@@ -28,11 +31,11 @@ class AdapterManager:
         return len(self.registered)
 
     def get_adapter(self, lora_id: int) -> object | None:
-        self.calls.append(("get", lora_id))
+        self.calls.append(("get", lora_id, self.sync_allowed))
         return object() if lora_id in self.registered else None
 
     def activate_adapter(self, lora_id: int) -> bool:
-        self.calls.append(("activate", lora_id))
+        self.calls.append(("activate", lora_id, self.sync_allowed))
         return True
 
     def remove_adapter(self, lora_id: int) -> bool:
@@ -47,7 +50,7 @@ class AdapterManager:
         return True
 
     def add_adapter(self, lora: SimpleNamespace) -> bool:
-        self.calls.append(("add", lora.id))
+        self.calls.append(("add", lora.id, self.sync_allowed))
         self.registered.append(lora.id)
         return True
 
@@ -56,8 +59,22 @@ class WorkerManager:
     """vLLM's LRUCacheWorkerLoRAManager, restated: its _apply_adapters and add_adapter, and the base
     class's list_adapters (a new set of the registry's keys per call)."""
 
-    def __init__(self, manager: AdapterManager) -> None:
-        self._adapter_manager = manager
+    def __init__(self, manager: AdapterManager, vllm: str) -> None:
+        self._adapter_manager, self.vllm = manager, vllm
+
+    @contextlib.contextmanager
+    def allowance(self):
+        """0.33's ``gpu_sync_allowed()``, recorded on the adapter manager; 0.26 has none."""
+        manager, before = self._adapter_manager, self._adapter_manager.sync_allowed
+        manager.sync_allowed = self.vllm == "0.33.0"
+        try:
+            yield
+        finally:
+            manager.sync_allowed = before
+
+    def lorazor_sync_allowed(self):
+        """What lora_manager.install sets: the line's allowance (serve_bridge.vllm.versions)."""
+        return self.allowance()
 
     def list_adapters(self) -> set[int]:
         return set(self._adapter_manager.list_adapters())
@@ -67,15 +84,16 @@ class WorkerManager:
 
     def add_adapter(self, request: SimpleNamespace) -> bool:
         m = self._adapter_manager
-        if request.lora_int_id not in self.list_adapters() or request.load_inplace:
-            lora = self._load_adapter(request)
-            m.remove_adapter(lora.id)
-            if len(m) + 1 > m.capacity:
-                m.remove_oldest_adapter()
-            loaded = m.add_adapter(lora)
-        else:
-            loaded = m.get_adapter(request.lora_int_id) is not None
-        m.activate_adapter(request.lora_int_id)
+        with self.allowance():
+            if request.lora_int_id not in self.list_adapters() or request.load_inplace:
+                lora = self._load_adapter(request)
+                m.remove_adapter(lora.id)
+                if len(m) + 1 > m.capacity:
+                    m.remove_oldest_adapter()
+                loaded = m.add_adapter(lora)
+            else:
+                loaded = m.get_adapter(request.lora_int_id) is not None
+            m.activate_adapter(request.lora_int_id)
         return loaded
 
     def stock_apply_adapters(self, requests) -> None:
@@ -90,8 +108,9 @@ def request(lora_id: int, inplace: bool = False) -> SimpleNamespace:
     return SimpleNamespace(lora_int_id=lora_id, load_inplace=inplace)
 
 
+@pytest.mark.parametrize("vllm", ["0.26.0", "0.33.0"])
 @pytest.mark.parametrize("capacity", [64, 12])  # 12: loads evict registered adapters mid-step
-def test_same_calls_in_the_same_order_with_one_registry_read_per_step(capacity):
+def test_same_calls_in_the_same_order_with_one_registry_read_per_step(capacity, vllm):
     steps = [
         [request(i) for i in range(1, 11)],  # all registered
         [request(i) for i in (3, 40, 5, 41, 1)] + [None],  # two new ones, a falsy entry
@@ -99,13 +118,14 @@ def test_same_calls_in_the_same_order_with_one_registry_read_per_step(capacity):
         [request(i) for i in range(50, 56)] + [request(1)],  # many loads; 1 may be evicted meanwhile
     ]
     stock_m, ours_m = AdapterManager(list(range(1, 11)), capacity, 16), AdapterManager(list(range(1, 11)), capacity, 16)
-    stock, ours = WorkerManager(stock_m), WorkerManager(ours_m)
+    stock, ours = WorkerManager(stock_m, vllm), WorkerManager(ours_m, vllm)
     for batch in steps:
         stock.stock_apply_adapters(batch)
         reads_before = ours_m.registry_reads
         apply_adapters(ours, batch)
         loads = sum(1 for c in ours_m.calls if c[0] == "add")
         assert ours_m.calls == stock_m.calls and ours_m.registered == stock_m.registered
+        assert all(c[2] == (vllm == "0.33.0") for c in ours_m.calls if c[0] != "remove" and c[0] != "evict")
         assert ours_m.registry_reads - reads_before <= 1 + 2 * loads  # stock: one or more per adapter
         stock_m.calls.clear()
         ours_m.calls.clear()
@@ -113,7 +133,7 @@ def test_same_calls_in_the_same_order_with_one_registry_read_per_step(capacity):
 
 
 def test_more_adapters_than_slots_is_one_clear_error():
-    ours = WorkerManager(AdapterManager([], 64, 2))
+    ours = WorkerManager(AdapterManager([], 64, 2), "0.33.0")
     with pytest.raises(RuntimeError, match="3 LoRAs at once, more than the 2 GPU LoRA slots"):
         apply_adapters(ours, [request(1), request(2), request(3)])
 

@@ -93,7 +93,8 @@ def test_requests_without_a_valid_forced_release_keep_vllms_keys(vllm_core, extr
 
 
 def _config(prefix: bool):
-    return SimpleNamespace(lora_config=object(), cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+    return SimpleNamespace(lora_config=object(), model_config=SimpleNamespace(runner_type="generate"),
+                           cache_config=SimpleNamespace(enable_prefix_caching=prefix),
                            scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
                            parallel_config=SimpleNamespace(pipeline_parallel_size=1))
 

@@ -1,8 +1,9 @@
-"""Slot hand-back (serve_bridge/vllm/scheduler.py) over a stand-in of vLLM 0.26's scheduler.
+"""Slot hand-back (serve_bridge/vllm/scheduler.py) over a stand-in of vLLM 0.26's and 0.33's scheduler.
 
 The stand-in restates the LoRA-relevant part of ``v1/core/sched/scheduler.py``: running requests
 first (chunked under a token budget, preempting the last running request when the KV capacity
-runs out, :425-650), ``scheduled_loras`` from the scheduled running requests (:656-663), waiting
+runs out, :425-650), ``scheduled_loras`` from the scheduled running requests (:656-663; 0.33.0:
+from every running request, scheduled in this step or not, :1038-1047), waiting
 requests admitted only into a free adapter slot (:695-706, :1023-1024) and none after a
 preemption, ``num_computed_tokens`` advanced after scheduling, one token per completed forward in
 ``update_from_output``, ``_free_request`` on finish. A real :class:`ReleaseRuntime` plays the
@@ -47,6 +48,8 @@ class FakeRequest:
 class FakeScheduler:
     """vLLM 0.26's max_loras accounting, restated (module doc)."""
 
+    count_all_running = False  # 0.33.0 counts the adapters of running requests not scheduled too
+
     def __init__(self, vllm_config, budget: int = 64, kv_tokens: int = 10_000, max_running: int = 64) -> None:
         self.lora_config = vllm_config.lora_config
         self.budget, self.kv_tokens, self.max_running = budget, kv_tokens, max_running
@@ -86,7 +89,8 @@ class FakeScheduler:
             budget -= n
             i += 1
         loras = {r.lora_request.lora_int_id for r in self.running
-                 if r.request_id in scheduled and r.lora_request and r.lora_request.lora_int_id > 0}
+                 if (self.count_all_running or r.request_id in scheduled)
+                 and r.lora_request and r.lora_request.lora_int_id > 0}
         assert len(loras) <= self.lora_config.max_loras
         if not preempted:
             skipped = []
@@ -129,12 +133,18 @@ class FakeScheduler:
         return None, None
 
 
-@pytest.fixture
-def sched(monkeypatch):
-    """serve_bridge.vllm.scheduler imported over a stand-in vllm.v1.core.sched.scheduler."""
+class FakeScheduler033(FakeScheduler):
+    """vLLM 0.33's max_loras accounting, restated (module doc)."""
+
+    count_all_running = True
+
+
+@pytest.fixture(params=[FakeScheduler, FakeScheduler033], ids=["vllm-0.26", "vllm-0.33"])
+def sched(monkeypatch, request):
+    """serve_bridge.vllm.scheduler imported over a stand-in vllm.v1.core.sched.scheduler of each line."""
     names = ["vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler"]
     modules = {n: ModuleType(n) for n in names}
-    modules["vllm.v1.core.sched.scheduler"].Scheduler = FakeScheduler
+    modules["vllm.v1.core.sched.scheduler"].Scheduler = request.param
     modules["vllm.v1.core.sched"].scheduler = modules["vllm.v1.core.sched.scheduler"]
     return import_over(monkeypatch, modules, "serve_bridge.vllm.scheduler")
 
@@ -358,7 +368,7 @@ def test_install_replaces_the_default_scheduler(sched):
     base = sys.modules["vllm.v1.core.sched.scheduler"]
     sched.install()
     sched.install()
-    assert base.Scheduler is sched.ReleaseScheduler and sched.ReleaseScheduler.__mro__[1] is FakeScheduler
+    assert base.Scheduler is sched.ReleaseScheduler and issubclass(sched.ReleaseScheduler.__mro__[1], FakeScheduler)
 
 
 def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, served, monkeypatch):  # noqa: F811

@@ -10,10 +10,10 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm import lora_manager, plugin
-from tests.serve_bridge.vllm.stubs import fake_lora_managers
+from serve_bridge.vllm import lora_manager, plugin, versions
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
-                                   require_supported_engine, require_v1_runner, require_vllm_version)
+                                        require_supported_engine)
+from tests.serve_bridge.vllm.stubs import fake_lora_managers
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,21 +44,32 @@ def test_bad_log_interval(value):
         BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_LOG_INTERVAL_S": value})
 
 
-def test_version_gate():
-    require_vllm_version("0.26.0")
-    with pytest.raises(BridgeError, match=r"vLLM 0\.26\.1 is installed.*vllm==0\.26\.0"):
-        require_vllm_version("0.26.1")
+def test_version_gate_picks_one_seam_per_supported_vllm():
+    assert versions.seam("0.26.0").VERSION == "0.26.0" and versions.seam("0.26.0").RUNNER == "V1"
+    assert versions.seam("0.33.0").VERSION == "0.33.0" and versions.seam("0.33.0").RUNNER == "V2"
+    assert versions.SUPPORTED[0] == "0.33.0"  # the newest first: what the [vllm] extra installs
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert extra == [f"vllm=={versions.SUPPORTED[0]}"]
+    for other in ("0.26.1", "0.32.0", "0.34.0"):
+        with pytest.raises(BridgeError, match=rf"vLLM {other} is installed.*vllm==0\.33\.0 .*vllm==0\.26\.0"):
+            versions.seam(other)
 
 
-def test_v1_runner_gate():
-    require_v1_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"})
+def test_runner_gate_per_vllm_line():
+    v26, v33 = versions.seam("0.26.0"), versions.seam("0.33.0")
+    v26.require_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"})
     for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
-        with pytest.raises(BridgeError, match="set VLLM_USE_V2_MODEL_RUNNER=0"):
-            require_v1_runner(env)
+        with pytest.raises(BridgeError, match="0.26.0 runs inside vLLM's V1 GPU model runner; set VLLM_USE_V2_MODEL_RUNNER=0"):
+            v26.require_runner(env)
+    for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
+        v33.require_runner(env)
+    for value in ("0", "false"):
+        with pytest.raises(BridgeError, match="0.33.0 runs inside vLLM's V2 GPU model runner.*unset VLLM_USE_V2"):
+            v33.require_runner({"VLLM_USE_V2_MODEL_RUNNER": value})
 
 
 def _config(**over):
-    cfg = dict(lora_config=object(), cache_config=SimpleNamespace(enable_prefix_caching=False),
+    cfg = dict(lora_config=object(), model_config=SimpleNamespace(runner_type="generate"), cache_config=SimpleNamespace(enable_prefix_caching=False),
                scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
                parallel_config=SimpleNamespace(pipeline_parallel_size=1))
     cfg.update(over)
@@ -71,6 +82,7 @@ def test_engine_gate_accepts_supported_settings():
 
 @pytest.mark.parametrize("over,match", [
     ({"lora_config": None}, "enable LoRA"),
+    ({"model_config": SimpleNamespace(runner_type="pooling")}, "generative model.*'pooling'"),
     ({"cache_config": SimpleNamespace(enable_prefix_caching=True)}, "disable prefix caching"),
     ({"scheduler_config": SimpleNamespace(async_scheduling=True)}, "disable async scheduling"),
     ({"speculative_config": object()}, "disable speculative decoding"),
@@ -148,27 +160,37 @@ class _Platform:
         return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
 
 
-def _fake_vllm(monkeypatch, platform_cls):
+RUNNER_MODULE = {"0.26.0": "model_runner", "0.33.0": "model_runner_v2"}  # the StepTrim runner of each line
+
+
+def _fake_vllm(monkeypatch, platform_cls, version="0.26.0"):
     fake = ModuleType("vllm")
-    fake.__version__ = "0.26.0"
+    fake.__version__ = version
     platforms = ModuleType("vllm.platforms")
     platforms.current_platform = platform_cls()
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     fake_lora_managers(monkeypatch)
-    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", None)  # the StepTrim runner must not load
+    for module in RUNNER_MODULE.values():  # the StepTrim runners must not load
+        monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{module}", None)
     monkeypatch.delenv("LORAZOR_BUNDLE", raising=False)
     monkeypatch.setenv("LORAZOR_GRIDTRIM", "1")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if version == "0.26.0":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    else:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     return platforms.current_platform
 
 
-def test_register_gridtrim_selects_the_wrapper(monkeypatch):
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_register_gridtrim_selects_the_wrapper(monkeypatch, version):
     cuda = type("CudaPlatform", (_Platform,), {})
-    platform = _fake_vllm(monkeypatch, cuda)
+    platform = _fake_vllm(monkeypatch, cuda, version)
     plugin.register()
     assert platform.get_punica_wrapper() == cuda.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
-    assert sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager._apply_adapters is lora_manager.apply_adapters
+    worker_manager = sys.modules["vllm.lora.worker_manager"].LRUCacheWorkerLoRAManager
+    assert worker_manager._apply_adapters is lora_manager.apply_adapters
+    assert worker_manager.lorazor_sync_allowed is versions.seam(version).sync_allowed
     assert sys.modules["vllm.lora.model_manager"].LoRAModelManager.activate_adapter is lora_manager.activate_adapter
     plugin.register()  # idempotent
     assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
@@ -183,19 +205,28 @@ def test_register_gridtrim_refuses_non_cuda(monkeypatch):
     assert platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER
 
 
-def test_register_gridtrim_refuses_v2_runner(monkeypatch):
-    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
-    with pytest.raises(BridgeError, match="V1 GPU model runner.*on through LORAZOR_GRIDTRIM"):
+@pytest.mark.parametrize("version, v2_runner, message", [
+    ("0.26.0", None, "0.26.0 runs inside vLLM's V1 GPU model runner.*on through LORAZOR_GRIDTRIM"),
+    ("0.33.0", "0", "0.33.0 runs inside vLLM's V2 GPU model runner.*on through LORAZOR_GRIDTRIM"),
+])
+def test_register_gridtrim_refuses_the_other_runner(monkeypatch, version, v2_runner, message):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}), version)
+    if v2_runner is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
+    with pytest.raises(BridgeError, match=message):
         plugin.register()
 
 
 @pytest.mark.parametrize("version, v2_runner, message", [
     ("0.27.0", "0", "vLLM 0.27.0 is installed"),
+    ("0.34.0", None, "vLLM 0.34.0 is installed"),
     ("0.26.0", None, "V1 GPU model runner"),
+    ("0.33.0", "0", "V2 GPU model runner"),
 ])
 def test_register_refuses_an_unsupported_vllm(monkeypatch, version, v2_runner, message):
-    """Another vLLM version, or the V2 model runner (VLLM_USE_V2_MODEL_RUNNER unset), is refused."""
+    """Another vLLM version, or the other runner than the line's, is refused."""
     fake = ModuleType("vllm")
     fake.__version__ = version
     monkeypatch.setitem(sys.modules, "vllm", fake)
@@ -208,9 +239,10 @@ def test_register_refuses_an_unsupported_vllm(monkeypatch, version, v2_runner, m
         plugin.register()
 
 
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
 @pytest.mark.parametrize("slots,installed", [(None, True), ("0", False)])
-def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, installed):
-    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}))
+def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, installed, version):
+    _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}), version)
     monkeypatch.delenv("LORAZOR_GRIDTRIM")
     monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
     if slots is None:
@@ -218,10 +250,11 @@ def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slot
     else:
         monkeypatch.setenv("LORAZOR_SLOTS", slots)
     calls = []
-    for name in ("model_runner", "scheduler"):
+    for name in (*RUNNER_MODULE.values(), "scheduler"):
         stub = ModuleType(f"serve_bridge.vllm.{name}")
         stub.install = lambda name=name: calls.append(name)
         monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{name}", stub)
         monkeypatch.setattr(sys.modules["serve_bridge.vllm"], name, stub, raising=False)
     plugin.register()
-    assert calls == (["model_runner", "scheduler"] if installed else ["model_runner"])
+    runner = RUNNER_MODULE[version]
+    assert calls == ([runner, "scheduler"] if installed else [runner])

@@ -1,5 +1,5 @@
-"""Every vLLM symbol the integration hooks exists with the signature the hooks rely on
-(docs/vllm_integration.md §10). Runs where vLLM is importable, skipped elsewhere."""
+"""Every vLLM symbol the integration hooks exists with the signature the hooks rely on, for the
+installed vLLM line (docs/vllm_integration.md §10). Runs where vLLM is importable, skipped elsewhere."""
 from __future__ import annotations
 
 import importlib
@@ -40,23 +40,44 @@ def _attr(path: str):
     return obj
 
 
-def test_version_is_the_one_the_hooks_were_written_for():
-    from serve_bridge.vllm.settings import SUPPORTED_VLLM
+def test_version_is_one_the_hooks_were_written_for():
+    from serve_bridge.vllm import versions
 
-    assert vllm.__version__ == SUPPORTED_VLLM
+    assert versions.current().VERSION == vllm.__version__ in versions.SUPPORTED
 
 
+V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+# The runner each line's StepTrim hooks (0.26.0: V1, §2; 0.33.0: V2, §2b).
+RUNNER_SIGNATURES = {
+    "0.26.0": {
+        f"{V1}.__init__": ["vllm_config", "device"],
+        f"{V1}._update_states": ["scheduler_output"],
+        f"{V1}.set_active_loras": ["input_batch", "num_scheduled_tokens", "num_sampled_tokens", "mapping_type"],
+        f"{V1}._set_active_loras": ["prompt_lora_mapping", "token_lora_mapping", "lora_requests", "mapping_type"],
+        f"{V1}.execute_model": ["scheduler_output", "intermediate_tensors"],
+        f"{V1}._dummy_sampler_run": ["hidden_states"],
+        f"{V1}.sample_tokens": ["grammar_output"],
+        "vllm.v1.worker.gpu_input_batch:InputBatch.make_lora_inputs": ["num_scheduled_tokens", "num_sampled_tokens"],
+    },
+    "0.33.0": {
+        f"{V2}.__init__": ["vllm_config", "device"],
+        f"{V2}.finish_requests": ["scheduler_output"],
+        f"{V2}.add_requests": ["scheduler_output"],
+        f"{V2}.gather_batch_req_state": ["scheduler_output", "dummy_run"],
+        f"{V2}._set_active_loras": ["prompt_lora_mapping", "token_lora_mapping", "lora_requests", "mapping_type"],
+        f"{V2}._dummy_sampler_run": ["hidden_states"],
+        f"{V2}.sample_tokens": ["grammar_output"],
+        "vllm.v1.worker.gpu.model_runner:get_num_active_loras_for_dispatch":
+            ["lora_config", "lora_state", "req_ids", "dummy_run"],
+        "vllm.v1.worker.gpu.lora_utils:LoraState.__init__": ["max_num_reqs"],
+        "vllm.v1.worker.gpu.lora_utils:LoraState.make_lora_inputs": ["req_ids", "idx_mapping", "num_scheduled_tokens"],
+        "vllm.v1.worker.gpu.lora_utils:LoraState.get_activate_loras": ["req_ids"],
+        "vllm.utils.gpu_sync_debug:gpu_sync_allowed": [],
+    },
+}
 SIGNATURES = {
     "vllm.plugins:load_general_plugins": [],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__": ["vllm_config", "device"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": ["scheduler_output"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.set_active_loras":
-        ["input_batch", "num_scheduled_tokens", "num_sampled_tokens", "mapping_type"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._set_active_loras":
-        ["prompt_lora_mapping", "token_lora_mapping", "lora_requests", "mapping_type"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model": ["scheduler_output", "intermediate_tensors"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_sampler_run": ["hidden_states"],
-    "vllm.v1.worker.gpu_input_batch:InputBatch.make_lora_inputs": ["num_scheduled_tokens", "num_sampled_tokens"],
     "vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.__init__":
         ["max_num_batched_tokens", "max_batches", "device", "**kwargs"],
     "vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.update_metadata":
@@ -81,7 +102,6 @@ SIGNATURES = {
     "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys":
         ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     "vllm.entrypoints.llm:LLM.collective_rpc": ["method", "timeout", "args", "kwargs"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": ["grammar_output"],
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["throttle_prefills"],
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ["scheduler_output", "model_runner_output"],
     "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["request"],
@@ -90,13 +110,41 @@ SIGNATURES = {
 }
 
 
-@pytest.mark.parametrize("path, names", SIGNATURES.items(), ids=list(SIGNATURES))
+LINE = RUNNER_SIGNATURES.get(vllm.__version__, {})
+
+
+@pytest.mark.parametrize("path, names", (SIGNATURES | LINE).items(), ids=list(SIGNATURES | LINE))
 def test_hooked_function_signature(path, names):
     assert _names(_attr(path)) == names
 
 
+def test_v2_runner_data_the_hooks_read():
+    if vllm.__version__ != "0.33.0":
+        pytest.skip("the V2 runner is hooked on vLLM 0.33.0")
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.worker.gpu.async_utils import AsyncOutput
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_runner import BatchReqState, ExecuteModelState
+
+    assert {"input_batch", "hidden_states"} <= set(ExecuteModelState._fields)
+    assert {"req_ids", "num_scheduled_tokens", "idx_mapping_np", "prefill_len_np"} <= set(BatchReqState._fields)
+    assert {"req_ids", "num_reqs", "logits_indices"} <= _fields(InputBatch)
+    assert isinstance(NewRequestData.prompt_len, property)
+    for path, fragments in ((V2 + ".__init__", ["self.lora_state = LoraState(", "self.req_states", "self.max_num_reqs"]),
+                            (V2 + ".execute_model", ["get_num_active_loras_for_dispatch(", "self.gather_batch_req_state(",
+                                                     "self.lora_state.make_lora_inputs(", "hidden_states=hidden_states"]),
+                            (V2 + ".finish_requests", ["preempted_req_ids"]),
+                            ("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
+                             ["from vllm.v1.worker.gpu.model_runner import", "from vllm.v1.worker.gpu_model_runner import"])):
+        source = inspect.getsource(_attr(path))
+        assert all(f in source for f in fragments), (path, [f for f in fragments if f not in source])
+    assert "self.model_runner_output" in inspect.getsource(AsyncOutput.get_output)
+
+
 def test_defaults_the_overrides_repeat():
-    runner = _attr("vllm.v1.worker.gpu_model_runner:GPUModelRunner")
+    if vllm.__version__ != "0.26.0":
+        pytest.skip("the V1 runner is hooked on vLLM 0.26.0")
+    runner = _attr(V1)
     from vllm.lora.layers import LoRAMappingType
 
     assert dict(_params(runner.set_active_loras))["num_sampled_tokens"] is None
@@ -115,9 +163,11 @@ def test_data_the_hooks_read():
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import NewRequestData
-    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
 
-    assert "sample_hidden_states" in _fields(ExecuteModelState)
+    if vllm.__version__ == "0.26.0":
+        from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+
+        assert "sample_hidden_states" in _fields(ExecuteModelState)
     assert {"req_id", "sampling_params", "lora_request"} <= _fields(NewRequestData)
     assert "extra_args" in _fields(SamplingParams)
     assert {"lora_name", "lora_path", "lora_int_id", "load_inplace"} <= _fields(LoRARequest)
@@ -125,18 +175,22 @@ def test_data_the_hooks_read():
     assert "worker_extension_cls" in _fields(ParallelConfig)
 
 
-@pytest.mark.parametrize("path, fragments", [
+V1_ATTRIBUTES = [
     ("vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
      ["self.request_lora_mapping", "self.lora_id_to_lora_request", "self._req_ids", "self.num_computed_tokens_cpu",
       "self.num_tokens_no_spec"]),
     ("vllm.v1.worker.gpu_input_batch:CachedRequestState.__post_init__", ["self.num_prompt_tokens"]),
+    ("vllm.v1.worker.gpu_worker:Worker.init_device", ["from vllm.v1.worker.gpu_model_runner import"]),
+]
+
+
+@pytest.mark.parametrize("path, fragments", (V1_ATTRIBUTES if vllm.__version__ == "0.26.0" else []) + [
     ("vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.__init__",
      ["self._token_lora_indices", "self._sampler_indices", "self._sampler_indices_padded", "self._embeddings_indices",
       "self.indices_len"]),
     ("vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.__init__", ["self.token_mapping_meta",
                                                                        "self.prompt_mapping_meta"]),
     ("vllm.lora.punica_wrapper.punica_selector:get_punica_wrapper", ["current_platform.get_punica_wrapper()"]),
-    ("vllm.v1.worker.gpu_worker:Worker.init_device", ["from vllm.v1.worker.gpu_model_runner import"]),
     ("vllm.lora.model_manager:LoRAModelManager", ["self.punica_wrapper_mapping"]),
 ])
 def test_attributes_set_where_the_hooks_expect_them(path, fragments):

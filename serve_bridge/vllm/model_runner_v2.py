@@ -1,0 +1,157 @@
+"""StepTrim inside vLLM 0.33's V2 GPU model runner (``vllm/v1/worker/gpu/model_runner.py``).
+
+The same per-step work as the V1 runner's (:mod:`serve_bridge.vllm.model_runner`), at the V2
+runner's seams: the step is planned where the batch is gathered, before the CUDA-graph dispatch
+(the masked mapping's group count picks the graph); :class:`ReleaseLoraState`, a subclass of
+vLLM's ``LoraState``, hands the masked mapping to ``_set_active_loras``; decisions launch on the
+forward's hidden states at the sampled rows; learned releases ride on the step output for the
+scheduler. A preempted request keeps its release state: the V2 runner drops and re-adds it
+(``preempted_req_ids``, ``scheduled_new_reqs``), and its recompute is masked by position like
+any step. vLLM 0.33.0 lines: docs/vllm_integration.md §2b.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import vllm.v1.worker.gpu.model_runner as v2_runner
+from vllm.v1.worker.gpu.lora_utils import LoraState
+
+from serve_bridge.runtime import ReleaseRuntime, StepMapping, lora_ids
+from serve_bridge.vllm.runner_setup import start_runtime
+from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeError
+
+_BaseRunner = v2_runner.GPUModelRunner
+_stock_dispatch_count = v2_runner.get_num_active_loras_for_dispatch
+
+
+class ReleaseLoraState(LoraState):
+    """vLLM's per-request LoRA ids (``lora_ids`` by request slot, ``lora_requests`` by id), whose
+    step inputs are the release runtime's masked mapping.
+
+    :meth:`plan` masks a step in batch order and keeps it; :meth:`make_lora_inputs` returns it
+    once, as vLLM's method would return the unmasked mapping, activating only the adapters the
+    masked positions still use.
+    """
+
+    def __init__(self, max_num_reqs: int, runtime: ReleaseRuntime) -> None:
+        super().__init__(max_num_reqs)
+        self.runtime = runtime
+        self.step: StepMapping | None = None
+
+    def plan(self, req_ids: list[str], idx_mapping: np.ndarray, num_computed: np.ndarray,
+             num_scheduled: np.ndarray, num_tokens: np.ndarray) -> StepMapping:
+        """Mask this step: rows ``req_ids`` (batch order) at request slots ``idx_mapping``, each
+        scheduling positions [num_computed, num_computed + num_scheduled) of num_tokens known."""
+        per_request = self.lora_ids[idx_mapping]
+        self.step = self.runtime.begin_step(req_ids, num_computed, num_scheduled, num_tokens,
+                                            per_request.repeat(num_scheduled), per_request)
+        return self.step
+
+    def make_lora_inputs(self, req_ids: list[str], idx_mapping: np.ndarray,
+                         num_scheduled_tokens: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], set[Any]]:
+        step, self.step = self.step, None
+        if step is None:
+            raise RuntimeError("ReleaseLoraState.make_lora_inputs: no step was planned for this batch")
+        by_id = {r.lora_int_id: r for r in self.get_activate_loras(req_ids)}
+        return lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), {by_id[i] for i in step.adapter_ids}
+
+
+def num_active_loras_for_dispatch(lora_config: Any, lora_state: Any, req_ids: list[str], dummy_run: bool) -> int:
+    """The CUDA-graph LoRA count of a planned step: its masked mapping's kernel groups (the
+    no-adapter group included), which released rows can raise above vLLM's adapter count."""
+    step = getattr(lora_state, "step", None)
+    if lora_config is not None and not dummy_run and step is not None:
+        return step.lora_groups
+    return _stock_dispatch_count(lora_config, lora_state, req_ids, dummy_run)
+
+
+class LoRazorGPUModelRunner(_BaseRunner):
+    """vLLM's V2 GPU model runner with StepTrim release (module doc)."""
+
+    def __init__(self, vllm_config: Any, device: Any) -> None:
+        runtime = start_runtime(vllm_config, device)
+        super().__init__(vllm_config, device)
+        self.lorazor: ReleaseRuntime = runtime
+        self.lora_state = ReleaseLoraState(self.max_num_reqs, runtime)
+
+    def finish_requests(self, scheduler_output: Any) -> None:
+        rt = self.lorazor
+        rt.resolve()
+        for req_id in scheduler_output.finished_req_ids:  # not preempted_req_ids: those come back
+            rt.finish(req_id)
+        super().finish_requests(scheduler_output)
+
+    def add_requests(self, scheduler_output: Any) -> None:
+        super().add_requests(scheduler_output)
+        rt = self.lorazor
+        for new in scheduler_output.scheduled_new_reqs:  # a resumed request keeps its state (ReleaseRuntime.add)
+            lora, params = new.lora_request, new.sampling_params
+            rt.add(new.req_id, lora.lora_name if lora else None, lora.lora_path if lora else None, new.prompt_len,
+                   params.extra_args if params is not None else None)
+        rt.maybe_log()
+
+    def gather_batch_req_state(self, scheduler_output: Any, dummy_run: bool) -> Any:
+        batch, uniform = super().gather_batch_req_state(scheduler_output, dummy_run)
+        if batch is not None and self.lora_config:
+            idx = batch.idx_mapping_np
+            num_computed = self.req_states.num_computed_tokens_np[idx]
+            # A row completes a forward unless it is a prefill chunk short of prefill_len
+            # (prompt plus, after preemption, the tokens generated before it).
+            known = np.maximum(batch.prefill_len_np, num_computed + batch.num_scheduled_tokens)
+            self.lora_state.plan(batch.req_ids, idx, num_computed, batch.num_scheduled_tokens, known)
+        return batch, uniform
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        state, rt = self.execute_model_state, self.lorazor
+        if out is None and state is not None and not kwargs.get("dummy_run") and rt.wants_hidden():
+            batch = state.input_batch
+            hidden = state.hidden_states[batch.logits_indices[:batch.num_reqs]]  # sampled rows, batch order
+            capture = getattr(rt, "capture", None)  # calibration mode only
+            if capture is not None:
+                capture(hidden)
+            rt.decide(hidden)
+        return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)
+        if self.lorazor.report_releases:
+            releases = self.lorazor.take_releases()
+            if releases and out is not None:  # AsyncOutput.get_output() returns this ModelRunnerOutput
+                setattr(getattr(out, "model_runner_output", out), RELEASES_ATTR, releases)
+        return out
+
+    def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:
+        # profile_run samples a dummy batch (v1/worker/gpu/model_runner.py:1045): the decision
+        # kernel and its CUDA graphs are prepared there, inside the memory profile.
+        super()._dummy_sampler_run(hidden_states)
+        with torch.inference_mode():
+            self.lorazor.warm_up(hidden_states)
+
+
+def _v1_refused(base: type) -> type:
+    class V1RunnerRefused(base):  # type: ignore[misc, valid-type]
+        """vLLM 0.33's V1 runner, refused: LoRazor's hooks on this line are the V2 runner's."""
+
+        lorazor_refused = True
+
+        def __init__(self, vllm_config: Any, device: Any) -> None:
+            raise BridgeError("vLLM 0.33.0 built its V1 GPU model runner for this engine (a feature the V2 runner "
+                              "lacks, named in vLLM's log above, or VLLM_USE_V2_MODEL_RUNNER=0); LoRazor on vLLM "
+                              "0.33.0 runs in the V2 runner: drop that feature, or unset LORAZOR_BUNDLE and "
+                              "LORAZOR_CALIBRATION.")
+
+    return V1RunnerRefused
+
+
+def install() -> None:
+    """Make vLLM 0.33's workers build :class:`LoRazorGPUModelRunner`, dispatch CUDA graphs by the
+    masked group count, and refuse the V1 runner (idempotent)."""
+    import vllm.v1.worker.gpu_model_runner as v1_runner
+
+    v2_runner.GPUModelRunner = LoRazorGPUModelRunner
+    v2_runner.get_num_active_loras_for_dispatch = num_active_loras_for_dispatch
+    if not getattr(v1_runner.GPUModelRunner, "lorazor_refused", False):
+        v1_runner.GPUModelRunner = _v1_refused(v1_runner.GPUModelRunner)

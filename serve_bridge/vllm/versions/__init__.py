@@ -1,0 +1,59 @@
+"""The per-version seam: what differs between the vLLM lines LoRazor supports, one module each.
+
+Everything else in :mod:`serve_bridge.vllm` is written once, against these modules' names. A seam
+module imports vLLM only inside its functions, so picking one costs nothing. Each lists its
+patches (vLLM file:line, why, upstream status, removal plan) in its docstring;
+docs/vllm_integration.md §0 has the same table. Adding a vLLM line means one new module here and
+one entry in :data:`SEAMS`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from types import ModuleType
+
+from serve_bridge.vllm.settings import BUNDLE_ENV, V2_RUNNER_ENV, BridgeError
+
+# vLLM version → its seam module; the first entry is the newest, what `pip install 'lorazor[vllm]'` installs.
+SEAMS = {"0.33.0": "serve_bridge.vllm.versions.v0_33", "0.26.0": "serve_bridge.vllm.versions.v0_26"}
+SUPPORTED = tuple(SEAMS)
+
+
+def supported_text() -> str:
+    """The supported versions and how to install each, for one-line errors."""
+    newest, *older = SUPPORTED
+    pins = "".join(f", or vllm=={v} (pip install lorazor 'vllm=={v}')" for v in older)
+    return f"vllm=={newest} (pip install 'lorazor[vllm]'){pins}"
+
+
+def seam(version: str) -> ModuleType:
+    """The seam module for vLLM ``version``; any other version is refused with one BridgeError."""
+    name = SEAMS.get(version)
+    if name is None:
+        raise BridgeError(f"LoRazor's serve_bridge hooks private APIs of vLLM {' and '.join(SUPPORTED)}, but vLLM "
+                          f"{version} is installed. Install {supported_text()}, or unset {BUNDLE_ENV} to serve "
+                          f"without StepTrim.")
+    return importlib.import_module(name)
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version from its package metadata (vLLM is not imported), or None."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def runner_environment(version: str | None = None) -> dict[str, str]:
+    """The runner switch an engine that LoRazor starts sets for vLLM ``version`` (default: the
+    installed one, read without importing vLLM); empty for another version, which the plugin then
+    refuses in one line."""
+    version = installed_version() if version is None else version
+    return {V2_RUNNER_ENV: seam(version).RUNNER_ENV_VALUE} if version in SEAMS else {}
+
+
+def current() -> ModuleType:
+    """The seam of the vLLM that ``import vllm`` gives (imports it)."""
+    import vllm
+
+    return seam(vllm.__version__)

@@ -1,4 +1,4 @@
-"""Release-aware adapter slots in vLLM 0.26.0's scheduler (``LORAZOR_SLOTS``, on with a bundle).
+"""Release-aware adapter slots in vLLM's scheduler (0.26.0 and 0.33.0; ``LORAZOR_SLOTS``, on with a bundle).
 
 A request holds a slot of ``max_loras`` while a forward still needs its adapter: with release
 position p (docs/design.md §2: the adapter runs at positions < p; :class:`serve_bridge.runtime.
@@ -17,11 +17,12 @@ after forward r arrives with that step's output (:data:`RELEASES_ATTR`, set by
 :class:`ReleaseScheduler` hides, for the duration of ``schedule()``, the ``lora_request`` of running
 requests that hold no slot, reads learned releases from each step's output in
 ``update_from_output``, and keeps per-request state from ``add_request`` to ``_free_request``;
-:func:`install` makes it vLLM's default scheduler class. Which vLLM 0.26.0 code this relies on:
+:func:`install` makes it vLLM's default scheduler class. Which vLLM code this relies on, per line:
 docs/vllm_integration.md §11.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -104,16 +105,26 @@ def slot_tracker(vllm_config: Any, settings: BridgeSettings | None = None) -> Sl
 
 class ReleaseScheduler(_BaseScheduler):
     """vLLM's scheduler whose ``max_loras`` accounting skips requests past their release
-    position (module doc). Without a tracker it is vLLM's scheduler unchanged."""
+    position (module doc). Without a tracker it is vLLM's scheduler unchanged.
+
+    While the requests in the scheduler (waiting or running) hold at most ``max_loras``
+    distinct adapters, vLLM's accounting can block no admission (a full count then holds every
+    adapter present), so ``schedule()`` is vLLM's own, with no per-request work.
+    """
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.lorazor_slots: SlotTracker | None = slot_tracker(vllm_config)
+        self._adapter_of: dict[str, int] = {}  # req_id → LoRA id, for requests with an adapter
+        self._adapters: Counter[int] = Counter()  # LoRA id → requests in the scheduler
 
     def add_request(self, request: Any) -> None:
         known = request.request_id in self.requests
         super().add_request(request)
         lora = request.lora_request
+        if lora is not None and not known:
+            self._adapter_of[request.request_id] = lora.lora_int_id
+            self._adapters[lora.lora_int_id] += 1
         if self.lorazor_slots is not None and lora is not None and not known:
             params = request.sampling_params
             self.lorazor_slots.add(request.request_id, lora.lora_name, lora.lora_path, request.num_prompt_tokens,
@@ -127,7 +138,7 @@ class ReleaseScheduler(_BaseScheduler):
                                                                          request.num_computed_tokens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self.lorazor_slots is None:
+        if self.lorazor_slots is None or len(self._adapters) <= self.lora_config.max_loras:
             return super().schedule(*args, **kwargs)
         hidden = [(r, r.lora_request) for r in self.running if r.lora_request is not None and not self.holds_slot(r)]
         for request, _ in hidden:
@@ -144,6 +155,11 @@ class ReleaseScheduler(_BaseScheduler):
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        lora_id = self._adapter_of.pop(request.request_id, None)
+        if lora_id is not None:
+            self._adapters[lora_id] -= 1
+            if not self._adapters[lora_id]:
+                del self._adapters[lora_id]
         if self.lorazor_slots is not None:
             self.lorazor_slots.drop(request.request_id)
         return super()._free_request(request, *args, **kwargs)

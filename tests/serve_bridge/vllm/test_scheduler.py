@@ -387,3 +387,24 @@ def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, ser
     monkeypatch.setenv("LORAZOR_ADAPTERS", ",".join(f"{k}={v}" for k, v in served_ok.items()))
     tracker = sched.ReleaseScheduler(vllm_config(2)).lorazor_slots
     assert tracker.calibrated._verified[("prof2", str(served["prof2"]))] is True
+
+
+def test_with_slots_to_spare_the_schedule_is_vllms_own(sched, tmp_path, served, monkeypatch):  # noqa: F811
+    """At most max_loras distinct adapters in the scheduler: no lora_request is hidden, and the steps
+    are vLLM's; with fewer slots than adapters, hiding is what admits sooner."""
+    specs = _workload(18, seed=7)  # five distinct adapters and requests without one
+    base = sys.modules["vllm.v1.core.sched.scheduler"].Scheduler
+    original, hid = base.schedule, []
+
+    def spy(self, *args, **kwargs):
+        hid.append(any(r.lora_request is None and r.request_id in self._adapter_of for r in self.running))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(base, "schedule", spy)
+    spare = serve(sched, tmp_path / "spare", served, specs, env={}, max_loras=5)
+    stock = serve(sched, tmp_path / "stock", served, specs, env={"LORAZOR_SLOTS": "0"}, max_loras=5)
+    assert not any(hid) and spare.steps == stock.steps and spare.held.keys() == stock.held.keys()
+    _check_positions(spare, specs, served)
+    hid.clear()
+    short = serve(sched, tmp_path / "short", served, specs, env={}, max_loras=2)
+    assert any(hid) and short.steps > 0

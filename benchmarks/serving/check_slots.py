@@ -1,4 +1,4 @@
-"""Slot hand-back is token-exact. Needs a GPU and vLLM 0.26.0.
+"""Slot hand-back is token-exact. Needs a GPU and vLLM (0.33.0 or 0.26.0).
 
     python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
 

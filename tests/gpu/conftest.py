@@ -1,4 +1,4 @@
-"""GPU tests: ``pytest -m gpu tests/gpu`` on a machine with an NVIDIA GPU (vLLM 0.26.0 for most).
+"""GPU tests: ``pytest -m gpu tests/gpu`` on a machine with an NVIDIA GPU (vLLM 0.33.0 or 0.26.0 for most).
 
 Tests marked ``gpu`` are skipped without CUDA. The ``vllm_env`` fixture skips without vLLM, and
 gives the environment for the engine processes the tests start: the checkout on ``PYTHONPATH``

@@ -1,7 +1,7 @@
 """Slot hand-back on the GPU: policy off ≡ stock on 320 requests, and profiled and learned
 policies give the same tokens and release points with and without hand-back
 (``benchmarks/serving/check_slots.py``, three engines in subprocesses). Skipped without CUDA
-or vLLM 0.26.0; ``vllm_env`` (conftest.py) gives the engines the plugin's entry point."""
+or vLLM (0.33.0 or 0.26.0); ``vllm_env`` (conftest.py) gives the engines the plugin's entry point."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                 reason="needs an NVIDIA GPU and vLLM 0.26.0")]
+                                 reason="needs an NVIDIA GPU and vLLM (0.33.0 or 0.26.0)")]
 
 
 def test_slot_hand_back_is_token_exact(tmp_path, vllm_env, monkeypatch):

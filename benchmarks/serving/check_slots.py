@@ -22,7 +22,8 @@ Hand-back changes which requests share a batch, so (b) and (c) compare runs whos
 differ: every engine runs with ``VLLM_BATCH_INVARIANT=1`` (vLLM's batch-invariant kernels,
 split-K off in the LoRA shrink, ``lora/ops/triton_ops/utils.py:222``), under which a request's
 tokens do not depend on its batch. A mismatch is reported with the first differing position
-relative to the request's release position.
+relative to the request's release position. ``--invariance`` checks that premise on stock vLLM
+itself, (f): the same requests with ``max_num_seqs`` 16 instead of 128 give the same tokens.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, m
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}
+# --invariance: stock vLLM again with small batches, the precondition of (b) and (c)
+SMALL_BATCHES = {"stock16": 16}
 
 
 def name(a: int, family: str) -> str:
@@ -94,7 +97,7 @@ def engine_env(engine: str, work: Path, environ: dict[str, str]) -> dict[str, st
     read-outs), and the bridge's variables per engine (module doc)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | runner_environment()
-    if engine != "stock":
+    if engine not in ("stock", *SMALL_BATCHES):
         env["LORAZOR_BUNDLE"] = str(work / "bundle")
         env["LORAZOR_LOG_INTERVAL_S"] = "0"
     if engine == "keep":
@@ -111,13 +114,13 @@ def serve(engine: str, work: Path, out: Path) -> None:
 
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **ENGINE)
+    llm = LLM(model=str(work / "model"), **(ENGINE | {"max_num_seqs": SMALL_BATCHES.get(engine, ENGINE["max_num_seqs"])}))
     stats = SlotStats.attach(llm)
     result: dict[str, Any] = {"startup_s": time.time() - t0,
                               "scheduler": type(llm.llm_engine.engine_core.engine_core.scheduler).__name__}
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
               for r in requests]
-    for i, family in enumerate(ENGINES[engine]):
+    for i, family in enumerate(ENGINES.get(engine, ENGINES["stock"])):
         loras = [LoRARequest(name(r["adapter"], family), 1000 * i + r["adapter"] + 1,
                              str(work / "adapters" / name(r["adapter"], "full"))) for r in requests]
         stats.start()
@@ -146,12 +149,14 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     """The checks of the module doc, as (name, passed, detail)."""
-    res = {e: json.loads((out / f"{e}.json").read_text()) for e in ENGINES if (out / f"{e}.json").exists()}
+    res = {e: json.loads((out / f"{e}.json").read_text()) for e in (*ENGINES, *SMALL_BATCHES)
+           if (out / f"{e}.json").exists()}
     rows: list[tuple[str, bool, str]] = []
     n = len(requests)
     want = {"stock": "Scheduler", "slots": "ReleaseScheduler", "keep": "Scheduler"}  # LORAZOR_SLOTS=0: vLLM's
     found = {e: r["scheduler"] for e, r in res.items()}
-    rows.append(("engines run the expected schedulers", found == want, json.dumps(found)))
+    rows.append(("engines run the expected schedulers", all(found.get(e) == s for e, s in want.items()),
+                 json.dumps(found)))
     if "stock" in res and "slots" in res:
         full, off = res["stock"]["full"]["tokens"], res["slots"]["off"]["tokens"]
         same = sum(a == b for a, b in zip(full, off))
@@ -161,6 +166,9 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
         lengths = [len(t) for t in full]
         rows.append(("output lengths = max_tokens", lengths == [r["max_tokens"] for r in requests],
                      f"{sum(lengths)} tokens"))
+    if "stock16" in res and "stock" in res:  # not one of the 12 checks: it says whether (b) and (c) can hold
+        same = sum(a == b for a, b in zip(res["stock"]["full"]["tokens"], res["stock16"]["full"]["tokens"]))
+        rows.append(("(f) stock is batch-invariant (max_num_seqs 128 vs 16)", same == n, f"{same}/{n} identical"))
     if "slots" in res and "keep" in res:
         for tag, fam in (("(b) profiled", "prof"), ("(c) learned", "learn")):
             on, keep = res["slots"][fam], res["keep"][fam]
@@ -193,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_slots"))
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
-    ap.add_argument("--engine", choices=sorted(ENGINES), help=argparse.SUPPRESS)
+    ap.add_argument("--invariance", action="store_true",
+                    help="also run stock vLLM with max_num_seqs 16 and check it gives stock's tokens (f)")
+    ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=sorted(ENGINES),
+                    help="the engines to run (default all; the 12 checks need all three)")
+    ap.add_argument("--engine", choices=sorted(ENGINES | SMALL_BATCHES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
         serve(args.engine, args.work, args.out)
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     notes = []
-    for engine in ENGINES:
+    for engine in [e for e in ENGINES if e in args.engines] + (list(SMALL_BATCHES) if args.invariance else []):
         left = args.budget_s - (time.time() - start)
         if left < 20:
             notes.append(f"{engine}: not run, {left:.0f} s left")
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows) + "\n\n" + "\n".join(notes) + "\n"
     (args.out / "check_slots.md").write_text(text)
     print(text, flush=True)
-    complete = len(rows) == 12
+    complete = len([r for r in rows if not r[0].startswith("(f)")]) == 12
     return 0 if complete and all(ok for _, ok, _ in rows) else 1
 
 

@@ -31,7 +31,7 @@ class HFAgreement(Context):
 def test_vllm_engine_without_vllm_is_one_clear_error(tmp_path: Path, monkeypatch, override: str, prop: str) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     ctx = Context(compose_cfg([*TINY, override]), RunDir(tmp_path))
-    with pytest.raises(ConfigError, match=r"engine=vllm needs vllm==0\.26\.0 and a GPU: pip install 'lorazor\[vllm\]'"):
+    with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM \(0\.33\.0 or 0\.26\.0\) and a GPU: pip install 'lorazor\[vllm\]'"):
         getattr(ctx, prop)
 
 

@@ -129,7 +129,7 @@ def serve(engine: str, work: Path, out: Path) -> None:
                             use_tqdm=False)
         part: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t,
                                 **stats.summary()}
-        if engine != "stock":
+        if engine not in ("stock", *SMALL_BATCHES):
             from serve_bridge.vllm.rpc import lorazor_requests
 
             index = {o.request_id: j for j, o in enumerate(outs)}

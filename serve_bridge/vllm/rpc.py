@@ -29,7 +29,7 @@ def _runtime(worker: Any) -> ReleaseRuntime:
     runtime = getattr(getattr(worker, "model_runner", None), "lorazor", None)
     if runtime is None:
         raise RuntimeError(f"LoRazor StepTrim is not active in this vLLM worker: start vLLM with {BUNDLE_ENV}=<bundle "
-                           f"directory> and VLLM_USE_V2_MODEL_RUNNER=0.")
+                           f"directory> (and, on vLLM 0.26.0, VLLM_USE_V2_MODEL_RUNNER=0).")
     return runtime
 
 

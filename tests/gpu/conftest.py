@@ -51,6 +51,9 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
         paths.insert(0, str(module.write_dist_info(tmp_path_factory.mktemp("entry_points"))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # the engines' read-outs are collective_rpc callables, which cross to an engine core in another
+    # process only with insecure serialization: keep the engine core in-process unless a test says
     env |= runner_environment() | {"PYTHONUNBUFFERED": "1"}
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
 

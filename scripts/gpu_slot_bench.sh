@@ -24,9 +24,6 @@ requests=${REQUESTS:-2048}
 budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
 export PYTHONUNBUFFERED=1
-# the runner of the installed vLLM's line (V1 on 0.26.0, V2 on 0.33.0)
-eval "$(cd "$root" && python3 -c 'from serve_bridge.vllm.versions import runner_environment as r
-print("".join(f"export {k}={v}; " for k, v in r().items()))')"
 # slot statistics read the engine core's scheduler, so it runs in this process
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 unset LORAZOR_BUNDLE LORAZOR_ADAPTERS LORAZOR_GRIDTRIM LORAZOR_SLOTS LORAZOR_CALIBRATION

@@ -5,7 +5,9 @@
         [--max-loras 16 32 64] [--plot slots.png] [--json slots.json]
 
 The model is a discrete-time simulation of vLLM 0.26's admission rules (the scheduler's, see
-:mod:`serve_bridge.vllm.scheduler`), one step per engine step:
+:mod:`serve_bridge.vllm.scheduler`), one step per engine step. vLLM 0.33 also counts the adapters
+of running requests the token budget leaves unscheduled; the two agree whenever every running
+request is scheduled, as in the 512/32 table (docs/vllm_integration.md §11):
 
 - running requests first, in admission order, each taking the tokens it still needs (a prefill
   chunk or one decode token) from the step's token budget (``max_num_batched_tokens``);

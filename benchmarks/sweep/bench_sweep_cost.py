@@ -1,7 +1,8 @@
 """Cost of the exact one-pass sweep, with and without answer-decided early stop, against one
 full-LoRA generation and (``--naive``) against regenerating every candidate.
 
-Uses a finished run directory (heads + candidates; its engine, hf or vLLM) and the first N
+Uses a finished run directory (heads + candidates; its config recomposed from the overrides it
+recorded, so its engine, hf or vLLM) and the first N
 validation requests:
   (a) one full-LoRA generation, each response to its end (the unit "1 full validation generation"),
   (b) the sweep's tree pass without early stop (full-LoRA pass + one OFF continuation per distinct
@@ -20,6 +21,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from calibrate.config import register
@@ -46,8 +48,9 @@ def main() -> None:
     ap.add_argument("--naive", action="store_true", help="also regenerate every candidate (slow)")
     args = ap.parse_args()
     register()
-    cfg = OmegaConf.load(f"{args.run}/.hydra/config.yaml")
-    cfg.engine.progress = False
+    overrides = [str(o) for o in OmegaConf.load(f"{args.run}/.hydra/overrides.yaml") if not str(o).startswith("hydra.")]
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose("config", overrides=[*overrides, "engine.progress=false"])
     ctx = Context(cfg, RunDir(args.run))
     eng, task, names, parts = ctx.engine, ctx.task, ctx.adapter_names, ctx.adapter_parts
     examples = task.load_split("validation")[: args.n]

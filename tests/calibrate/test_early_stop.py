@@ -17,9 +17,9 @@ from labeling.tasks import build_task
 from tests.calibrate.test_pipeline import run
 from tests.conftest import ROOT
 
-DEMO_TINY = ["task.options.parts.arith.sizes={train: 4, validation: 3, test: 3}",
-             "task.options.parts.arith.options.max_new_tokens=40",
-             "task.options.parts.counter.sizes={train: 6, validation: 6, test: 4}",
+DEMO_TINY = ["task.options.parts.arith.sizes={train: 2, validation: 2, test: 2}",
+             "task.options.parts.arith.options.max_new_tokens=32",
+             "task.options.parts.counter.sizes={train: 4, validation: 4, test: 2}",
              "labeling.shard_requests=4", "engine.progress=false"]
 TABLES = ["sweep/candidates.csv", "sweep/frontier.csv", "sweep/k_table.csv", "export/selection.csv",
           "export/budget_comparison.csv", "test/realized.csv"]

@@ -34,7 +34,7 @@ demo: setup
 	$(BIN)/python -m calibrate
 
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

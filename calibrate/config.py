@@ -74,13 +74,16 @@ class LabelingConfig(CheckedOptions):
     """points: release points T; task_points: task name → the release points of that task's
     requests instead (the run's task, or a part of a mix task; other names are ignored);
     shard_requests: requests per resumable shard, or ``auto``
-    (:attr:`calibrate.context.Context.shard_requests`)."""
+    (:attr:`calibrate.context.Context.shard_requests`); early_stop: the engines stop a response
+    where its answer is decided instead of cutting it there afterwards (:mod:`labeling.answer_cut`;
+    the same results, in every generating stage)."""
 
-    rules = {"points": "points", "shard_requests": "auto_or_positive_int"}
+    rules = {"points": "points", "shard_requests": "auto_or_positive_int", "early_stop": (True, False)}
 
     points: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 7, 15, 31, 63])
     task_points: dict[str, list[int]] = field(default_factory=dict)
     shard_requests: str = "auto"
+    early_stop: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

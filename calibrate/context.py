@@ -15,6 +15,7 @@ from calibrate.config import Config, check_config
 from calibrate.errors import ConfigError, UserError
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError, AdapterSpec, validate_adapter, weights_file
+from labeling.answer_cut import RESPONSE_END
 from labeling.backbone import (BackboneError, BackboneSpec, load_backbone, parameter_count, resolve_backbone_dir,
                                stop_token_ids)
 from labeling.engines.auto import AutoOptions, EngineChoice, MachineFacts, probe_facts, resolve_engine
@@ -61,7 +62,10 @@ class Context:
           names it);
         - ``adapter``: each adapter by name and content (sha256 of its weights and its
           ``adapter_config.json``), not by path. New weights at the same path recompute; the same
-          adapter elsewhere (another machine, the installed package) keeps the cache.
+          adapter elsewhere (another machine, the installed package) keeps the cache;
+        - ``labeling.early_stop``: it changes how much is generated, not the results. The section
+          names the rule where responses end instead (:data:`labeling.answer_cut.RESPONSE_END`),
+          so outputs cached before that rule are recomputed.
         """
         if name == "engine":
             options = asdict(self.engine_options)
@@ -71,6 +75,9 @@ class Context:
             section.pop("gguf_dir", None)
         if name == "adapter":
             section["adapters"] = self._adapter_identities
+        if name == "labeling":
+            section.pop("early_stop", None)
+            section["response_end"] = RESPONSE_END
         return section
 
     @cached_property
@@ -189,7 +196,7 @@ class Context:
         self.check_adapters()
         model, tok = load_backbone(self.backbone_spec, device=e.device)
         return HFEngine(model, tok, self.adapters, stop_token_ids(model.generation_config, tok, self.backbone_spec),
-                        batch_size=e.batch_size, progress=e.progress)
+                        batch_size=e.batch_size, progress=e.progress, early_stop=self.config.labeling.early_stop)
 
     def vllm_engine(self, options: VLLMOptions):
         """A :class:`labeling.engines.vllm.engine.VLLMEngine` with ``options``."""
@@ -201,7 +208,7 @@ class Context:
 
         self.check_adapters()
         try:
-            return VLLMEngine.from_config(self.backbone_spec, self.adapters, options)
+            return VLLMEngine.from_config(self.backbone_spec, self.adapters, options, self.config.labeling.early_stop)
         except UserError:
             raise
         except ValueError as err:  # an adapter rank beyond vLLM's, a bad max_lora_rank, too few GPUs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -46,7 +47,7 @@ def serves(part: str | None, ex: Example) -> bool:
 def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example], slots: Sequence[int],
                    parts: Mapping[int, str | None] | None = None) -> list[tuple[Example, GenRequest]]:
     """Every example once per adapter slot that serves it (adapters interleaved so batches mix
-    adapters). ``parts``: slot → the task part its adapter serves (a slot without an entry,
+    adapters), each response ending where the task decides its answer (:mod:`labeling.answer_cut`). ``parts``: slot → the task part its adapter serves (a slot without an entry,
     e.g. the backbone's NO_SLOT, serves every example)."""
     from labeling.engines.hf import GenRequest
 
@@ -57,7 +58,8 @@ def build_requests(engine: HFEngine, task: Task, examples: Sequence[Example], sl
         if not mine:
             continue
         ids = engine.encode(task.messages(ex))
-        out.extend((ex, GenRequest(uid=f"{ex.uid}@{s}", prompt_ids=ids, slot=s)) for s in mine)
+        stop = partial(task.decided, ex)
+        out.extend((ex, GenRequest(uid=f"{ex.uid}@{s}", prompt_ids=ids, slot=s, stop=stop)) for s in mine)
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labeling.adapters import AdapterSpec, validate_adapter
+from labeling.answer_cut import StopFn, cut_result, decided_at
 from labeling.engines.chat import ChatIO
 from labeling.forks import ForkFn, forks_at
 from labeling.options import CheckedOptions
@@ -40,11 +41,13 @@ MIN_SHARED_PREFIX = 8  # prompt tokens a slot's requests must share before they 
 
 @dataclass(frozen=True)
 class GenRequest:
-    """uid: request id; prompt_ids: tokenized prompt; slot: adapter index or NO_SLOT."""
+    """uid: request id; prompt_ids: tokenized prompt; slot: adapter index or NO_SLOT; stop: the
+    task's answer-decided test on the response text (:mod:`labeling.answer_cut`; None: none)."""
 
     uid: str
     prompt_ids: list[int]
     slot: int
+    stop: StopFn | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -106,12 +109,13 @@ class HFEngine(ChatIO):
 
     ``adapters`` are loaded into one peft model as named adapters; a row's slot i uses
     ``adapters[i]`` until released, then the backbone alone. A row ends at any of
-    ``stop_ids`` or at ``max_new_tokens``. Greedy decoding only (the exact one-pass sweep
-    relies on it).
+    ``stop_ids``, at ``max_new_tokens`` or where its request's answer is decided
+    (:mod:`labeling.answer_cut`: with ``early_stop`` at that step, else its result is cut
+    afterwards). Greedy decoding only (the exact one-pass sweep relies on it).
     """
 
     def __init__(self, model, tokenizer, adapters: Sequence[AdapterSpec], stop_ids: set[int],
-                 batch_size: int = 16, progress: bool = True) -> None:
+                 batch_size: int = 16, progress: bool = True, early_stop: bool = True) -> None:
         from peft import PeftModel
 
         hidden = model.config.hidden_size
@@ -121,6 +125,8 @@ class HFEngine(ChatIO):
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
         self.progress = progress
+        self.early_stop = early_stop
+        self.generated_tokens = 0  # tokens generated so far, before any cut (rows × steps)
         self.hidden_size = hidden
         self.eos_ids = set(stop_ids)
         if adapters:
@@ -157,6 +163,8 @@ class HFEngine(ChatIO):
         for i in range(0, len(requests), self.batch_size):
             chunk = list(requests[i:i + self.batch_size])
             done = self._generate_batch(chunk, max_new_tokens, steptrim, scorer, capture, fork)
+            for r, res in zip(chunk, done):
+                cut_result(res, r.stop, self.decode)
             results.extend(done)
             tokens += sum(generated_tokens(r) for r in done)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tokens/s", refresh=False)
@@ -241,6 +249,7 @@ class HFEngine(ChatIO):
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                  logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
                 next_tok = out.logits[:, -1].argmax(-1)
+                self.generated_tokens += len(rows)
                 h = captured["h"].float()
                 slots = torch.tensor([reqs[row.req].slot for row in rows], device=dev)
                 tt = torch.full_like(slots, t)
@@ -251,7 +260,9 @@ class HFEngine(ChatIO):
                 for j, row in enumerate(rows):
                     tok = int(next_tok[j])
                     row.tokens.append(tok)
-                    done = tok in self.eos_ids or len(row.tokens) >= max_new
+                    stop = reqs[row.req].stop if self.early_stop else None
+                    done = (tok in self.eos_ids or len(row.tokens) >= max_new
+                            or (stop is not None and decided_at(row.tokens, stop, self.decode)))
                     res = results[row.req]
                     if row.branch is None:
                         s = scores[j] if scores is not None else None

@@ -14,6 +14,10 @@ letter set count, so the article "a" is never read as option A, and ``(E)`` is i
 four-option task. The match is exact: 1 iff the extracted letter equals the reference.
 Prompts list the options with :func:`format_choices` (``A. text`` lines), the same letters
 the extractor reads back.
+
+Since the last statement wins, a continuation can always state another letter: a prefix is
+decided (:func:`letter_decided`) only when the reference is no letter of the set (every
+response scores 0).
 """
 from __future__ import annotations
 
@@ -59,3 +63,9 @@ def letter_match(response: str, reference: str, letters: str = MEDQA_LETTERS) ->
     """1 iff the extracted letter equals ``reference`` (case- and space-insensitive reference)."""
     got = extract_letter(response, letters)
     return int(got is not None and got == reference.strip().upper())
+
+
+def letter_decided(prefix: str, reference: str, letters: str = MEDQA_LETTERS) -> bool:
+    """True only if every continuation of ``prefix`` gets the same :func:`letter_match` score:
+    a reference outside ``letters`` (always 0); otherwise a later answer statement can change it."""
+    return reference.strip().upper() not in set(letters)

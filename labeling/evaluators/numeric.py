@@ -9,6 +9,12 @@ Two extractors, as lm-eval's ``gsm8k`` task defines them (facts, not code, taken
 ``mode="strict_then_flexible"`` (the default) uses strict when the response has a
 ``#### N`` line and falls back to flexible otherwise. Values are compared as numbers after
 removing ``,`` and ``$`` and a trailing ``.``, so ``1,000`` == ``1000`` == ``1000.0``.
+
+:func:`numeric_decided` says when no continuation of a response prefix can change its score:
+once the first ``#### N`` match is followed by a character that ends ``N`` (strict, and
+strict_then_flexible, whose strict answer then always wins). The flexible extractor takes the
+*last* number, which any continuation can replace, so it is never decided; nor is anything
+before a complete ``#### N``.
 """
 from __future__ import annotations
 
@@ -29,6 +35,11 @@ def _to_number(text: str) -> Decimal | None:
         return Decimal(cleaned)
     except InvalidOperation:
         return None
+
+
+def is_number(text: str) -> bool:
+    """Whether ``text`` reads as a number the way answers and references are compared."""
+    return _to_number(text) is not None
 
 
 def extract_strict(response: str) -> str | None:
@@ -56,6 +67,21 @@ def extract_answer(response: str, mode: Mode = "strict_then_flexible") -> str | 
         s = extract_strict(response)
         return s if s is not None else extract_flexible(response)
     raise ValueError(f"unknown numeric extractor mode {mode!r}; use strict, flexible or strict_then_flexible")
+
+
+def strict_answer_complete(response: str) -> bool:
+    """Whether ``response`` has a ``#### N`` match that no continuation can extend or displace:
+    a character that is not part of ``N`` follows it (the first match stays the first one)."""
+    m = STRICT_RE.search(response)
+    return m is not None and m.end() < len(response)
+
+
+def numeric_decided(prefix: str, reference: str, mode: Mode = "strict_then_flexible") -> bool:
+    """True only if every continuation of ``prefix`` gets the same :func:`numeric_match` score:
+    a reference that is no number (always 0), or a complete strict answer (module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown numeric extractor mode {mode!r}; use strict, flexible or strict_then_flexible")
+    return not is_number(reference) or mode != "flexible" and strict_answer_complete(prefix)
 
 
 def numeric_match(response: str, reference: str, mode: Mode = "strict_then_flexible") -> int:

@@ -5,12 +5,16 @@ response ends with exactly two non-empty lines: that ``#### N`` line, then a sen
 a ``####`` line) whose numbers all equal the reference, at least one of them (the trained
 form is ``The answer is N.``). So the restatement is part of the task: a continuation that
 states another number, adds another line, or keeps going past the sentence scores 0.
+
+Because the ending is part of the score, a prefix is decided (:func:`restated_decided`) only
+when its first ``#### N`` is complete and wrong: then every continuation scores 0. With the
+right ``N`` a continuation can still add a line (0) or end with the restatement (1).
 """
 from __future__ import annotations
 
 import re
 
-from labeling.evaluators.numeric import numeric_match
+from labeling.evaluators.numeric import is_number, numeric_match, strict_answer_complete
 
 RESTATEMENT = "The answer is {answer}."
 NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -36,3 +40,10 @@ def restated_match(response: str, reference: str) -> int:
     if not states_only(lines[-1], reference):
         return 0
     return numeric_match(response, reference, mode="strict") * numeric_match(lines[-2], reference, mode="strict")
+
+
+def restated_decided(prefix: str, reference: str) -> bool:
+    """True only if every continuation of ``prefix`` gets the same :func:`restated_match` score
+    (0): a reference that is no number, or a complete first ``#### N`` that is not the reference."""
+    return not is_number(reference) or (strict_answer_complete(prefix)
+                                        and not numeric_match(prefix, reference, mode="strict"))

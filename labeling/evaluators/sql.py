@@ -24,6 +24,10 @@ Semantics of :func:`execution_match` (Q ∈ {0, 1}):
   query failing, unreadable file) scores 0; :func:`execution_match` never raises for a bad
   response.
 
+A prefix is decided (:func:`sql_decided`, without running anything) once its first ```` ```sql ````
+block is closed or holds a complete statement: that block always wins, so no continuation
+changes the SQL taken. Before that block a later one can still appear, so nothing is decided.
+
 A missing database file is a configuration problem, not a wrong answer: the Spider task
 resolves the path first (:func:`labeling.tasks.spider.database_path`, a TaskError naming the
 ``db_id``, the path and the fix).
@@ -69,6 +73,17 @@ def extract_sql(response: str) -> str | None:
     text = m.group(1) if m else BLANK_LINE_RE.split(response.strip(), maxsplit=1)[0]
     sql = _first_statement(text).strip()
     return sql or None
+
+
+def sql_decided(prefix: str) -> bool:
+    """True only if every continuation of ``prefix`` yields the same :func:`extract_sql` (hence
+    the same :func:`execution_match` score): its first ```` ```sql ```` block is closed, or the
+    block so far holds a complete statement."""
+    m = FENCED_SQL_RE.search(prefix)
+    if m is None:
+        return False
+    body = m.group(1)
+    return prefix.startswith("```", m.end(1)) or _first_statement(body) != body
 
 
 def _first_statement(text: str) -> str:

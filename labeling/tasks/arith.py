@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from labeling.evaluators.numeric import numeric_match
+from labeling.evaluators.numeric import numeric_decided, numeric_match
 from labeling.options import CheckedOptions
 from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
@@ -82,3 +82,6 @@ class ArithTask(GeneratedTask, ArithOptions):
 
     def score(self, ex: Example, response: str) -> int:
         return numeric_match(response, ex.reference)
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return numeric_decided(prefix, ex.reference)

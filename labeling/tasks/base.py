@@ -50,6 +50,10 @@ class Task(Protocol):
     def score(self, ex: Example, response: str) -> int:
         """Q(response) ∈ {0, 1}: 1 iff the response answers ``ex`` correctly."""
 
+    def decided(self, ex: Example, prefix: str) -> bool:
+        """True only if every continuation of the response prefix ``prefix`` gets the same
+        :meth:`score` (the engines may stop there); False when the task cannot tell."""
+
 
 def require_nonempty(task: str, split: str, rows: list[Example], source: str) -> list[Example]:
     """Raise one clear TaskError when a split has no rows."""
@@ -91,6 +95,10 @@ class BaseTask:
     required_fields: ClassVar[dict[str, tuple[type, ...]]] = {}
     Options: ClassVar[type]
     sizes: SplitSizes = field(default_factory=SplitSizes)
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        """No answer-decided rule: every response is generated to its end."""
+        return False
 
 
 @dataclass

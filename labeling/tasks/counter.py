@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from labeling.evaluators.restated import restated_match, restatement
+from labeling.evaluators.restated import restated_decided, restated_match, restatement
 from labeling.options import CheckedOptions
 from labeling.tasks.base import SPLITS, Example, GeneratedTask
 
@@ -90,3 +90,6 @@ class CounterTask(GeneratedTask, CounterOptions):
 
     def score(self, ex: Example, response: str) -> int:
         return restated_match(response, ex.reference)
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return restated_decided(prefix, ex.reference)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from labeling.evaluators.numeric import MODES, numeric_match
+from labeling.evaluators.numeric import MODES, numeric_decided, numeric_match
 from labeling.tasks.base import BaseTask, Example, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -55,3 +55,6 @@ class GSM8KTask(BaseTask, GSM8KOptions):
 
     def score(self, ex: Example, response: str) -> int:
         return numeric_match(response, ex.reference, self.extractor)  # type: ignore[arg-type]
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return numeric_decided(prefix, ex.reference, self.extractor)  # type: ignore[arg-type]

@@ -60,3 +60,6 @@ class MixTask:
 
     def score(self, ex: Example, response: str) -> int:
         return self.part(ex).score(ex, response)
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return self.part(ex).decided(ex, prefix)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_match
+from labeling.evaluators.letters import SCIENCEQA_LETTERS, format_choices, letter_decided, letter_match
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -68,3 +68,6 @@ class ScienceQATask(BaseTask, ScienceQAOptions):
 
     def score(self, ex: Example, response: str) -> int:
         return letter_match(response, ex.reference, "".join(ex.meta["choices"]))
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return letter_decided(prefix, ex.reference, "".join(ex.meta["choices"]))

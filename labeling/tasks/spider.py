@@ -19,7 +19,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, execute_readonly, execution_match
+from labeling.evaluators.sql import DEFAULT_TIMEOUT_S, execute_readonly, execution_match, sql_decided
 from labeling.tasks.base import BaseTask, Example, TaskError, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -113,3 +113,6 @@ class SpiderTask(BaseTask, SpiderOptions):
 
     def score(self, ex: Example, response: str) -> int:
         return execution_match(response, ex.reference, database_path(self.db_dir, ex.meta["db_id"]), self.timeout_s)
+
+    def decided(self, ex: Example, prefix: str) -> bool:
+        return sql_decided(prefix)

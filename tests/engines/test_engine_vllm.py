@@ -305,3 +305,25 @@ def test_a_prefix_caching_engine_refuses_release_policy_passes(engine, fake_llm,
 def test_a_replica_that_cannot_start_is_one_clear_error() -> None:
     with pytest.raises(RuntimeError, match="data-parallel replica 0 died"):
         DataParallelBackend(1, 1, "tests.engines.fake_vllm:no_such_factory", (), visible=["0"])
+
+
+def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine) -> None:
+    """Responses end where the task decides them, as on the hf engine; with early stop the ON
+    response is cut before its OFF branches are planned (none past that point), without it every
+    branch runs and is cut afterwards: the same results, never more tokens."""
+    from labeling.labels import build_requests
+
+    task = build_task("counter", sizes={"validation": 4}, max_new_tokens=MAX_NEW)
+    reqs = [r for _, r in build_requests(engine, task, task.load_split("validation"), [0, 1])]
+    kw = dict(fork=lambda res, t, s: t in (0, 2, 5, 9))
+    hf = engine.generate(reqs, MAX_NEW, **kw)
+    used = []
+    for early_stop in (True, False):
+        vengine.early_stop, start = early_stop, vengine.generated_tokens
+        try:
+            vl = vengine.generate(reqs, MAX_NEW, **kw)
+        finally:
+            vengine.early_stop = True
+        used.append(vengine.generated_tokens - start)
+        assert [(r.tokens, r.branches) for r in vl] == [(r.tokens, r.branches) for r in hf]
+    assert used[0] <= used[1]

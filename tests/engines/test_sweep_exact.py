@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from labeling.labels import build_requests
 from labeling.tasks import build_task
 from labeling.trees import run_trees
 from predictors.candidates import Candidates, tau_candidates
@@ -51,9 +52,7 @@ def test_tree_pricing_equals_naive_regeneration(engine) -> None:
 
 
 def _requests(engine, task, examples, slot):
-    from labeling.engines.hf import GenRequest
-
-    return [GenRequest(f"{ex.uid}@{slot}", engine.encode(task.messages(ex)), slot) for ex in examples]
+    return [r for _, r in build_requests(engine, task, examples, [slot])]
 
 
 def test_mixed_task_trees_route_each_part_to_its_adapter(engine) -> None:

@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from labeling.adapters import AdapterSpec, validate_adapter
+from labeling.answer_cut import cut_result
 from labeling.engines.chat import ChatIO
 from labeling.engines.hf import GenRequest, GenResult
 from labeling.engines.vllm.backend import build_local_backend
@@ -25,10 +26,14 @@ class VLLMEngine(ChatIO):
     ``run`` and ``max_model_len``); build one from the config with :meth:`from_config`.
     prefix_caching: whether the backend's engines cache prefixes (then passes with a release
     policy are refused, :func:`serve_bridge.calibration.require_cacheable`).
+    early_stop: cut each ON response where its answer is decided (:mod:`labeling.answer_cut`)
+    before planning its OFF branches, so none is forked past that point; every result is cut
+    afterwards either way (vLLM itself generates each response to its end).
     """
 
     def __init__(self, backend: Any, tokenizer: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
-                 hidden_size: int, progress: bool = True, pipeline: bool = True, prefix_caching: bool = False) -> None:
+                 hidden_size: int, progress: bool = True, pipeline: bool = True, prefix_caching: bool = False,
+                 early_stop: bool = True) -> None:
         self.backend = backend
         self.pipeline = pipeline
         self.prefix_caching = prefix_caching
@@ -37,10 +42,13 @@ class VLLMEngine(ChatIO):
         self.eos_ids = set(int(i) for i in stop_ids)
         self.hidden_size = int(hidden_size)
         self.progress = progress
+        self.early_stop = early_stop
+        self.generated_tokens = 0  # tokens vLLM generated so far, before any cut
         self.name = "vllm"
 
     @classmethod
-    def from_config(cls, spec: Any, adapters: Sequence[AdapterSpec], options: VLLMOptions) -> VLLMEngine:
+    def from_config(cls, spec: Any, adapters: Sequence[AdapterSpec], options: VLLMOptions,
+                    early_stop: bool = True) -> VLLMEngine:
         """Resolve the backbone (``labeling.backbone.resolve_backbone_dir``), check the adapters,
         and start vLLM with ``options`` (one process, or ``data_parallel_size`` replicas)."""
         from transformers import AutoConfig, AutoTokenizer
@@ -62,7 +70,7 @@ class VLLMEngine(ChatIO):
         else:
             backend = build_local_backend(args, adapters, stops)
         return cls(backend, tokenizer, adapters, stops, hidden, progress=options.progress, pipeline=options.pipeline,
-                   prefix_caching=options.prefix_caching)
+                   prefix_caching=options.prefix_caching, early_stop=early_stop)
 
     def close(self) -> None:
         self.backend.close()
@@ -103,17 +111,30 @@ class VLLMEngine(ChatIO):
         cap = capture_set(capture, max_new_tokens)
         config = self._config(steptrim, scorer, cap)
         if fork is not None and steptrim is None and self.pipeline and hasattr(self.backend, "run_pipelined"):
-            return self._generate_pipelined(requests, max_new_tokens, config, scorer is not None, fork, desc)
-        on = self.backend.run(on_requests(requests, max_new_tokens), config, desc, self.progress)
-        results = [on_result(r, toks, on.records.get(str(i)), scored=scorer is not None)
-                   for i, (r, toks) in enumerate(zip(requests, on.tokens, strict=True))]
-        if fork is not None:
-            plan = plan_forks(results, fork)
-            if plan:
-                off = [off_request(requests[i], results[i], t, max_new_tokens) for i, t in plan]
-                out = self.backend.run(off, self._config(), f"{desc}: {len(off)} OFF branches", self.progress)
-                assemble_branches(results, plan, out.tokens)
+            results = self._generate_pipelined(requests, max_new_tokens, config, scorer is not None, fork, desc)
+        else:
+            on = self.backend.run(on_requests(requests, max_new_tokens), config, desc, self.progress)
+            self.generated_tokens += sum(map(len, on.tokens))
+            results = [self._on_result(r, toks, on.records.get(str(i)), scorer is not None)
+                       for i, (r, toks) in enumerate(zip(requests, on.tokens, strict=True))]
+            if fork is not None:
+                plan = plan_forks(results, fork)
+                if plan:
+                    off = [off_request(requests[i], results[i], t, max_new_tokens) for i, t in plan]
+                    out = self.backend.run(off, self._config(), f"{desc}: {len(off)} OFF branches", self.progress)
+                    self.generated_tokens += sum(map(len, out.tokens))
+                    assemble_branches(results, plan, out.tokens)
+        for r, res in zip(requests, results):
+            cut_result(res, r.stop, self.decode)
         return results
+
+    def _on_result(self, req: GenRequest, tokens: Sequence[int], record: dict[str, Any] | None,
+                   scored: bool) -> GenResult:
+        """:func:`on_result`, cut where its answer is decided with ``early_stop``."""
+        res = on_result(req, tokens, record, scored)
+        if self.early_stop:
+            cut_result(res, req.stop, self.decode)
+        return res
 
     def _generate_pipelined(self, requests: Sequence[GenRequest], max_new_tokens: int, config: dict[str, Any],
                             scored: bool, fork: ForkFn, desc: str) -> list[GenResult]:
@@ -122,13 +143,14 @@ class VLLMEngine(ChatIO):
         plan: list[tuple[int, int]] = []
 
         def follow(k: int, tokens: list[int], record: dict[str, Any] | None) -> list[VLLMRequest]:
-            res = results[k] = on_result(requests[k], tokens, record, scored)
+            res = results[k] = self._on_result(requests[k], tokens, record, scored)
             points = fork_points(res, fork)
             plan.extend((k, t) for t in points)
             return [off_request(requests[k], res, t, max_new_tokens) for t in points]
 
-        _, off_tokens = self.backend.run_pipelined(on_requests(requests, max_new_tokens), config, follow,
-                                                   f"{desc} (ON + OFF branches)", self.progress)
+        on, off_tokens = self.backend.run_pipelined(on_requests(requests, max_new_tokens), config, follow,
+                                                    f"{desc} (ON + OFF branches)", self.progress)
+        self.generated_tokens += sum(map(len, on.tokens)) + sum(map(len, off_tokens))
         assemble_branches(results, plan, off_tokens)
         return results
 

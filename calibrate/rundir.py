@@ -53,7 +53,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from calibrate.rundir_access import acquire
+from calibrate.rundir_access import acquire, release
 from serve_bridge.bundle import file_sha256
 
 SHARED_DIRS = ("labels", "plots")
@@ -126,7 +126,7 @@ class RunDir:
         try:
             yield
         finally:
-            os.close(fd)
+            release(fd)
 
     def path(self, *parts: str) -> Path:
         """A published path (read upstream outputs here); its parent directory exists."""

@@ -4,8 +4,9 @@
 the directory if needed, checks that it can be used (a directory, not under a file, writable,
 its bookkeeping entries directories, :data:`FREE_SPACE_FLOOR` bytes free for the stages'
 scratch output), then takes an exclusive ``flock`` on ``<run>/.lock`` and writes its PID
-there. The kernel drops the lock when the process exits or is killed, so a killed run never
-leaves a stale lock; the file itself stays (it is bookkeeping, like ``engine.json``). A second
+there; :func:`release` empties the file again and drops the lock. The kernel drops the lock
+when the process exits or is killed, so a killed run never leaves a stale lock (only its PID
+in the file, which the next holder overwrites); the file itself stays. A second
 run on the same directory does not wait: it stops with one line naming the holder's PID.
 Every problem is a :class:`RunDirError` (one line, exit code 2 on the command line).
 """
@@ -109,3 +110,11 @@ def acquire(root: Path, dirs: Iterable[str] = (), need_bytes: int = FREE_SPACE_F
             raise
         raise storage_error(err, f"run directory {root} is not writable") from None
     return fd
+
+
+def release(fd: int) -> None:
+    """Empty the lock file (no PID: nobody holds it) and drop the lock taken by :func:`acquire`."""
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)

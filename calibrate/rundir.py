@@ -2,7 +2,7 @@
 
 Layout (all paths relative to the run directory)::
 
-    .hydra/                 Hydra's composed config (written by Hydra)
+    .hydra/                 the composed config, as Hydra records it (written by calibrate/__main__.py)
     engine.json             the engine the run resolved to (engine=auto's choice) and why
     stages/<stage>.json     completion marker: {"fingerprint", "finished_at", "summary", "outputs"}
     data/<split>.jsonl      the examples each split resolved to (uid, question, reference)

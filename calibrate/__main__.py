@@ -1,21 +1,30 @@
 """``python -m calibrate task=… backbone=… adapter=…``: the Hydra entry point.
 
 User mistakes end in one line on stderr and exit code 2: a config Hydra cannot compose (an
-unknown group option or key, a value of the wrong type) and the pipeline's own
-:data:`calibrate.errors.UserError`. Bugs still raise with their traceback.
+unknown group option or key, a value of the wrong type), a run directory Hydra cannot create,
+and the pipeline's own :data:`calibrate.errors.UserError`. Bugs still raise with their traceback.
+
+Hydra itself only creates the run directory (conf/config.yaml turns off its ``.hydra/`` record
+and its log file); the run writes both once it holds the directory's lock
+(:func:`record_job`), so a second run on the same directory, or one that cannot use it,
+changes nothing there.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.config import register
+from calibrate.rundir import write_atomic
+from calibrate.rundir_access import RunDirError, make_run_dir
 
 register()
 _composed = False  # set once Hydra composed a config: later errors are not config errors
@@ -33,12 +42,26 @@ def main(cfg: DictConfig) -> None:
     run = RunDir(HydraConfig.get().runtime.output_dir)
     print(f"run directory: {run.root}", flush=True)
     try:
-        summaries = run_pipeline(Context(cfg, run))
+        summaries = run_pipeline(Context(cfg, run), on_locked=lambda: record_job(cfg, run.root))
     except UserError as e:
         fail(str(e))
     table = format_final(summaries)
     if table:
         print("\n" + table, flush=True)
+
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job log format
+
+
+def record_job(cfg: DictConfig, root: Path) -> None:
+    """What Hydra would have written into the run directory: ``.hydra/{config,hydra,overrides}.yaml``
+    and the job's log file ``<job name>.log``, which receives the root logger's records."""
+    hydra_cfg = HydraConfig.instance().cfg
+    for name, node in (("config", cfg), ("hydra", hydra_cfg), ("overrides", hydra_cfg.hydra.overrides.task)):
+        write_atomic(root / ".hydra" / f"{name}.yaml", OmegaConf.to_yaml(node))
+    handler = logging.FileHandler(root / f"{HydraConfig.get().job.name}.log")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
 
 
 def fail(message: str) -> None:
@@ -74,6 +97,14 @@ def cli() -> None:
         if _composed:
             raise
         fail(config_error(err))
+    except OSError as err:  # Hydra could not create the run directory
+        if _composed or not err.filename:
+            raise
+        try:
+            make_run_dir(Path(os.fsdecode(err.filename)))
+        except RunDirError as why:
+            fail(str(why))
+        raise
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from labeling.engines.vllm.options import VLLMOptions
 from labeling.options import CheckedOptions, OptionError, check_value
 from labeling.tasks import REGISTRY, SplitSizes, task_class
 from labeling.tasks.mix import MixOptions, MixTask
-from predictors.frontier import POLICIES, parse_rule
+from predictors.frontier import POLICIES, parse_rule, resolve_rule
 
 
 @dataclass
@@ -106,7 +106,7 @@ class SweepConfig(CheckedOptions):
     """The exact one-pass sweep (predictors/sweep.py): τ quantiles per head, τ at target training
     skip levels, profiled ks, and the confidence of each candidate's loss upper bound."""
 
-    rules = {"n_tau": "positive_int", "ks": "points", "confidence": "probability"}
+    rules = {"n_tau": "positive_int", "ks": "points", "confidence": "probability", "skip_levels": "fractions"}
 
     n_tau: int = 32
     skip_levels: list[float] = field(default_factory=lambda: [
@@ -130,12 +130,11 @@ class ExportConfig(CheckedOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.rule == "budget":
-            return
         try:
-            parse_rule(self.rule)
+            parse_rule(resolve_rule(self.rule, self.budget))  # as the export stage reads them
         except ValueError as err:
-            raise OptionError("rule", self.rule, "use P<percent> with 0 < percent ≤ 100 (e.g. P50) or budget "
+            key, value = ("budget", self.budget) if self.rule == "budget" else ("rule", self.rule)
+            raise OptionError(key, value, "use P<percent> with 0 < percent ≤ 100 (e.g. P50) or budget "
                               "(the largest skip within export.budget points)") from err
 
 
@@ -184,6 +183,8 @@ def _build(cfg: DictConfig, path: str) -> Any:
     """The node at ``path`` ("" = the root) as its dataclass, which has every key the node has
     (``+key=value`` can add one the schema lacks)."""
     node = OmegaConf.select(cfg, path) if path else cfg
+    if not isinstance(node, DictConfig):  # e.g. task.options=5
+        raise ConfigError(f"{path}={node!r}: {path} is a group of keys; set one with {path}.<key>=<value>.")
     try:
         built = OmegaConf.to_object(node)
     except OptionError as err:

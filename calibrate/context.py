@@ -86,8 +86,12 @@ class Context:
         options = self.config.engine
         if not isinstance(options, AutoOptions):
             return None
-        facts = self._facts if self._facts is not None else probe_facts()
-        return resolve_engine(facts, lambda: parameter_count(self.backbone_spec), self.backbone_spec.name, options)
+        return resolve_engine(self.facts, lambda: parameter_count(self.backbone_spec), self.backbone_spec.name, options)
+
+    @cached_property
+    def facts(self) -> MachineFacts:
+        """This machine's CUDA and vLLM facts (injected, or probed when first needed)."""
+        return self._facts if self._facts is not None else probe_facts()
 
     @cached_property
     def engine_options(self) -> HFOptions | VLLMOptions:
@@ -214,10 +218,15 @@ class Context:
         except ValueError as err:  # an adapter rank beyond vLLM's, a bad max_lora_rank, too few GPUs
             raise ConfigError(f"engine=vllm: {err}") from err
 
+    @property
+    def agreement_options(self) -> HFOptions | VLLMOptions:
+        """The options of the engine the agreement stage realizes the bundle on: the run's
+        engine if it is vLLM, else vLLM with its defaults."""
+        return self.engine_options if isinstance(self.engine_options, VLLMOptions) else VLLMOptions()
+
     @cached_property
     def agreement_engine(self):
-        """The engine the agreement stage realizes the bundle on: the run's engine if it is
-        vLLM, else a vLLM engine with its defaults (tests inject another)."""
+        """The engine of :attr:`agreement_options` (tests inject another)."""
         if isinstance(self.engine_options, VLLMOptions):
             return self.engine
-        return self.vllm_engine(VLLMOptions())
+        return self.vllm_engine(self.agreement_options)

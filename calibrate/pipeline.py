@@ -1,11 +1,12 @@
 """The calibration stages, in order: data → labels → heads → sweep → export → test
 (→ agreement, with ``agreement=true``).
 
-``run_pipeline`` first validates the config and every input (:mod:`calibrate.validate`). Each
-stage reads its inputs from the run directory (``ctx.run.path``) and writes its outputs into its
-scratch directory (``ctx.run.out``); when it returns, they are published with its marker (see
-:mod:`calibrate.rundir`). ``run_pipeline`` skips finished stages whose outputs are intact, so an
-interrupted run resumes and a finished one is a no-op.
+``run_pipeline`` first validates the config and every input (:mod:`calibrate.validate`), then
+checks the run directory and takes its lock (:mod:`calibrate.rundir_access`). Each stage reads
+its inputs from the run directory (``ctx.run.path``) and writes its outputs into its scratch
+directory (``ctx.run.out``); when it returns, they are published with its marker (see
+:mod:`calibrate.rundir`). ``run_pipeline`` skips finished stages whose marker lists their
+:data:`OUTPUTS` intact, so an interrupted run resumes and a finished one is a no-op.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.preview import PreviewDone, Workload, estimate, format_preview
 from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint, write_atomic
+from calibrate.rundir_access import STORAGE_ERRNOS, storage_error
 from calibrate.validate import validate
 from labeling.engines.vllm.options import VLLMOptions
 from labeling.labels import LabelingPlan, build_requests, format_summary, run_labeling, summarize
@@ -310,21 +312,57 @@ def stage_fingerprints(ctx: Context) -> dict[str, str]:
     return fps
 
 
-def run_pipeline(ctx: Context) -> dict[str, dict]:
-    """Run the configured stages in order, skipping those already done; return their summaries."""
-    validate(ctx)
+# What each stage must write (besides plots): a marker without one of these is not trusted.
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "data": tuple(f"data/{split}.jsonl" for split in SPLITS),
+    "labels": ("labels/points.parquet", "labels/features.npy"),
+    "heads": ("heads/heads.safetensors", "heads/candidates.json"),
+    "sweep": ("sweep/trees.parquet", "sweep/candidates.csv", "sweep/frontier.csv", "sweep/k_table.csv"),
+    "export": ("bundle/manifest.json", "bundle/heads.safetensors", "export/selection.csv",
+               "export/budget_comparison.csv"),
+    "test": ("test/realized.csv",),
+    "agreement": ("agreement/agreement.csv",),
+}
+
+
+def wanted_stages(ctx: Context) -> list[str]:
+    """The stages ``ctx`` asks for, in its order (``agreement=true`` appends ``agreement``)."""
     wanted = list(ctx.cfg.stages)
     if ctx.cfg.agreement and "agreement" not in wanted:
         wanted.append("agreement")
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage(s) {unknown} in `stages`; known: {list(STAGES)}")
+    return wanted
+
+
+def run_pipeline(ctx: Context, on_locked: Callable[[], None] | None = None) -> dict[str, dict]:
+    """Run the configured stages in order, skipping those already done; return their summaries.
+
+    Every check comes first (config, inputs, engines, the run directory); then the run holds
+    the directory's lock, calls ``on_locked`` (the command line writes its config record and
+    log file there) and runs the stages. A file system that fills up or turns read-only during
+    a stage is a RunDirError; the stage's scratch output is dropped and finished stages are kept."""
+    wanted = wanted_stages(ctx)
+    validate(ctx)
+    with ctx.run.locked():
+        try:
+            if on_locked is not None:
+                on_locked()
+            return _run_stages(ctx, wanted)
+        except OSError as err:
+            if err.errno not in STORAGE_ERRNOS:
+                raise
+            raise storage_error(err, f"run directory {ctx.run.root} cannot take the run's output") from err
+
+
+def _run_stages(ctx: Context, wanted: list[str]) -> dict[str, dict]:
     for name in ctx.run.recover():
         _say(f"[{name}] finished publishing the outputs an interrupted run had committed")
     fps = stage_fingerprints(ctx)
     for name in wanted:  # a stage run without its input stage reads that stage's last intact output
         for u in STAGES[name][2]:
-            why = None if u in wanted else ctx.run.intact(u)
+            why = None if u in wanted else ctx.run.intact(u, OUTPUTS[u])
             if why:
                 raise ConfigError(f"stage {name!r} needs the output of stage {u!r}, which has none ({why}); "
                                   f"add {u!r} to `stages`.")
@@ -336,7 +374,7 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
     for name, (fn, _, upstream) in STAGES.items():
         if name not in wanted:
             continue
-        reason = ctx.run.stale(name, fps[name], upstream)
+        reason = ctx.run.stale(name, fps[name], upstream, OUTPUTS[name])
         if reason is None:
             _say(f"[{name}] cached")
             summaries[name] = ctx.run.summary(name)
@@ -354,7 +392,7 @@ def run_pipeline(ctx: Context) -> dict[str, dict]:
             except BaseException:
                 ctx.run.discard(name)
                 raise
-            ctx.run.commit(name, fps[name], summaries[name], upstream)
+            ctx.run.commit(name, fps[name], summaries[name], upstream, OUTPUTS[name])
             _say(f"[{name}] done in {time.perf_counter() - start:.1f} s")
         if name == "labels" and ctx.cfg.preview:
             _say("preview=true: labeling is already done, nothing left to preview.")

@@ -2,7 +2,7 @@
 
 Layout (all paths relative to the run directory)::
 
-    .hydra/                 Hydra's composed config (written by Hydra)
+    .hydra/                 the composed config, as Hydra records it (written by calibrate/__main__.py)
     engine.json             the engine the run resolved to (engine=auto's choice) and why
     stages/<stage>.json     completion marker: {"fingerprint", "finished_at", "summary", "outputs"}
     data/<split>.jsonl      the examples each split resolved to (uid, question, reference)
@@ -16,14 +16,15 @@ Layout (all paths relative to the run directory)::
     plots/*.png             frontier, k curves, positive rate per t, release histogram
     test/*.csv              realized test skip/accuracy of the exported policy
     agreement/agreement.csv with agreement=true: predicted vs realized on vLLM (plots/agreement.png)
+    .lock                   the writer's lock and PID (calibrate/rundir_access.py)
     .scratch/<stage>/       a running stage's outputs, laid out like the run directory
     .publishing/<stage>/    a finished stage's outputs while they are moved into place
     .trash/<stage>/         the outputs they replace, deleted once the move is complete
 
 A stage is done when its marker exists with the current fingerprint (a hash of the config
-it depends on, chained with its upstream stages' fingerprints) and every output the marker
-lists still has the sha256 recorded there, and its input stages' outputs are those it read
-(the marker records a digest of them). Changing e.g. the label points re-runs labels
+it depends on, chained with its upstream stages' fingerprints), the marker lists every output
+the stage must write (``required``) and every output it lists still has the sha256 recorded
+there, and its input stages' outputs are those it read (the marker records a digest of them). Changing e.g. the label points re-runs labels
 and everything after it; re-running a finished command is a no-op; an output changed or
 truncated since it was written re-runs its stage.
 
@@ -36,6 +37,9 @@ finishes an interrupted publish on the next start, and a stage killed or failing
 its commit leaves the previous complete state (its scratch directory is discarded).
 An entry is a top-level file or directory of the stage's output (``data``, ``bundle``…),
 or one file of a directory that several stages share (``labels``, ``plots``).
+
+Only the holder of the directory's lock (:meth:`RunDir.locked`) may begin, commit or recover
+stages; ``run_pipeline`` takes it before anything else touches the directory.
 """
 from __future__ import annotations
 
@@ -44,16 +48,20 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from calibrate.rundir_access import acquire, release
 from serve_bridge.bundle import file_sha256
 
 SHARED_DIRS = ("labels", "plots")
 SCRATCH, PUBLISHING, TRASH = ".scratch", ".publishing", ".trash"
 MARKER, REPLACES = ".marker.json", ".replaces.json"
 NOT_RUN, CONFIG_CHANGED = "not run yet", "its configuration changed"
+# entries that must be directories where they exist (checked before a run starts)
+LAYOUT_DIRS = ("stages", SCRATCH, PUBLISHING, TRASH, ".hydra", *SHARED_DIRS)
 
 
 def fingerprint(*parts: Any) -> str:
@@ -107,8 +115,18 @@ class RunDir:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.scratch: Path | None = None
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Check the directory and hold its exclusive lock (:func:`calibrate.rundir_access.acquire`,
+        which creates it if missing) for the ``with`` block; RunDirError if it cannot be used or
+        another run holds it."""
+        fd = acquire(self.root, LAYOUT_DIRS)
+        try:
+            yield
+        finally:
+            release(fd)
 
     def path(self, *parts: str) -> Path:
         """A published path (read upstream outputs here); its parent directory exists."""
@@ -138,9 +156,10 @@ class RunDir:
         marker = self._read_marker(stage)
         return fingerprint(marker.get("outputs")) if isinstance(marker, dict) else None
 
-    def stale(self, stage: str, fp: str, inputs: Sequence[str] = ()) -> str | None:
-        """None iff ``stage`` finished with fingerprint ``fp``, its outputs are intact and the
-        outputs of its input stages ``inputs`` are those it read; else why not, in a few words."""
+    def stale(self, stage: str, fp: str, inputs: Sequence[str] = (), required: Sequence[str] = ()) -> str | None:
+        """None iff ``stage`` finished with fingerprint ``fp``, its marker lists every output in
+        ``required``, its outputs are intact and the outputs of its input stages ``inputs`` are
+        those it read; else why not, in a few words."""
         m = self._marker(stage)
         if not m.exists():
             return NOT_RUN
@@ -149,17 +168,21 @@ class RunDir:
             return f"its marker {m.relative_to(self.root)} is unreadable or records no output hashes"
         if marker.get("fingerprint") != fp:
             return CONFIG_CHANGED
+        unlisted = [rel for rel in required if rel not in marker["outputs"]]
+        if unlisted:
+            return f"its marker records no {unlisted[0]}"
         for u in inputs:
             if (marker.get("inputs") or {}).get(u) != self.output_digest(u):
                 return f"the output of stage {u!r} changed since it ran"
         return changed_file(self.root, marker["outputs"])
 
-    def intact(self, stage: str) -> str | None:
-        """None iff ``stage`` has a marker whose outputs are all intact (whatever its config), else why not."""
+    def intact(self, stage: str, required: Sequence[str] = ()) -> str | None:
+        """None iff ``stage`` has a marker listing ``required`` whose outputs are all intact
+        (whatever its config), else why not."""
         marker = self._read_marker(stage)
         if marker is None:
             return NOT_RUN
-        return self.stale(stage, marker.get("fingerprint", ""))
+        return self.stale(stage, marker.get("fingerprint", ""), required=required)
 
     def done(self, stage: str, fp: str, inputs: Sequence[str] = ()) -> bool:
         """True iff :meth:`stale` finds nothing."""
@@ -182,13 +205,18 @@ class RunDir:
         self.scratch = None
         self._tidy()
 
-    def commit(self, stage: str, fp: str, summary: dict[str, Any], inputs: Sequence[str] = ()) -> None:
+    def commit(self, stage: str, fp: str, summary: dict[str, Any], inputs: Sequence[str] = (),
+               required: Sequence[str] = ()) -> None:
         """Publish the running stage's scratch output with its marker (see the module docstring),
-        recording the outputs of its input stages ``inputs`` as read."""
+        recording the outputs of its input stages ``inputs`` as read. A stage that did not write
+        every output in ``required`` is a bug: RuntimeError, nothing published."""
         scratch, pending = self.root / SCRATCH / stage, self.root / PUBLISHING / stage
         if pending.exists():  # an earlier publish of this stage never finished: complete it first
             self._publish(stage)
         outputs = tree_hashes(scratch)
+        absent = [rel for rel in required if rel not in outputs]
+        if absent:
+            raise RuntimeError(f"stage {stage!r} finished without writing {absent}")
         new = entries_of(outputs)
         old = self._read_marker(stage) or {}
         old_entries = entries_of(old["outputs"]) if isinstance(old.get("outputs"), dict) else []

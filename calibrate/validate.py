@@ -2,11 +2,15 @@
 
 :func:`validate` runs before the first stage (and so before any model loads). It checks:
 
-- the task's local data files (JSON lines or a JSON array): each line valid UTF-8 and JSON,
-  an object with the task's fields of the right type, each field of one type across rows;
+- the task's local data files (JSON lines or a JSON array): each line valid UTF-8 and strict,
+  bounded JSON (no duplicate keys, lone surrogates, NaN, integers beyond int64, nesting past
+  32 levels, lines past 16 MiB), an object with the task's fields of the right type, each
+  field of one type across rows;
 - Spider's databases: every database the splits name exists and reads as SQLite (opened
   read-only and immutable, so nothing is ever written next to it);
-- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`).
+- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), and that the
+  backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`);
+- the engines the run will use, against this machine (:mod:`calibrate.engine_check`).
 
 The config's own values are checked earlier: Hydra checks keys and types while composing, and
 each config dataclass its values when the :class:`~calibrate.context.Context` builds it
@@ -16,7 +20,6 @@ anywhere.
 """
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,17 +27,26 @@ from typing import Any
 from urllib.parse import quote
 
 from calibrate.context import Context
+from calibrate.engine_check import check_engine
+from labeling.backbone import backbone_source
 from labeling.tasks import TaskError
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask, database_path
+from serve_bridge.strict_json import StrictJSONError, loads_strict
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+MAX_LINE_BYTES = 16 << 20  # one row of a JSON-lines file
 
 
 def validate(ctx: Context) -> None:
-    """Check the inputs ``ctx``'s config names; raise a UserError on the first problem."""
+    """Check the inputs ``ctx``'s config names and the engines it will use; raise a UserError on
+    the first problem. Prints what the backbone loads from."""
+    check_engine("engine=vllm", ctx.engine_options, ctx.facts)
+    if ctx.cfg.agreement or "agreement" in ctx.cfg.stages:
+        check_engine("agreement=true", ctx.agreement_options, ctx.facts)
     validate_task_data(ctx.task)
     ctx.check_adapters()
+    print(f"backbone {ctx.backbone_spec.name}: {backbone_source(ctx.backbone_spec)}", flush=True)
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -48,19 +60,24 @@ def _json_type(v: Any) -> str:
 
 
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) of a JSON-lines file, or of each element of a JSON array file."""
+    """(line number, parsed value) of a JSON-lines file, or of each element of a JSON array file,
+    parsed strictly and bounded (:func:`serve_bridge.strict_json.loads_strict`: integers fit
+    int64, as ``datasets`` stores them) with lines of at most :data:`MAX_LINE_BYTES`."""
     data = path.read_bytes()
     if path.suffix == ".json" and data.lstrip()[:1] == b"[":
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = loads_strict(data.decode("utf-8"), int_bits=63)
         except UnicodeDecodeError as err:
             line = data[:err.start].count(b"\n") + 1
             raise TaskError(f"{path}:{line}: not valid UTF-8 ({err.reason}).") from err
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{path}:{err.lineno}: not valid JSON ({err.msg}).") from err
+        except StrictJSONError as err:
+            raise TaskError(f"{path}:{err.lineno or 1}: not valid JSON ({err}).") from err
         yield from ((1, row) for row in doc)
         return
     for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise TaskError(f"{path}:{lineno}: a line of {len(raw)} bytes, more than the {MAX_LINE_BYTES} a row "
+                            f"may take; one JSON object per line.")
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -68,9 +85,10 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}).") from err
+            yield lineno, loads_strict(line, int_bits=63)
+        except StrictJSONError as err:
+            at = f" at column {err.colno}" if err.colno else ""
+            raise TaskError(f"{path}:{lineno}: not valid JSON ({err}{at}).") from err
 
 
 def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) -> list[dict[str, Any]]:

@@ -6,7 +6,6 @@ clear message instead of a shape error deep inside peft.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
+
+from serve_bridge.strict_json import StrictJSONError, loads_strict, short_repr
 
 
 class AdapterError(ValueError):
@@ -50,28 +51,36 @@ def read_adapter_config(spec: AdapterSpec) -> dict[str, Any]:
     integer rank ``r`` (and ``rank_pattern`` ranks), a positive ``lora_alpha``, target modules."""
     path = Path(spec.path) / "adapter_config.json"
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        config = loads_strict(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
         raise AdapterError(f"adapter '{spec.name}': {path} is not valid UTF-8 ({err.reason}).") from err
-    except json.JSONDecodeError as err:
-        raise AdapterError(f"adapter '{spec.name}': {path}:{err.lineno} is not valid JSON ({err.msg}); "
+    except StrictJSONError as err:
+        raise AdapterError(f"adapter '{spec.name}': {path}:{err.lineno or 1} is not valid JSON ({err}); "
                            f"save the adapter with peft's save_pretrained.") from err
     if not isinstance(config, dict):
         raise AdapterError(f"adapter '{spec.name}': {path} holds a JSON {type(config).__name__}, not an object.")
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"adapter '{spec.name}': {spec.path} is a {config.get('peft_type')!r} adapter, not LORA.")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(key)
+        if pattern is not None and not (isinstance(pattern, dict) and all(k for k in pattern)):
+            raise AdapterError(f"adapter '{spec.name}': {path} has {key}={short_repr(pattern)}; use an object mapping "
+                               f"module names to values, or leave it out.")
     ranks = {"r": config.get("r"), **{f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()}}
     for key, r in ranks.items():
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise AdapterError(f"adapter '{spec.name}': {path} has {key}={r!r}; "
                                f"a LoRA rank must be a positive integer.")
-    alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-        raise AdapterError(f"adapter '{spec.name}': {path} has lora_alpha={alpha!r}; use a positive number.")
+    alphas = {"lora_alpha": config.get("lora_alpha", 8),
+              **{f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()}}
+    for key, alpha in alphas.items():
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+            raise AdapterError(f"adapter '{spec.name}': {path} has {key}={short_repr(alpha)}; use a positive number.")
     targets = config.get("target_modules")
-    if not targets or not (isinstance(targets, str) or all(isinstance(t, str) for t in targets)):
-        raise AdapterError(f"adapter '{spec.name}': {path} has target_modules={targets!r}; "
-                           f"name the modules the adapter patches.")
+    names = [targets] if isinstance(targets, str) else targets
+    if not isinstance(names, list) or not names or not all(isinstance(t, str) and t for t in names):
+        raise AdapterError(f"adapter '{spec.name}': {path} has target_modules={short_repr(targets)}; name the modules "
+                           f"the adapter patches (a list of module names, or one regular expression).")
     return config
 
 
@@ -112,8 +121,8 @@ def validate_adapter(spec: AdapterSpec, hidden_size: int, backbone_names: Sequen
         raise AdapterError(f"adapter '{spec.name}': {f} holds no LoRA weights (no lora_A tensors).")
     for key_a, key_b in pairs.items():
         a, b = shapes[key_a], shapes.get(key_b)
-        rank_ok = config.get("rank_pattern") or a[0] == config["r"]
-        if b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or not rank_ok:
+        if b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or not (config.get("rank_pattern")
+                                                                          or a[0] == config["r"]):
             raise AdapterError(f"adapter '{spec.name}': {f} has {key_a} of shape {list(a)} and {key_b} of shape "
                                f"{list(b) if b else 'missing'}; expected [r, in] and [out, r] with r={config['r']}.")
         if any(p in key_a for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) and a[-1] != hidden_size:

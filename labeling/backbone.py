@@ -29,7 +29,7 @@ class BackboneSpec(CheckedOptions):
     """Where a backbone comes from.
 
     name: short name, also the cache key (``smollm2``, ``llama3b``...).
-    hf_id: hub id or local directory (ignored when ``gguf_package`` is set).
+    hf_id: hub id or local directory (null when ``gguf_package`` or ``gguf_dir`` is set).
     gguf_package / gguf_file: the Python package holding a GGUF, and the file inside it.
     gguf_dir: a directory holding ``gguf_file``, used instead of the package when set
         (e.g. on a GPU box where the GGUF was copied by hand).
@@ -37,7 +37,7 @@ class BackboneSpec(CheckedOptions):
     extra_stop_tokens: tokens that also end a response, besides the tokenizer's and the
         generation config's EOS (e.g. a chat model's turn-start marker).
 
-    Either ``hf_id``, or ``gguf_file`` with ``gguf_package`` or ``gguf_dir``, is set.
+    Either ``hf_id``, or ``gguf_file`` with ``gguf_package`` or ``gguf_dir``, is set, not both.
     """
 
     rules = {"name": "text", "hf_id": "optional_text", "gguf_package": "optional_text", "gguf_file": "optional_text",
@@ -55,6 +55,10 @@ class BackboneSpec(CheckedOptions):
         super().__post_init__()
         if (self.gguf_package or self.gguf_dir) and not self.gguf_file:
             raise OptionError("gguf_file", self.gguf_file, "name the GGUF file in gguf_package or gguf_dir")
+        if self.hf_id and (self.gguf_package or self.gguf_dir):
+            raise OptionError("hf_id", self.hf_id, "the backbone loads from its GGUF (gguf_package/gguf_dir), which "
+                              "would leave hf_id unused; set hf_id=null, or gguf_package=null and gguf_file=null "
+                              "to load hf_id")
         if not (self.hf_id or self.gguf_package or self.gguf_dir):
             raise OptionError("hf_id", self.hf_id, "set hf_id (hub id or local directory), or gguf_package with "
                               "gguf_file")
@@ -69,7 +73,8 @@ def _gguf_dir(spec: BackboneSpec) -> Path:
     if spec.gguf_dir:
         d = Path(spec.gguf_dir)
         if not (d / spec.gguf_file).is_file():
-            raise BackboneError(f"backbone '{spec.name}': {d / spec.gguf_file} not found (gguf_dir).")
+            raise BackboneError(f"backbone '{spec.name}': {d / spec.gguf_file} not found "
+                                f"(backbone.gguf_dir={spec.gguf_dir!r}); fix gguf_dir, or drop it to use gguf_package.")
         return d
     found = importlib.util.find_spec(spec.gguf_package)  # the package's __init__ needs `llm`; don't import it
     if found is None or not found.submodule_search_locations:
@@ -84,22 +89,37 @@ def _gguf_dir(spec: BackboneSpec) -> Path:
     return d
 
 
+def converted_dir(spec: BackboneSpec) -> Path:
+    """Where a GGUF backbone's safetensors conversion is cached."""
+    return cache_root() / "backbones" / spec.name
+
+
+def backbone_source(spec: BackboneSpec) -> str:
+    """What ``spec`` loads, in a few words: its hub id or directory, or its GGUF file and the
+    cached conversion that is read instead."""
+    if not (spec.gguf_package or spec.gguf_dir):
+        return str(spec.hf_id)
+    return f"{_gguf_dir(spec) / spec.gguf_file}, read from its conversion cached at {converted_dir(spec)}"
+
+
 def resolve_backbone_dir(spec: BackboneSpec) -> str:
     """Return a directory/hub id that ``from_pretrained`` can load without ``gguf_file``.
 
     For a GGUF backbone this converts once into the cache (atomically: a half-written
-    conversion is never reused) and returns the cached directory.
+    conversion is never reused) and returns the cached directory. The configured GGUF
+    (``gguf_dir`` or ``gguf_package``) must exist even when its conversion is cached, so a
+    path that points nowhere is a BackboneError, not silently ignored.
     """
     if not (spec.gguf_package or spec.gguf_dir):
         if not spec.hf_id:
             raise BackboneError(f"backbone '{spec.name}': set hf_id (hub id or local dir) or gguf_package.")
         return spec.hf_id
-    out = cache_root() / "backbones" / spec.name
+    src = _gguf_dir(spec)
+    out = converted_dir(spec)
     if (out / ".converted").is_file():
         return str(out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _gguf_dir(spec)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, dtype=torch.float32)
     # A de-quantized GGUF model refuses save_pretrained while it still has its

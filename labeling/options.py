@@ -49,6 +49,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "text": (_is_text, "use a non-empty string"),
     "optional_text": (lambda v: v is None or _is_text(v), "use a non-empty string or null"),
     "texts": (lambda v: isinstance(v, (list, tuple)) and all(_is_text(s) for s in v), "use a list of non-empty strings"),
+    "fractions": (lambda v: isinstance(v, (list, tuple)) and all(_is_number(x) and 0 < x <= 1 for x in v),
+                  "use a list of numbers in (0, 1]"),
     "points": (lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x) and x >= 0 for x in v),
                "use a non-empty list of non-negative integers"),
 }

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from predictors.frontier import DEFAULT_RULES, POLICIES, frontier_summary, pareto, select
+from predictors.frontier import DEFAULT_RULES, POLICIES, frontier_summary, pareto, resolve_rule, select
 from predictors.heads import Head
 from predictors.sweep import RequestTree, release_points
 from serve_bridge.bundle import MANIFEST, AdapterEntry, adapter_fingerprint, config_fingerprint, write_bundle
@@ -72,11 +72,6 @@ def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier:
 
 
 CONFIG_SECTIONS = ("task", "backbone", "adapter", "labeling", "predictor", "sweep", "export")
-
-
-def resolve_rule(rule: str, budget: float) -> str:
-    """``export.rule`` as a selection rule: ``budget`` becomes ``budget=<B>``."""
-    return f"budget={float(budget):g}" if rule == "budget" else rule
 
 
 def export_bundle(out_dir: str | Path, *, priced: pd.DataFrame, heads: Mapping[str, Head],

@@ -44,11 +44,16 @@ def parse_rule(rule: str) -> Rule:
     m = re.fullmatch(r"P(\d+(?:\.\d+)?)", text)
     if m and 0 < float(m.group(1)) <= 100:
         return Rule(text, min_skip=float(m.group(1)) / 100)
-    m = re.fullmatch(r"budget=(\d+(?:\.\d+)?)", text)
-    if m:
+    m = re.fullmatch(r"budget=(\d+(?:\.\d+)?(?:e[+-]?\d+)?)", text)  # as resolve_rule writes it (:g)
+    if m and math.isfinite(float(m.group(1))):
         return Rule(text, max_loss=float(m.group(1)))
     raise ValueError(f"selection rule {rule!r} is not understood: use 'P<percent>' (e.g. P50: smallest loss "
                      f"with skip ≥ 50%) or 'budget=<points>' (e.g. budget=1: largest skip with loss ≤ 1 point).")
+
+
+def resolve_rule(rule: str, budget: float) -> str:
+    """``export.rule`` as a selection rule: ``budget`` becomes ``budget=<B>``."""
+    return f"budget={float(budget):g}" if rule == "budget" else rule
 
 
 def pareto(priced: pd.DataFrame) -> pd.DataFrame:

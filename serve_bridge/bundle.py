@@ -15,10 +15,12 @@ A bundle is a directory holding exactly:
 :func:`load_bundle` validates everything and raises one :class:`BundleError` on the first
 problem. The bundle holds regular files only (a symlink, a directory or any other entry is an
 error); the manifest is at most :data:`MAX_MANIFEST_BYTES`, strict JSON (no NaN/Infinity, no
-duplicate keys, at most :data:`MAX_JSON_DEPTH` levels); each listed file is read once, hashed
-and parsed from the same bytes. Tensors are read only through ``safetensors.numpy`` after their
-header says float32, never unpickled: a file the manifest does not list, or any non-safetensors
-file, is an error. Every value the serving runtime would refuse is refused here (a profiled
+duplicate keys or lone surrogates, at most :data:`MAX_JSON_DEPTH` levels); ``files`` lists
+exactly ``heads.safetensors``, which is read once, hashed and parsed from the same bytes, so no
+file is accepted without being parsed as what it is. Tensors are read only through
+``safetensors.numpy`` after their header says float32, never unpickled: a file the manifest
+does not list, or any other file, is an error. A learned adapter's ``head`` names its own
+tensors (:func:`head_tensor_names`); an adapter of another policy has none. Every value the serving runtime would refuse is refused here (a profiled
 ``k`` ≥ :data:`serve_bridge.steptrim.K_LIMIT`, a ``tau`` or head value that is not a finite
 float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the server serves but
 the bundle lacks is not an error: it runs full LoRA (docs/design.md §2) and a :class:`BundleWarning`
@@ -48,6 +50,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load, save_file
 
 from serve_bridge.steptrim import K_LIMIT, LearnedPolicy, Policy, ProfiledPolicy
+from serve_bridge.strict_json import MAX_JSON_DEPTH, StrictJSONError, loads_strict, short_repr  # noqa: F401 (MAX_JSON_DEPTH: part of this API)
 
 SCHEMA_VERSION = 1
 TOOLKIT_VERSION = "0.1.0"
@@ -57,7 +60,6 @@ POLICY_KINDS = ("learned", "profiled", "none")
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"  # peft's file name inside an adapter dir
 MAX_MANIFEST_BYTES = 8 << 20
 MAX_FILE_BYTES = 1 << 30  # any other bundle file (heads: 4 bytes per adapter and hidden unit)
-MAX_JSON_DEPTH = 32  # nesting levels of the manifest (and of a safetensors header)
 MAX_HIDDEN_SIZE = 1 << 20
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -152,13 +154,6 @@ def head_tensor_names(adapter: str) -> tuple[str, str]:
     return f"{adapter}.weight", f"{adapter}.bias"
 
 
-def _short(value: Any) -> str:
-    """repr of a manifest value, cut to 60 characters (a huge integer stays readable)."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 1 << 64 else \
-        f"an integer of {value.bit_length()} bits"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _finite_float32(value: Any) -> bool:
     """A real number (not bool) whose float32 value is finite."""
     if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, (bool, np.bool_)):
@@ -180,7 +175,7 @@ def _check_entry(e: AdapterEntry, hidden_size: int, where: str) -> None:
     if e.policy == "learned":
         if not _finite_float32(e.tau):
             raise BundleError(f"{where}: a learned policy needs a finite 'tau' within float32's range, "
-                              f"got {_short(e.tau)}.")
+                              f"got {short_repr(e.tau)}.")
         if e.weight is None or e.bias is None:
             raise BundleError(f"{where}: a learned policy needs head tensors (weight [H], bias []).")
         if tuple(np.shape(e.weight)) != (hidden_size,) or np.ndim(e.bias) != 0:
@@ -197,7 +192,7 @@ def _check_entry(e: AdapterEntry, hidden_size: int, where: str) -> None:
     if e.policy == "profiled":
         if not isinstance(e.k, int) or isinstance(e.k, bool) or not 0 <= e.k < K_LIMIT:
             raise BundleError(f"{where}: a profiled policy needs an integer 'k' with 0 ≤ k < 2**24, got "
-                              f"{_short(e.k)} (no response has 2**24 forwards: use policy 'none' to never release).")
+                              f"{short_repr(e.k)} (no response has 2**24 forwards: use policy 'none' to never release).")
     elif e.k is not None:
         raise BundleError(f"{where}: 'k' belongs to profiled policies only (policy is {e.policy!r}).")
 
@@ -205,7 +200,7 @@ def _check_entry(e: AdapterEntry, hidden_size: int, where: str) -> None:
 def _check_hidden_size(hidden_size: Any, where: str) -> None:
     if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
         raise BundleError(f"{where}: 'hidden_size' must be an integer in 1..{MAX_HIDDEN_SIZE}, got "
-                          f"{_short(hidden_size)}.")
+                          f"{short_repr(hidden_size)}.")
 
 
 def write_bundle(directory: str | Path, *, backbone: str, hidden_size: int, config_fingerprint: str,
@@ -272,34 +267,12 @@ def _field(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], whe
     return value
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {_short(key)}")
-        obj[key] = value
-    return obj
-
-
 def _strict_json(data: bytes, what: str) -> Any:
-    """``data`` parsed as strict JSON (UTF-8, finite numbers, unique keys, ≤ MAX_JSON_DEPTH levels)."""
+    """``data`` parsed as strict JSON (UTF-8, :func:`serve_bridge.strict_json.loads_strict`)."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:200]
-        raise BundleError(f"{what} is not valid JSON ({reason}); re-export the bundle.") from None
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BundleError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels; re-export the bundle.")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((c, depth + 1) for c in children)
-    return value
+        return loads_strict(data.decode("utf-8"))
+    except (UnicodeDecodeError, StrictJSONError) as err:
+        raise BundleError(f"{what} is not valid JSON ({str(err)[:200]}); re-export the bundle.") from None
 
 
 def _read_regular(path: Path, limit: int) -> bytes:
@@ -331,10 +304,13 @@ def _read_files(root: Path, files: Mapping[str, Any]) -> dict[str, bytes]:
     where = f"{root / MANIFEST}"
     for name, digest in files.items():
         if not isinstance(name, str) or "\x00" in name or Path(name).name != name or not name.endswith(".safetensors"):
-            raise BundleError(f"{where}: 'files' lists {_short(name)}; a bundle holds only plain "
+            raise BundleError(f"{where}: 'files' lists {short_repr(name)}; a bundle holds only plain "
                               f".safetensors file names. Re-export the bundle.")
+        if name != HEADS_FILE:  # every file a bundle may hold is parsed as what it is: schema 1 has one
+            raise BundleError(f"{where}: 'files' lists {short_repr(name)}; a schema {SCHEMA_VERSION} bundle holds "
+                              f"only {HEADS_FILE} besides the manifest. Remove it and re-export the bundle.")
         if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
-            raise BundleError(f"{where}: 'files' gives {_short(digest)} for {name}; expected a 64-hex sha256. "
+            raise BundleError(f"{where}: 'files' gives {short_repr(digest)} for {name}; expected a 64-hex sha256. "
                               f"Re-export the bundle.")
     with os.scandir(root) as it:
         entries = sorted(it, key=lambda e: e.name)
@@ -367,7 +343,7 @@ def _load_heads(data: bytes, path: Path) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name != "__metadata__" and (not isinstance(info, dict) or info.get("dtype") != "F32"):
             dtype = info.get("dtype") if isinstance(info, dict) else None
-            raise BundleError(f"{path}: tensor {_short(name)} is {str(dtype)[:20]}, expected F32 (float32); "
+            raise BundleError(f"{path}: tensor {short_repr(name)} is {str(dtype)[:20]}, expected F32 (float32); "
                               f"re-export the bundle.")
     try:
         return load(data)
@@ -380,15 +356,22 @@ def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, 
     if not isinstance(rec, dict):
         raise BundleError(f"{where}: expected an object; re-export the bundle.")
     name = _field(rec, "name", str, where)
-    where = f"{root / MANIFEST} adapter {_short(name)}"
+    where = f"{root / MANIFEST} adapter {short_repr(name)}"
     policy = _field(rec, "policy", str, where)
     weight = bias = None
+    if policy != "learned" and rec.get("head") is not None:
+        raise BundleError(f"{where}: a {short_repr(policy)} adapter has a 'head'; heads belong to learned policies "
+                          f"only (the runtime would never read it). Re-export the bundle.")
     if policy == "learned":
         head = _field(rec, "head", dict, where)
         names = (head.get("weight"), head.get("bias"))
+        if names != head_tensor_names(name):
+            raise BundleError(f"{where}: head tensors {short_repr(list(names))} are not the adapter's own "
+                              f"{list(head_tensor_names(name))} (the runtime would score it with another head); "
+                              f"re-export the bundle.")
         for n in names:
             if not isinstance(n, str) or n not in heads:
-                raise BundleError(f"{where}: head tensor {_short(n)} is not in {root / HEADS_FILE}; re-export.")
+                raise BundleError(f"{where}: head tensor {short_repr(n)} is not in {root / HEADS_FILE}; re-export.")
             if heads[n].dtype != np.float32:
                 raise BundleError(f"{root / HEADS_FILE}: tensor {n!r} is {heads[n].dtype}, expected float32.")
         weight, bias = heads[names[0]], heads[names[1]]
@@ -420,10 +403,10 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     where = str(mpath)
     version = _field(manifest, "schema_version", int, where)
     if version > SCHEMA_VERSION:
-        raise BundleError(f"{where}: 'schema_version' {_short(version)} was written by a newer LoRazor (this "
+        raise BundleError(f"{where}: 'schema_version' {short_repr(version)} was written by a newer LoRazor (this "
                           f"one reads {SCHEMA_VERSION}); upgrade LoRazor on the server.")
     if version != SCHEMA_VERSION:
-        raise BundleError(f"{where}: 'schema_version' {_short(version)} is unknown (this LoRazor reads "
+        raise BundleError(f"{where}: 'schema_version' {short_repr(version)} is unknown (this LoRazor reads "
                           f"{SCHEMA_VERSION}); re-export the bundle.")
     files = _field(manifest, "files", dict, where)
     data = _read_files(root, files)
@@ -448,7 +431,7 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
         adapters[e.name] = e
     used = {n for rec in records if rec["policy"] == "learned" for n in (rec["head"]["weight"], rec["head"]["bias"])}
     if set(heads) - used:
-        raise BundleError(f"{root / HEADS_FILE}: tensor {_short(sorted(set(heads) - used)[0])} belongs to no "
+        raise BundleError(f"{root / HEADS_FILE}: tensor {short_repr(sorted(set(heads) - used)[0])} belongs to no "
                           f"learned adapter of {where}; re-export the bundle.")
     policies = {name: e.to_policy() for name, e in adapters.items()}
     if known_adapters is not None:

@@ -22,6 +22,10 @@ from tests.calibrate.test_pipeline import TINY, compose_cfg
 class HFAgreement(Context):
     """The agreement stage realized on the run's own (hf) engine instead of vLLM."""
 
+    @property
+    def agreement_options(self):
+        return self.engine_options
+
     @cached_property
     def agreement_engine(self):
         return self.engine

@@ -1,6 +1,7 @@
 """Failed and killed re-runs of the pipeline, damaged outputs, and user mistakes on the command
 line, starting from the finished tiny run: each ends in the correct result, or in one error line
-on stderr with exit code 2 and the run directory and every user file unchanged."""
+on stderr with exit code 2 and the run directory and every user file unchanged. Settings that
+only a later stage reads, and the engines the run needs on this machine, fail before any stage."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.robustness.kill_resume import KILL_CONFIG
 from calibrate.context import Context
-from calibrate.errors import ConfigError
+from calibrate.errors import ConfigError, UserError
 from calibrate.pipeline import run_pipeline
 from calibrate.rundir import RunDir
+from labeling.engines.auto import MachineFacts
+from labeling.engines.vllm.options import SUPPORTED_VLLM
 from labeling.tasks import TaskError
 from tests.calibrate.test_pipeline import TINY, cli, compose_cfg, run
 from tests.conftest import DEMO_ADAPTER
@@ -24,8 +28,8 @@ class Killed(BaseException):
     """Stands in for SIGKILL: not an Exception, so nothing on the way catches it."""
 
 
-def _copy(tiny_run: tuple[Path, dict], tmp_path: Path) -> Path:
-    return Path(shutil.copytree(tiny_run[0], tmp_path / "run"))
+def _copy(finished: tuple[Path, dict], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(finished[0], tmp_path / "run"))
 
 
 def test_export_killed_mid_publish_with_another_rule(tmp_path: Path, tiny_run, monkeypatch, capsys) -> None:
@@ -106,14 +110,15 @@ def _bad_adapter(tmp: Path, how: str) -> list[str]:
     elif how == "other_base":
         other = {**cfg, "base_model_name_or_path": "mistralai/Mistral-7B-v0.3"}
         (d / "adapter_config.json").write_text(json.dumps(other))
+    elif how == "rank_pattern_list":
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": [8]}))
     return [f"adapter.adapters=[{{name: arith-a, path: {d}}}]"]
 
 
-def _bad_gsm8k(tmp: Path) -> list[str]:
+def _bad_gsm8k(tmp: Path, second_row: bytes = b'{"question": "caf\xe9", "answer": "1"}') -> list[str]:
     src = tmp / "user-gsm8k"
     src.mkdir()
-    (src / "train.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n'
-                                      b'{"question": "caf\xe9", "answer": "1"}\n')
+    (src / "train.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n' + second_row + b"\n")
     write_jsonl(src / "test.jsonl", [{"question": "q", "answer": "#### 1"}])
     return ["task=gsm8k", f"task.options.source={src}", "task.sizes.train=1", "task.sizes.validation=1",
             "task.sizes.test=1"]
@@ -129,6 +134,10 @@ CLI_CASES = {  # name: (overrides builder, stderr fragment)
     "adapter_truncated": (lambda t: _bad_adapter(t, "truncated"), "not a complete safetensors file"),
     "adapter_other_base": (lambda t: _bad_adapter(t, "other_base"), "names base model 'mistralai/Mistral-7B-v0.3'"),
     "data_not_utf8": (lambda t: _bad_gsm8k(t), "train.jsonl:2: not valid UTF-8"),
+    "data_duplicate_key": (lambda t: _bad_gsm8k(t, b'{"question": "q", "answer": "#### 1", "answer": "2"}'),
+                           "train.jsonl:2: not valid JSON (duplicate key 'answer'"),
+    "adapter_rank_pattern_list": (lambda t: _bad_adapter(t, "rank_pattern_list"), "rank_pattern=[8]"),
+    "task_options_not_a_group": (lambda t: ["task.options=5"], "task.options=5"),
 }
 
 
@@ -146,3 +155,42 @@ def test_cli_user_error_is_one_line_and_changes_nothing(tmp_path: Path, tiny_run
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
     assert digest(run_dir) == before
     assert {p: digest(p) for p in user_files} == user_files
+
+
+# --- settings a later stage reads, and the machine: checked before the first stage --------------
+CPU = MachineFacts(cuda=False, gpus=0, gpu_memory=0, vllm_version=None)
+ONE_GPU = MachineFacts(cuda=True, gpus=1, gpu_memory=80 << 30, vllm_version=SUPPORTED_VLLM)
+BEFORE_ANY_STAGE = [  # (overrides, machine, message fragment)
+    ("engine=hf;engine.device=tpu", CPU, "engine.device='tpu': not a device"),
+    ("engine=hf;engine.device=cuda", CPU, "engine.device='cuda': this machine has no CUDA GPU"),
+    ("engine=hf;engine.device=cuda:3", ONE_GPU, "engine.device='cuda:3': this machine has 1 visible GPU(s)"),
+    ("engine=hf;engine.device=mps", CPU, "engine.device='mps': torch has no MPS device here"),
+    ("engine=vllm", CPU, "engine=vllm needs vllm==0.26.0 and a GPU, this machine has no vllm and no CUDA GPU"),
+    ("engine=vllm;engine.tensor_parallel_size=2", ONE_GPU, "needs 2 GPUs, this machine has 1"),
+    ("agreement=true", CPU, "agreement=true needs vllm==0.26.0 and a GPU"),
+    ("backbone.gguf_dir=/nowhere", CPU,
+     "/nowhere/SmolLM2-135M-Instruct.Q4_1.gguf not found (backbone.gguf_dir='/nowhere')"),
+]
+
+
+@pytest.mark.parametrize("overrides,facts,fragment", BEFORE_ANY_STAGE, ids=[c[0] for c in BEFORE_ANY_STAGE])
+def test_setting_a_later_stage_reads_fails_before_any_stage(tmp_path: Path, small_run, overrides: str,
+                                                            facts: MachineFacts, fragment: str) -> None:
+    """On the finished small run every stage but the one reading the setting could be cached (or
+    a cached conversion would let the run go on without gguf_dir): the run still stops first."""
+    run_dir = _copy(small_run, tmp_path)
+    before = digest(run_dir)
+    ctx = Context(compose_cfg([*KILL_CONFIG, *overrides.split(";")]), RunDir(run_dir), facts=facts)
+    with pytest.raises(UserError) as info:
+        run_pipeline(ctx)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert digest(run_dir) == before
+
+
+@pytest.mark.parametrize("budget,rule", [("0.00001", "budget=1e-05"), ("1e20", "budget=1e+20")])
+def test_budget_in_exponent_notation_exports(tmp_path: Path, small_run, capsys, budget: str, rule: str) -> None:
+    run_dir = _copy(small_run, tmp_path)
+    summaries = run(run_dir, [*KILL_CONFIG, f"export.budget={budget}", "stages=[export]"])
+    assert summaries["export"]["rule"] == rule
+    out = capsys.readouterr().out  # and the run says what the backbone loads from
+    assert "backbone smollm2: " in out and "SmolLM2-135M-Instruct.Q4_1.gguf, read from its conversion cached at" in out

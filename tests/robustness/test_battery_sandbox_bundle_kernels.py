@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import sqlite3
 import struct
 from collections.abc import Callable
@@ -296,6 +297,23 @@ def _not_a_dir(path: Path) -> None:
     path.write_text("not a bundle")
 
 
+def _listed_extra(data: bytes) -> Callable[[Path], None]:
+    """An extra file ``extra.safetensors`` holding ``data``, listed in 'files' with its true sha256."""
+    def edit(path: Path) -> None:
+        (path / "extra.safetensors").write_bytes(data)
+        m = _manifest(path)
+        m["files"]["extra.safetensors"] = hashlib.sha256(data).hexdigest()
+        _set_manifest(path, m)
+    return edit
+
+
+class _Unpickled:
+    """Unpickling this raises: a loader that unpickles a bundle file fails loudly."""
+
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('a bundle file was unpickled')",))
+
+
 W, B = np.linspace(-1, 1, H, dtype=np.float32), np.array(-0.5, np.float32)
 BUNDLE_FAULTS = [
     (_symlink_manifest, "symbolic link"),
@@ -360,6 +378,22 @@ BUNDLE_FAULTS = [
     (_edit_adapter(2, name=""), "'name' must be a non-empty string"),
     (_edit_adapter(2, tau=0.5), "belong to learned policies only"),
     (_not_a_dir, "not a policy bundle"),
+    # every listed file is parsed as what it is; schema 1 lists only the heads file
+    (_listed_extra(pickle.dumps(_Unpickled())), "'files' lists 'extra.safetensors'; a schema 1 bundle holds only"),
+    (_listed_extra(bytes(range(256)) * 4), "'files' lists 'extra.safetensors'; a schema 1 bundle holds only"),
+    (_listed_extra(save({"x": np.arange(H, dtype=np.int64)})), "'files' lists 'extra.safetensors'"),
+    (_listed_extra(save({"x": W})), "'files' lists 'extra.safetensors'"),
+    # records the runtime would misread
+    (_edit_adapter(2, policy="learned", tau=0.1, head={"weight": "a.weight", "bias": "a.bias"}),
+     r"adapter 'c': head tensors \['a.weight', 'a.bias'\] are not the adapter's own \['c.weight', 'c.bias'\]"),
+    (_edit_adapter(0, head={"weight": "a.weight", "bias": "a.weight"}), "are not the adapter's own"),
+    (_edit_adapter(1, head={"weight": "a.weight", "bias": "a.bias"}), "a 'profiled' adapter has a 'head'"),
+    (_edit_adapter(2, head={"weight": "a.weight", "bias": "a.bias"}), "a 'none' adapter has a 'head'"),
+    (_edit_adapter(1, head={}), "a 'profiled' adapter has a 'head'"),
+    # strict JSON beyond Python's json
+    (_replace_in_manifest('"stats": {\n', '"stats": {"s": "\\ud800",\n'), "lone UTF-16 surrogate"),
+    (_replace_in_manifest('"stats": {\n', '"stats": {"\\udfff": 1,\n'), "lone UTF-16 surrogate"),
+    (_replace_in_manifest('"tau": 0.25', '"tau": 1e999'), "overflows a 64-bit float"),
 ]
 
 

@@ -77,6 +77,12 @@ BAD_CONFIGS = [
     ("engine=vllm;engine.max_num_seqs=-4", ConfigError, "engine.max_num_seqs=-4"),
     ("engine=vllm;engine.max_lora_rank=zero", ConfigError, "engine.max_lora_rank='zero'"),
     ("engine=vllm;engine.dtype=fp8", ConfigError, "engine.dtype='fp8'"),
+    ("task.options=5", ConfigError, "task.options=5: task.options is a group of keys"),
+    ("task.options='fast'", ConfigError, "task.options='fast'"),
+    ("sweep.skip_levels=[2]", ConfigError, "sweep.skip_levels=[2.0]"),
+    ("sweep.skip_levels=[0,0.5]", ConfigError, "sweep.skip_levels=[0.0, 0.5]"),
+    ("sweep.skip_levels=[-0.1]", ConfigError, "sweep.skip_levels=[-0.1]"),
+    ("backbone.hf_id=/nowhere", ConfigError, "backbone.hf_id='/nowhere': the backbone loads from its GGUF"),
 ]
 
 
@@ -98,7 +104,7 @@ def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str
     assert fragment in message and "\n" not in message, message
 
 
-GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.rule=P100", "export.policy=profiled",
+GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.budget=1e-05", "export.budget=1e20", "sweep.skip_levels=[]", "export.rule=P100", "export.policy=profiled",
                 "labeling.points=[0]", "task.sizes.train=null", "engine=vllm", "labeling.shard_requests=auto",
                 "task=gsm8k;task.options.source=/data/gsm8k", "+labeling.task_points.arith=[0,5]"]
 
@@ -169,6 +175,23 @@ BAD_DATA = {  # name: (train file bytes, message fragment; {file} is the train f
                     "{file}:2: field 'id' is a JSON string here but a number on line 1"),
     "blank_lines_then_bad": (_lines(GOOD_GSM8K) + b"\n\n" + _lines({"answer": "#### 2"}),
                              "{file}:4: missing field 'question'"),
+    # bounded, strict parsing: what Python's json accepts but datasets (pyarrow) refuses or misreads
+    "nesting_past_the_stack": (_lines(GOOD_GSM8K, b'{"question": "x", "answer": "1", "m": ' + b"[" * 100_000
+                                      + b"]" * 100_000 + b"}"), "{file}:2: not valid JSON (nested too deeply"),
+    "nesting_past_the_bound": (_lines({**GOOD_GSM8K, "m": json.loads("[" * 40 + "]" * 40)}),
+                               "{file}:1: not valid JSON (nested deeper than 32 levels"),
+    "integer_5000_digits": (_lines(b'{"question": "x", "answer": "#### 1", "id": ' + b"7" * 5000 + b"}"),
+                            "{file}:1: not valid JSON (integer of 5000 digits"),
+    "integer_past_int64": (_lines({**GOOD_GSM8K, "id": 2 ** 63}), "{file}:1: not valid JSON (integer of 19 digits "
+                                                                    "does not fit 64-bit storage"),
+    "float_overflow": (_lines(b'{"question": "x", "answer": "#### 1", "w": 1e400}'), "overflows a 64-bit float"),
+    "nan": (_lines(b'{"question": "x", "answer": "#### 1", "w": NaN}'), "{file}:1: not valid JSON (NaN is not"),
+    "duplicate_key": (_lines(GOOD_GSM8K, b'{"question": "x", "answer": "#### 1", "answer": "#### 2"}'),
+                      "{file}:2: not valid JSON (duplicate key 'answer'"),
+    "lone_surrogate": (_lines(b'{"question": "caf\\ud800", "answer": "#### 1"}'),
+                       "{file}:1: not valid JSON (string 'caf\\ud800' holds a lone UTF-16 surrogate"),
+    "lone_surrogate_key": (_lines(b'{"question": "x", "answer": "#### 1", "\\udc00": 1}'), "lone UTF-16 surrogate"),
+    "line_past_16_mib": (_lines({"question": "x" * (16 << 20), "answer": "#### 1"}), "{file}:1: a line of 16777"),
 }
 
 
@@ -328,6 +351,18 @@ BAD_ADAPTERS = {  # name: (make_adapter kwargs, damage applied after, message fr
     "one_dim_lora_a": ({"tensors": {f"{PREFIX}.q_proj.lora_A.weight": torch.zeros(4),
                                     f"{PREFIX}.q_proj.lora_B.weight": torch.zeros(HIDDEN, 4)}}, None,
                        "expected [r, in]"),
+    "target_modules_number": ({"config": {"target_modules": 5}}, None, "target_modules=5"),
+    "target_modules_object": ({"config": {"target_modules": {"q_proj": 1}}}, None, "target_modules={'q_proj': 1}"),
+    "target_modules_numbers": ({"config": {"target_modules": ["q_proj", 3]}}, None, "target_modules=['q_proj', 3]"),
+    "target_modules_empty_name": ({"config": {"target_modules": ["q_proj", ""]}}, None, "target_modules=['q_proj', '']"),
+    "rank_pattern_list": ({"config": {"rank_pattern": [4]}}, None, "rank_pattern=[4]"),
+    "rank_pattern_text": ({"config": {"rank_pattern": "q_proj=4"}}, None, "rank_pattern='q_proj=4'"),
+    "alpha_pattern_text_value": ({"config": {"alpha_pattern": {"q_proj": "x"}}}, None, "alpha_pattern['q_proj']='x'"),
+    "scalar_lora_a": ({"tensors": {f"{PREFIX}.q_proj.lora_A.weight": torch.zeros(()),
+                                   f"{PREFIX}.q_proj.lora_B.weight": torch.zeros(HIDDEN, 4)}}, None,
+                      "lora_A.weight of shape [] and"),
+    "config_duplicate_key": ({}, _write("adapter_config.json", b'{"peft_type": "LORA", "r": 4, "r": 8}'),
+                             "not valid JSON (duplicate key 'r'"),
     "missing_weights": ({}, lambda d: (d / "adapter_model.safetensors").unlink(), "is missing"),
     "missing_config": ({}, lambda d: (d / "adapter_config.json").unlink(), "is missing"),
 }

@@ -2,7 +2,7 @@
 
 The hf engine's ``device`` must be a torch device this machine has (``cpu``; ``cuda`` or
 ``cuda:<i>`` with that GPU visible; ``mps`` where torch has it). The vLLM engine, the run's
-(``engine=vllm``) or the agreement stage's, needs ``vllm==0.26.0``, CUDA and
+(``engine=vllm``) or the agreement stage's, needs a supported vLLM (0.33.0 or 0.26.0), CUDA and
 ``tensor_parallel_size × data_parallel_size`` visible GPUs. A missing one is a ConfigError
 naming the setting, instead of a failure when the stage that loads the engine starts.
 """
@@ -13,7 +13,7 @@ import torch
 from calibrate.errors import ConfigError
 from labeling.engines.auto import MachineFacts
 from labeling.engines.hf import HFOptions
-from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions
+from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions, supported_vllm_text
 
 
 def check_device(key: str, device: str, facts: MachineFacts) -> None:
@@ -38,11 +38,11 @@ def check_device(key: str, device: str, facts: MachineFacts) -> None:
 
 def check_vllm(key: str, options: VLLMOptions, facts: MachineFacts) -> None:
     """ConfigError unless this machine can start the vLLM engine ``key`` asks for with ``options``."""
-    if facts.vllm_version != SUPPORTED_VLLM or not facts.cuda:
+    if facts.vllm_version not in SUPPORTED_VLLM or not facts.cuda:
         found = (f"vllm {facts.vllm_version}" if facts.vllm_version else "no vllm") + \
                 (f" and {facts.gpus} GPU(s)" if facts.cuda else " and no CUDA GPU")
-        raise ConfigError(f"{key} needs vllm=={SUPPORTED_VLLM} and a GPU, this machine has {found}: "
-                          f"pip install 'lorazor[vllm]' on a GPU machine, or run without {key}.")
+        raise ConfigError(f"{key} needs vLLM ({' or '.join(SUPPORTED_VLLM)}) and a GPU, this machine has {found}: "
+                          f"{supported_vllm_text()} on a GPU machine, or run without {key}.")
     gpus = options.tensor_parallel_size * options.data_parallel_size
     if gpus > facts.gpus:
         raise ConfigError(f"{key}: tensor_parallel_size {options.tensor_parallel_size} × data_parallel_size "

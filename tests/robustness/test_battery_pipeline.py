@@ -159,15 +159,15 @@ def test_cli_user_error_is_one_line_and_changes_nothing(tmp_path: Path, tiny_run
 
 # --- settings a later stage reads, and the machine: checked before the first stage --------------
 CPU = MachineFacts(cuda=False, gpus=0, gpu_memory=0, vllm_version=None)
-ONE_GPU = MachineFacts(cuda=True, gpus=1, gpu_memory=80 << 30, vllm_version=SUPPORTED_VLLM)
+ONE_GPU = MachineFacts(cuda=True, gpus=1, gpu_memory=80 << 30, vllm_version=SUPPORTED_VLLM[0])
 BEFORE_ANY_STAGE = [  # (overrides, machine, message fragment)
     ("engine=hf;engine.device=tpu", CPU, "engine.device='tpu': not a device"),
     ("engine=hf;engine.device=cuda", CPU, "engine.device='cuda': this machine has no CUDA GPU"),
     ("engine=hf;engine.device=cuda:3", ONE_GPU, "engine.device='cuda:3': this machine has 1 visible GPU(s)"),
     ("engine=hf;engine.device=mps", CPU, "engine.device='mps': torch has no MPS device here"),
-    ("engine=vllm", CPU, "engine=vllm needs vllm==0.26.0 and a GPU, this machine has no vllm and no CUDA GPU"),
+    ("engine=vllm", CPU, "engine=vllm needs vLLM (0.33.0 or 0.26.0) and a GPU, this machine has no vllm and no CUDA GPU"),
     ("engine=vllm;engine.tensor_parallel_size=2", ONE_GPU, "needs 2 GPUs, this machine has 1"),
-    ("agreement=true", CPU, "agreement=true needs vllm==0.26.0 and a GPU"),
+    ("agreement=true", CPU, "agreement=true needs vLLM (0.33.0 or 0.26.0) and a GPU"),
     ("backbone.gguf_dir=/nowhere", CPU,
      "/nowhere/SmolLM2-135M-Instruct.Q4_1.gguf not found (backbone.gguf_dir='/nowhere')"),
 ]

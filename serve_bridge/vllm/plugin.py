@@ -26,12 +26,10 @@ def register() -> None:
     gridtrim = gridtrim_from_env()
     if not (steptrim or gridtrim):
         return
-    import vllm
-
     runner_env = CALIBRATION_ENV if settings is not None and settings.calibration else BUNDLE_ENV
     on = " and ".join(name for name, flag in ((runner_env, steptrim), (GRIDTRIM_ENV, gridtrim)) if flag)
     try:
-        seam = versions.seam(vllm.__version__)
+        seam = versions.current()
         seam.require_runner()
     except BridgeError as err:
         raise BridgeError(f"{err} (LoRazor is on through {on}.)") from None

@@ -187,12 +187,12 @@ def build_local_backend(llm_args: Mapping[str, Any], adapters: Sequence[AdapterS
     prepare_environment()
     import vllm
 
-    from serve_bridge.vllm.versions import seam
+    from serve_bridge.vllm.versions import current
 
     # vLLM builds the runner from a module attribute (the seam's install_runner names it): patching
     # it here covers an engine in this process; worker processes (tensor parallel) rely on the
     # entry point, and check_runner() says so if they lack it.
-    seam(vllm.__version__).install_runner()
+    current().install_runner()
     backend = LocalBackend(vllm.LLM(**llm_args), adapters, stop_ids)
     backend.check_runner()
     return backend

@@ -10,12 +10,14 @@
 # Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections, full CUDA graphs, REQUESTS
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
 # per step beside the capacity model's prediction. Each table prints the line
-#   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY
+#   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ (those measured)
 # Usage, from anywhere (vLLM 0.33.0 or 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
 # Writes OUT_DIR/<table>/bench.{txt,json}, or OUT_DIR/correctness/check_slots.md.
-# Environment: REQUESTS, RATE, BUDGET_S (per table, default 560).
+# Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); MODES="stock nolora" runs only those
+# modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
+# call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
@@ -40,13 +42,13 @@ bench() {  # table, then bench arguments
     shift 2
     python3 -m benchmarks.serving.bench --out "$out/$table" --work "/tmp/lorazor_bench_$table" --requests "$requests" \
         --full-graphs --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 \
-        --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" || rc=1
+        --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} || rc=1
     python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
 table, path = sys.argv[1], sys.argv[2]
 rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
 ratios = [f"both/{m} = {rows['both']['req_per_s'] / rows[m]['req_per_s']:.2f}"
-          for m in ("gridtrim", "stock") if "both" in rows and m in rows]
+          for m in ("gridtrim", "stock", "nolora") if "both" in rows and m in rows]
 print(f"slot-bound {table}: " + (", ".join(ratios) if ratios else f"rows missing ({sorted(rows)} finished)"))
 PY
 }

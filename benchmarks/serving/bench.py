@@ -72,6 +72,7 @@ import numpy as np
 
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
 from serve_bridge.steptrim import skip_fraction
+from serve_bridge.vllm.versions import installed_version as installed_vllm
 
 
 # Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
@@ -98,6 +99,8 @@ MISTRAL_7B = {
 MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B}
 MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3"}
 RANK, ALPHA = 8, 16
+# distinct weight files; adapter a's is a hard link to file a mod K (synthetic.write_random_adapters)
+DISTINCT_WEIGHTS = 32
 N_REQUESTS = 2048
 PROMPT_LEN = (100, 300)  # inclusive
 OUTPUT_LEN = (20, 100)  # inclusive
@@ -291,7 +294,7 @@ def write_model_and_adapters(work: Path, n_adapters: int, cfg: dict[str, Any] = 
     """``work/model/config.json`` and ``work/adapters/aNN``: random rank-8 peft adapters on
     q,k,v,o,gate,up,down of this model's shapes; returns adapter name → weights sha256."""
     write_model_config(work, cfg)
-    fps = write_random_adapters(work, cfg, n_adapters, RANK, ALPHA, adapter_name)
+    fps = write_random_adapters(work, cfg, n_adapters, RANK, ALPHA, adapter_name, distinct=DISTINCT_WEIGHTS)
     return {adapter_name(a): fp for a, fp in fps.items()}
 
 
@@ -314,7 +317,7 @@ def _tag(n: int, skewed: bool) -> str:
 
 
 def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, Any]:
-    return {"config": cfg, "rank": RANK, "adapters": max(adapters)}
+    return {"config": cfg, "rank": RANK, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
 
 
 def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> None:
@@ -825,10 +828,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     workloads = {n: workload_for(n, args.requests, args.skewed, args.seed, cfg) for n in args.adapters}
     w0 = workloads[args.adapters[0]]
     preamble = [
-        "LoRazor serve_bridge throughput: stock vLLM 0.26.0 vs the LoRazor plugin (GridTrim kernels, StepTrim "
-        "release, both), same machine, back-to-back subprocesses",
+        f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm()} vs the LoRazor plugin (GridTrim kernels, "
+        "StepTrim release, both), same machine, back-to-back subprocesses",
         f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{RANK} "
-        f"random peft adapters on q,k,v,o,gate,up,down",
+        f"random peft adapters on q,k,v,o,gate,up,down ({DISTINCT_WEIGHTS} distinct weight files hard-linked under the "
+        "N adapter names: each name is loaded from disk and written into its slot on its own, as vLLM does)",
         f"workload: {args.requests} requests, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, outputs "
         f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]} tokens ({sum(w0.max_tokens)} in all), ignore_eos, seed {args.seed}, "
         f"{'skewed: 80% of requests on 20% of adapters' if args.skewed else 'uniform traffic'}, "
@@ -859,6 +863,14 @@ def orchestrate(args: argparse.Namespace) -> int:
     ]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    if args.append and (out / "bench.json").exists():  # one table from several calls
+        earlier = json.loads((out / "bench.json").read_text())
+        if earlier["preamble"][:3] != preamble[:3]:
+            print(f"{out}/bench.json holds another vLLM, model or workload: give another --out", file=sys.stderr)
+            prep.kill()
+            return 2
+        rows, notes = [r for r in earlier["rows"] if r["mode"] not in args.modes], earlier["notes"]
+    notes.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: modes {' '.join(args.modes)}")
 
     def flush() -> None:
         (out / "bench.txt").write_text(render(preamble, rows, notes, latency) + slot_table(rows))
@@ -943,6 +955,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="modes to run, in this order (default: stock gridtrim steptrim both; nolora, the "
                          "backbone without LoRA, is the ceiling; stockfix, stock with the plugin's registry fix "
                          "alone, isolates what the kernels and release add)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of OUT/bench.json (same model and workload) from other modes: a table "
+                         "built over several calls, one mode or two each")
     ap.add_argument("--passes", type=int, default=1,
                     help="run the modes this many times per adapter count, each pass in the reverse order of "
                          "the one before; each row's ratio is to the stock row of its own pass")

@@ -23,7 +23,9 @@ differ: every engine runs with ``VLLM_BATCH_INVARIANT=1`` (vLLM's batch-invarian
 split-K off in the LoRA shrink, ``lora/ops/triton_ops/utils.py:222``), under which a request's
 tokens do not depend on its batch. A mismatch is reported with the first differing position
 relative to the request's release position. ``--invariance`` checks that premise on stock vLLM
-itself, (f): the same requests with ``max_num_seqs`` 16 instead of 128 give the same tokens.
+itself, (f): stock vLLM with ``max_num_seqs`` 16 instead of 128 gives the same tokens, with CUDA
+graphs and eager, with LoRA and for the backbone alone (which of these holds says where a
+batch dependence lies).
 """
 from __future__ import annotations
 
@@ -54,8 +56,16 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, m
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}
-# --invariance: stock vLLM again with small batches, the precondition of (b) and (c)
-SMALL_BATCHES = {"stock16": 16}
+EAGER = {"mode": 0, "cudagraph_mode": "NONE"}
+# --invariance: stock vLLM under other batch limits, graphs and LoRA (engine option overrides);
+# each (f) pair differs in max_num_seqs alone, the precondition of (b) and (c)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "stock16": {"max_num_seqs": 16},
+    "eager": {"compilation_config": EAGER}, "eager16": {"compilation_config": EAGER, "max_num_seqs": 16},
+    "base": {"enable_lora": False}, "base16": {"enable_lora": False, "max_num_seqs": 16},
+}
+INVARIANCE_PAIRS = (("stock", "stock16", "CUDA graphs, LoRA"), ("eager", "eager16", "eager, LoRA"),
+                    ("base", "base16", "CUDA graphs, no LoRA"))
 
 
 def name(a: int, family: str) -> str:
@@ -97,7 +107,7 @@ def engine_env(engine: str, work: Path, environ: dict[str, str]) -> dict[str, st
     read-outs), and the bridge's variables per engine (module doc)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | runner_environment()
-    if engine not in ("stock", *SMALL_BATCHES):
+    if engine not in ("stock", *VARIANTS):
         env["LORAZOR_BUNDLE"] = str(work / "bundle")
         env["LORAZOR_LOG_INTERVAL_S"] = "0"
     if engine == "keep":
@@ -114,7 +124,10 @@ def serve(engine: str, work: Path, out: Path) -> None:
 
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **(ENGINE | {"max_num_seqs": SMALL_BATCHES.get(engine, ENGINE["max_num_seqs"])}))
+    options = ENGINE | VARIANTS.get(engine, {})
+    if not options["enable_lora"]:
+        options = {k: v for k, v in options.items() if not k.startswith(("max_lora", "max_cpu_lora"))}
+    llm = LLM(model=str(work / "model"), **options)
     stats = SlotStats.attach(llm)
     result: dict[str, Any] = {"startup_s": time.time() - t0,
                               "scheduler": type(llm.llm_engine.engine_core.engine_core.scheduler).__name__}
@@ -122,14 +135,15 @@ def serve(engine: str, work: Path, out: Path) -> None:
               for r in requests]
     for i, family in enumerate(ENGINES.get(engine, ENGINES["stock"])):
         loras = [LoRARequest(name(r["adapter"], family), 1000 * i + r["adapter"] + 1,
-                             str(work / "adapters" / name(r["adapter"], "full"))) for r in requests]
+                             str(work / "adapters" / name(r["adapter"], "full"))) if options["enable_lora"] else None
+                 for r in requests]
         stats.start()
         t = time.time()
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, lora_request=loras,
                             use_tqdm=False)
         part: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t,
                                 **stats.summary()}
-        if engine not in ("stock", *SMALL_BATCHES):
+        if engine not in ("stock", *VARIANTS):
             from serve_bridge.vllm.rpc import lorazor_requests
 
             index = {o.request_id: j for j, o in enumerate(outs)}
@@ -149,7 +163,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     """The checks of the module doc, as (name, passed, detail)."""
-    res = {e: json.loads((out / f"{e}.json").read_text()) for e in (*ENGINES, *SMALL_BATCHES)
+    res = {e: json.loads((out / f"{e}.json").read_text()) for e in (*ENGINES, *VARIANTS)
            if (out / f"{e}.json").exists()}
     rows: list[tuple[str, bool, str]] = []
     n = len(requests)
@@ -166,9 +180,14 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
         lengths = [len(t) for t in full]
         rows.append(("output lengths = max_tokens", lengths == [r["max_tokens"] for r in requests],
                      f"{sum(lengths)} tokens"))
-    if "stock16" in res and "stock" in res:  # not one of the 12 checks: it says whether (b) and (c) can hold
-        same = sum(a == b for a, b in zip(res["stock"]["full"]["tokens"], res["stock16"]["full"]["tokens"]))
-        rows.append(("(f) stock is batch-invariant (max_num_seqs 128 vs 16)", same == n, f"{same}/{n} identical"))
+    for big, small, what in INVARIANCE_PAIRS:  # not among the 12 checks: whether (b) and (c) can hold
+        if big in res and small in res:
+            a, b = res[big]["full"]["tokens"], res[small]["full"]["tokens"]
+            diffs = [f"req {i}: first diff at token {first_difference(x, y)}"
+                     for i, (x, y) in enumerate(zip(a, b)) if x != y][:3]
+            same = sum(x == y for x, y in zip(a, b))
+            rows.append((f"(f) stock vLLM is batch-invariant, {what} (max_num_seqs 128 vs 16)", same == n,
+                         f"{same}/{n} identical" + (f" ({'; '.join(diffs)})" if diffs else "")))
     if "slots" in res and "keep" in res:
         for tag, fam in (("(b) profiled", "prof"), ("(c) learned", "learn")):
             on, keep = res["slots"][fam], res["keep"][fam]
@@ -202,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
     ap.add_argument("--invariance", action="store_true",
-                    help="also run stock vLLM with max_num_seqs 16 and check it gives stock's tokens (f)")
+                    help="also run stock vLLM with max_num_seqs 16, eager and without LoRA, and check (f)")
     ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=sorted(ENGINES),
                     help="the engines to run (default all; the 12 checks need all three)")
-    ap.add_argument("--engine", choices=sorted(ENGINES | SMALL_BATCHES), help=argparse.SUPPRESS)
+    ap.add_argument("--engine", choices=sorted(ENGINES | VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
         serve(args.engine, args.work, args.out)
@@ -219,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     notes = []
-    for engine in [e for e in ENGINES if e in args.engines] + (list(SMALL_BATCHES) if args.invariance else []):
+    for engine in [e for e in ENGINES if e in args.engines] + (list(VARIANTS) if args.invariance else []):
         left = args.budget_s - (time.time() - start)
         if left < 20:
             notes.append(f"{engine}: not run, {left:.0f} s left")

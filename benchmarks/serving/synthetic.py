@@ -34,30 +34,41 @@ def write_model_config(work: Path, cfg: dict[str, Any]) -> Path:
 
 
 def write_random_adapters(work: Path, cfg: dict[str, Any], n_adapters: int, rank: int, alpha: int,
-                          name: Callable[[int], str], seed: int = 0) -> dict[int, str]:
+                          name: Callable[[int], str], seed: int = 0, distinct: int | None = None) -> dict[int, str]:
     """Adapters ``work/adapters/<name(a)>`` for a = 0 … n−1 on q,k,v,o,gate,up,down; returns
     a → weights sha256. Adapter a has entries uniform in ±(0.1 + 0.1·a/n); one seeded
-    generator draws all of them in order, so the same arguments give the same bytes."""
+    generator draws all of them in order, so the same arguments give the same bytes.
+
+    ``distinct`` = K < n writes K weight files and hard-links adapter a's to file a mod K: every
+    name is still its own peft directory, which vLLM loads and writes into a slot on its own,
+    but only K × (one adapter's size) is written (1024 Llama-3B adapters at rank 8: 24 GB
+    otherwise)."""
     import torch
     from safetensors.torch import save_file
 
     targets = lora_targets(cfg)
     g = torch.Generator().manual_seed(seed)
+    k = n_adapters if distinct is None else max(1, min(distinct, n_adapters))
     fingerprints = {}
     for a in range(n_adapters):
         d = work / "adapters" / name(a)
         d.mkdir(parents=True, exist_ok=True)
-        scale = 0.1 + 0.1 * a / n_adapters
-        tensors = {}
-        for layer in range(cfg["num_hidden_layers"]):
-            for mod, (block, n_in, n_out) in targets.items():
-                key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
-                tensors[f"{key}.lora_A.weight"] = ((torch.rand(rank, n_in, generator=g) * 2 - 1) * scale).bfloat16()
-                tensors[f"{key}.lora_B.weight"] = ((torch.rand(n_out, rank, generator=g) * 2 - 1) * scale).bfloat16()
-        save_file(tensors, str(d / "adapter_model.safetensors"))
+        weights = d / "adapter_model.safetensors"
+        if a < k:
+            scale = 0.1 + 0.1 * a / k
+            tensors = {}
+            for layer in range(cfg["num_hidden_layers"]):
+                for mod, (block, n_in, n_out) in targets.items():
+                    key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
+                    tensors[f"{key}.lora_A.weight"] = ((torch.rand(rank, n_in, generator=g) * 2 - 1) * scale).bfloat16()
+                    tensors[f"{key}.lora_B.weight"] = ((torch.rand(n_out, rank, generator=g) * 2 - 1) * scale).bfloat16()
+            save_file(tensors, str(weights))
+        else:
+            weights.unlink(missing_ok=True)
+            weights.hardlink_to(work / "adapters" / name(a % k) / "adapter_model.safetensors")
         (d / "adapter_config.json").write_text(json.dumps(
             {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "bias": "none",
              "target_modules": list(targets), "base_model_name_or_path": str(work / "model"),
              "modules_to_save": None, "use_rslora": False, "use_dora": False}))
-        fingerprints[a] = adapter_fingerprint(d)
+        fingerprints[a] = fingerprints[a % k] if a >= k else adapter_fingerprint(d)
     return fingerprints

@@ -43,3 +43,24 @@ def test_engine_environments(tmp_path):
     slots = check_slots.engine_env("slots", tmp_path, base)
     assert slots["LORAZOR_BUNDLE"] == str(tmp_path / "bundle") and "LORAZOR_SLOTS" not in slots
     assert check_slots.engine_env("keep", tmp_path, base)["LORAZOR_SLOTS"] == "0"
+
+
+def test_invariance_pairs_are_reported_beside_the_twelve(tmp_path):
+    requests = [{"max_tokens": 4} for _ in range(5)]
+    _write(tmp_path, requests)
+    same = {"scheduler": "Scheduler", "full": {"tokens": [[i] * 4 for i in range(5)]}}
+    moved = {"scheduler": "Scheduler", "full": {"tokens": [[i] * 4 for i in range(4)] + [[4, 4, 7, 4]]}}
+    for engine, result in (("stock16", same), ("base", same), ("base16", moved)):
+        (tmp_path / f"{engine}.json").write_text(json.dumps(result))
+    rows = {n: (ok, d) for n, ok, d in check_slots.compare(tmp_path, requests)}
+    assert rows["(f) stock vLLM is batch-invariant, CUDA graphs, LoRA (max_num_seqs 128 vs 16)"] == (True, "5/5 identical")
+    ok, detail = rows["(f) stock vLLM is batch-invariant, CUDA graphs, no LoRA (max_num_seqs 128 vs 16)"]
+    assert not ok and detail == "4/5 identical (req 4: first diff at token 2)"
+    assert not any("eager" in n for n in rows)  # a pair with an engine missing is not reported
+    assert len([n for n in rows if not n.startswith("(f)")]) == 12
+
+
+def test_variant_engines_run_stock_vllm(tmp_path):
+    for engine in check_slots.VARIANTS:
+        env = check_slots.engine_env(engine, tmp_path, {"LORAZOR_BUNDLE": "x"})
+        assert not any(k.startswith("LORAZOR_") for k in env) and env["VLLM_BATCH_INVARIANT"] == "1"

@@ -156,6 +156,10 @@ def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
                          known_adapters=list(fps))
     assert bundle.policies == {bench.adapter_name(a): ProfiledPolicy(wl.k[a]) for a in range(40)}
     assert {n: e.weights_sha256 for n, e in bundle.adapters.items()} == fps
+    # 40 names over DISTINCT_WEIGHTS (32) files: a name past 32 shares its file's inode and bytes
+    files = [tmp_path / "adapters" / bench.adapter_name(a) / "adapter_model.safetensors" for a in range(40)]
+    assert len({f.stat().st_ino for f in files}) == bench.DISTINCT_WEIGHTS
+    assert files[35].samefile(files[3]) and fps["a35"] == fps["a03"] and fps["a03"] != fps["a04"]
 
 
 def test_table_rows():

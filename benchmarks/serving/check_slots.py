@@ -1,6 +1,9 @@
 """Slot hand-back is token-exact. Needs a GPU and vLLM (0.33.0 or 0.26.0).
 
     python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
+        [--invariance] [--lora-kernels vllm|gridtrim]
+
+(with the plugin visible to vLLM: ``pip install -e ".[vllm]"``, or ``source scripts/env.sh``)
 
 A small Llama (SmolLM2-135M-like shape, 8 layers, dummy weights) serves 48 random rank-8 adapters
 with ``max_loras`` = 8, so slots are the bottleneck. Each adapter is served under four names:
@@ -25,7 +28,10 @@ tokens do not depend on its batch. A mismatch is reported with the first differi
 relative to the request's release position. ``--invariance`` checks that premise on stock vLLM
 itself, (f): stock vLLM with ``max_num_seqs`` 16 instead of 128 gives the same tokens, with CUDA
 graphs and eager, with LoRA and for the backbone alone (which of these holds says where a
-batch dependence lies).
+batch dependence lies). On vLLM 0.33.0 vLLM's LoRA path is batch-dependent under
+``VLLM_BATCH_INVARIANT=1`` (2026-12-02: 215 of 320 requests identical with LoRA, 320 of 320
+without), so there (b) and (c) need LoRA kernels that are batch-invariant: ``--lora-kernels
+gridtrim`` runs every engine on the plugin's, and (f) says whether those are.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import random
 import subprocess
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +109,14 @@ def prepare(work: Path, n_requests: int) -> None:
     (work / "requests.json").write_text(json.dumps(requests))
 
 
-def engine_env(engine: str, work: Path, environ: dict[str, str]) -> dict[str, str]:
+def engine_env(engine: str, work: Path, environ: dict[str, str], gridtrim: bool = False) -> dict[str, str]:
     """The engine's environment: batch-invariant kernels, engine core in-process (for the
-    read-outs), and the bridge's variables per engine (module doc)."""
+    read-outs), and the bridge's variables per engine (module doc); ``gridtrim``: every engine,
+    stock and its variants included, runs the plugin's LoRA kernels (``LORAZOR_GRIDTRIM=1``)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | runner_environment()
+    if gridtrim:
+        env["LORAZOR_GRIDTRIM"] = "1"
     if engine not in ("stock", *VARIANTS):
         env["LORAZOR_BUNDLE"] = str(work / "bundle")
         env["LORAZOR_LOG_INTERVAL_S"] = "0"
@@ -222,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
     ap.add_argument("--invariance", action="store_true",
                     help="also run stock vLLM with max_num_seqs 16, eager and without LoRA, and check (f)")
+    ap.add_argument("--lora-kernels", choices=["vllm", "gridtrim"], default="vllm",
+                    help="every engine's LoRA kernels: vLLM's (default) or the plugin's GridTrim kernels, whose "
+                         "batch invariance (f) measures with --invariance; 'stock' is then the plugin without release")
     ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=sorted(ENGINES),
                     help="the engines to run (default all; the 12 checks need all three)")
     ap.add_argument("--engine", choices=sorted(ENGINES | VARIANTS), help=argparse.SUPPRESS)
@@ -229,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         serve(args.engine, args.work, args.out)
         return 0
+    if not any(ep.name == "lorazor" for ep in entry_points(group="vllm.general_plugins")):
+        print("check_slots: vLLM would not load the LoRazor plugin in its engines (no 'lorazor' vllm.general_plugins "
+              "entry point): pip install -e '.[vllm]', or source scripts/env.sh first", file=sys.stderr)
+        return 2
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     prepare(args.work, args.requests)
@@ -247,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rc = subprocess.run([sys.executable, "-m", "benchmarks.serving.check_slots", "--engine", engine,
                                      "--work", str(args.work), "--out", str(args.out)],
-                                    env=engine_env(engine, args.work, dict(os.environ)), stdout=log,
+                                    env=engine_env(engine, args.work, dict(os.environ),
+                                                   gridtrim=args.lora_kernels == "gridtrim"), stdout=log,
                                     stderr=subprocess.STDOUT, timeout=left).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"

@@ -64,3 +64,15 @@ def test_variant_engines_run_stock_vllm(tmp_path):
     for engine in check_slots.VARIANTS:
         env = check_slots.engine_env(engine, tmp_path, {"LORAZOR_BUNDLE": "x"})
         assert not any(k.startswith("LORAZOR_") for k in env) and env["VLLM_BATCH_INVARIANT"] == "1"
+
+
+def test_gridtrim_kernels_in_every_engine(tmp_path):
+    for engine in (*check_slots.ENGINES, *check_slots.VARIANTS):
+        assert check_slots.engine_env(engine, tmp_path, {}, gridtrim=True)["LORAZOR_GRIDTRIM"] == "1"
+        assert "LORAZOR_GRIDTRIM" not in check_slots.engine_env(engine, tmp_path, {})
+
+
+def test_refuses_before_any_work_when_vllm_would_not_load_the_plugin(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(check_slots, "entry_points", lambda group: [])
+    assert check_slots.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
+    assert "scripts/env.sh" in capsys.readouterr().err and not (tmp_path / "work").exists()

@@ -310,12 +310,19 @@ def test_a_replica_that_cannot_start_is_one_clear_error() -> None:
 def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine) -> None:
     """Responses end where the task decides them, as on the hf engine; with early stop the ON
     response is cut before its OFF branches are planned (none past that point), without it every
-    branch runs and is cut afterwards: the same results, never more tokens."""
+    branch runs and is cut afterwards: the same results, never more tokens. The requests: one whose hf
+    response is decided early (the backbone alone commits a wrong count on a counter question)
+    and one that is not, picked on the hf engine, which is fast."""
     from labeling.labels import build_requests
 
-    task = build_task("counter", sizes={"validation": 4}, max_new_tokens=MAX_NEW)
-    reqs = [r for _, r in build_requests(engine, task, task.load_split("validation"), [0, 1])]
-    kw = dict(fork=lambda res, t, s: t in (0, 2, 5, 9))
+    task = build_task("counter", sizes={"validation": 12}, max_new_tokens=MAX_NEW)
+    pool = [r for _, r in build_requests(engine, task, task.load_split("validation"), [0, NO_SLOT])]
+    first = engine.generate(pool, MAX_NEW)
+    cut = [q for q, r in zip(pool, first) if len(r.tokens) < MAX_NEW and r.tokens[-1] not in engine.eos_ids]
+    whole = [q for q, r in zip(pool, first) if len(r.tokens) == MAX_NEW]
+    assert cut and whole, "the backbone no longer answers these counter questions as this test expects"
+    reqs = cut[:1] + whole[:1]
+    kw = dict(fork=lambda res, t, s: t in (0, 13))  # 13: past the early-decided response's cut
     hf = engine.generate(reqs, MAX_NEW, **kw)
     used = []
     for early_stop in (True, False):

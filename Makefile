@@ -33,8 +33,8 @@ demo: export OMP_NUM_THREADS ?= 1
 demo: setup
 	$(BIN)/python -m calibrate
 
-# The suite in one worker process per core (pytest-xdist), each on one torch thread: on the 2-core CI
-# machine that took 12 min 9 s against 17 min 12 s for one process on two threads (2026-12-02).
+# The suite in one worker process per core (pytest-xdist), each on one torch thread: on a 2-core machine
+# 10 min 32 s against 17 min 12 s for one process on two threads (benchmarks/README.md, demo).
 test: export OMP_NUM_THREADS ?= 1
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -n auto --dist worksteal --durations=15

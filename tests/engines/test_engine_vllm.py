@@ -27,7 +27,7 @@ from serve_bridge.calibration import calibration_config
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
 from tests.engines.fake_vllm import FakeLLM, FakeLoRARequest, FakeSamplingParams
 
-MAX_NEW = 16
+MAX_NEW = 12  # the stand-in runs one model call per request and token
 H = 576
 
 
@@ -315,20 +315,22 @@ def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine) -> None:
     and one that is not, picked on the hf engine, which is fast."""
     from labeling.labels import build_requests
 
-    task = build_task("counter", sizes={"validation": 12}, max_new_tokens=MAX_NEW)
+    CUT_MAX_NEW = 16  # the backbone's early-decided answer needs 12 tokens
+
+    task = build_task("counter", sizes={"validation": 12}, max_new_tokens=CUT_MAX_NEW)
     pool = [r for _, r in build_requests(engine, task, task.load_split("validation"), [0, NO_SLOT])]
-    first = engine.generate(pool, MAX_NEW)
-    cut = [q for q, r in zip(pool, first) if len(r.tokens) < MAX_NEW and r.tokens[-1] not in engine.eos_ids]
-    whole = [q for q, r in zip(pool, first) if len(r.tokens) == MAX_NEW]
+    first = engine.generate(pool, CUT_MAX_NEW)
+    cut = [q for q, r in zip(pool, first) if len(r.tokens) < CUT_MAX_NEW and r.tokens[-1] not in engine.eos_ids]
+    whole = [q for q, r in zip(pool, first) if len(r.tokens) == CUT_MAX_NEW]
     assert cut and whole, "the backbone no longer answers these counter questions as this test expects"
     reqs = cut[:1] + whole[:1]
     kw = dict(fork=lambda res, t, s: t in (0, 13))  # 13: past the early-decided response's cut
-    hf = engine.generate(reqs, MAX_NEW, **kw)
+    hf = engine.generate(reqs, CUT_MAX_NEW, **kw)
     used = []
     for early_stop in (True, False):
         vengine.early_stop, start = early_stop, vengine.generated_tokens
         try:
-            vl = vengine.generate(reqs, MAX_NEW, **kw)
+            vl = vengine.generate(reqs, CUT_MAX_NEW, **kw)
         finally:
             vengine.early_stop = True
         used.append(vengine.generated_tokens - start)

@@ -71,6 +71,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"compilation_config": EAGER}, "eager16": {"compilation_config": EAGER, "max_num_seqs": 16},
     "base": {"enable_lora": False}, "base16": {"enable_lora": False, "max_num_seqs": 16},
 }
+STOCK_ENGINES = ("stock", *VARIANTS)  # stock vLLM: no bundle, no LoRazor read-outs
 INVARIANCE_PAIRS = (("stock", "stock16", "CUDA graphs, LoRA"), ("eager", "eager16", "eager, LoRA"),
                     ("base", "base16", "CUDA graphs, no LoRA"))
 
@@ -117,7 +118,7 @@ def engine_env(engine: str, work: Path, environ: dict[str, str], gridtrim: bool 
     env |= {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | runner_environment()
     if gridtrim:
         env["LORAZOR_GRIDTRIM"] = "1"
-    if engine not in ("stock", *VARIANTS):
+    if engine not in STOCK_ENGINES:
         env["LORAZOR_BUNDLE"] = str(work / "bundle")
         env["LORAZOR_LOG_INTERVAL_S"] = "0"
     if engine == "keep":
@@ -153,7 +154,7 @@ def serve(engine: str, work: Path, out: Path) -> None:
                             use_tqdm=False)
         part: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t,
                                 **stats.summary()}
-        if engine not in ("stock", *VARIANTS):
+        if engine not in STOCK_ENGINES:
             from serve_bridge.vllm.rpc import lorazor_requests
 
             index = {o.request_id: j for j, o in enumerate(outs)}

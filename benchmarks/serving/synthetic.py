@@ -36,8 +36,9 @@ def write_model_config(work: Path, cfg: dict[str, Any]) -> Path:
 def write_random_adapters(work: Path, cfg: dict[str, Any], n_adapters: int, rank: int, alpha: int,
                           name: Callable[[int], str], seed: int = 0, distinct: int | None = None) -> dict[int, str]:
     """Adapters ``work/adapters/<name(a)>`` for a = 0 … n−1 on q,k,v,o,gate,up,down; returns
-    a → weights sha256. Adapter a has entries uniform in ±(0.1 + 0.1·a/n); one seeded
-    generator draws all of them in order, so the same arguments give the same bytes.
+    a → weights sha256. Weight file a < K (K = ``distinct``, default n) has entries uniform in
+    ±(0.1 + 0.1·a/K); one seeded generator draws all of them in order, so the same arguments
+    give the same bytes.
 
     ``distinct`` = K < n writes K weight files and hard-links adapter a's to file a mod K: every
     name is still its own peft directory, which vLLM loads and writes into a slot on its own,

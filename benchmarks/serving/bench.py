@@ -868,6 +868,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         if earlier["preamble"][:3] != preamble[:3]:
             print(f"{out}/bench.json holds another vLLM, model or workload: give another --out", file=sys.stderr)
             prep.kill()
+            prep_log.close()
             return 2
         rows, notes = [r for r in earlier["rows"] if r["mode"] not in args.modes], earlier["notes"]
     notes.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: modes {' '.join(args.modes)}")

@@ -50,10 +50,12 @@ def test_invariance_pairs_are_reported_beside_the_twelve(tmp_path):
     _write(tmp_path, requests)
     same = {"scheduler": "Scheduler", "full": {"tokens": [[i] * 4 for i in range(5)]}}
     moved = {"scheduler": "Scheduler", "full": {"tokens": [[i] * 4 for i in range(4)] + [[4, 4, 7, 4]]}}
-    for engine, result in (("stock16", same), ("base", same), ("base16", moved)):
+    for engine, result in (("stock16", same), ("idle", same), ("idle16", same), ("base", same), ("base16", moved)):
         (tmp_path / f"{engine}.json").write_text(json.dumps(result))
     rows = {n: (ok, d) for n, ok, d in check_slots.compare(tmp_path, requests)}
     assert rows["(f) stock vLLM is batch-invariant, CUDA graphs, LoRA (max_num_seqs 128 vs 16)"] == (True, "5/5 identical")
+    assert rows["(f) stock vLLM is batch-invariant, CUDA graphs, LoRA enabled, no adapter requested (max_num_seqs 128 vs 16)"] == (
+        True, "5/5 identical")
     ok, detail = rows["(f) stock vLLM is batch-invariant, CUDA graphs, no LoRA (max_num_seqs 128 vs 16)"]
     assert not ok and detail == "4/5 identical (req 4: first diff at token 2)"
     assert not any("eager" in n for n in rows)  # a pair with an engine missing is not reported

@@ -19,6 +19,7 @@ from labeling.answer_cut import RESPONSE_END
 from labeling.backbone import (BackboneError, BackboneSpec, load_backbone, parameter_count, resolve_backbone_dir,
                                stop_token_ids)
 from labeling.engines.auto import AutoOptions, EngineChoice, MachineFacts, probe_facts, resolve_engine
+from labeling.engines.batch_workers import resolve_workers
 from labeling.engines.hf import HFOptions
 from labeling.engines.vllm.options import VLLMOptions
 from labeling.tasks import Task, build_task
@@ -199,8 +200,12 @@ class Context:
 
         self.check_adapters()
         model, tok = load_backbone(self.backbone_spec, device=e.device)
+        workers = resolve_workers(e.workers, next(model.parameters()).device)
+        if workers > 1:
+            print(f"hf engine: {workers} worker processes, one torch thread each (engine.workers={e.workers})", flush=True)
         return HFEngine(model, tok, self.adapters, stop_token_ids(model.generation_config, tok, self.backbone_spec),
-                        batch_size=e.batch_size, progress=e.progress, early_stop=self.config.labeling.early_stop)
+                        batch_size=e.batch_size, progress=e.progress, early_stop=self.config.labeling.early_stop,
+                        workers=workers)
 
     def vllm_engine(self, options: VLLMOptions):
         """A :class:`labeling.engines.vllm.engine.VLLMEngine` with ``options``."""

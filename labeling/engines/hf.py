@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.answer_cut import StopFn, cut_result, decided_at
+from labeling.engines.batch_workers import map_batches
 from labeling.engines.chat import ChatIO
 from labeling.forks import ForkFn, forks_at
 from labeling.options import CheckedOptions
@@ -79,13 +80,15 @@ def generated_tokens(res: GenResult) -> int:
 @dataclass
 class HFOptions(CheckedOptions):
     """``engine=hf``'s options: the device the model runs on (``cpu``, ``cuda``, ``cuda:1``...),
-    requests per batch, and a progress bar per pass."""
+    requests per batch, processes that run batches side by side on the CPU (``auto``:
+    :func:`labeling.engines.batch_workers.resolve_workers`), and a progress bar per pass."""
 
-    rules = {"device": "text", "batch_size": "positive_int"}
+    rules = {"device": "text", "batch_size": "positive_int", "workers": "auto_or_positive_int"}
 
     name: str = "hf"
     device: str = "cpu"
     batch_size: int = 16
+    workers: str = "auto"
     progress: bool = True
 
 
@@ -111,11 +114,13 @@ class HFEngine(ChatIO):
     ``adapters[i]`` until released, then the backbone alone. A row ends at any of
     ``stop_ids``, at ``max_new_tokens`` or where its request's answer is decided
     (:mod:`labeling.answer_cut`: with ``early_stop`` at that step, else its result is cut
-    afterwards). Greedy decoding only (the exact one-pass sweep relies on it).
+    afterwards). Greedy decoding only (the exact one-pass sweep relies on it). With ``workers``
+    > 1 a pass's batches run in that many processes forked from this one
+    (:func:`labeling.engines.batch_workers.map_batches`): the same batches, so the same results.
     """
 
     def __init__(self, model, tokenizer, adapters: Sequence[AdapterSpec], stop_ids: set[int],
-                 batch_size: int = 16, progress: bool = True, early_stop: bool = True) -> None:
+                 batch_size: int = 16, progress: bool = True, early_stop: bool = True, workers: int = 1) -> None:
         from peft import PeftModel
 
         hidden = model.config.hidden_size
@@ -124,6 +129,7 @@ class HFEngine(ChatIO):
         self.adapters = list(adapters)
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
+        self.workers = int(workers)
         self.progress = progress
         self.early_stop = early_stop
         self.generated_tokens = 0  # tokens generated so far, before any cut (rows × steps)
@@ -149,6 +155,8 @@ class HFEngine(ChatIO):
         scorer: StepTrim whose learned heads score main rows at every forward (s_t).
         capture(t): record h_t of main rows at forward t.
         fork(result, t, s_t): fork OFF_t from a main row after forward t (:mod:`labeling.forks`).
+        With several workers, ``capture`` and ``fork`` run in the process that runs the request's
+        batch: what they change outside the request's result is not seen here.
         Both StepTrims decide on the engine's device (a copy is made if needed), on that
         device's path: the same one the vLLM runtime takes there.
         """
@@ -157,20 +165,25 @@ class HFEngine(ChatIO):
         for r in requests:
             if r.slot != NO_SLOT and not 0 <= r.slot < len(self.adapters):
                 raise ValueError(f"request {r.uid}: slot {r.slot} has no adapter (have {len(self.adapters)})")
-        results: list[GenResult] = []
+        batches = [list(requests[i:i + self.batch_size]) for i in range(0, len(requests), self.batch_size)]
+
+        def run(b: int) -> tuple[list[GenResult], int]:
+            done, generated = self._generate_batch(batches[b], max_new_tokens, steptrim, scorer, capture, fork)
+            for r, res in zip(batches[b], done):
+                cut_result(res, r.stop, self.decode)
+            return done, generated
+
+        results: list[list[GenResult]] = [[] for _ in batches]
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.progress)
         start, tokens = time.perf_counter(), 0
-        for i in range(0, len(requests), self.batch_size):
-            chunk = list(requests[i:i + self.batch_size])
-            done = self._generate_batch(chunk, max_new_tokens, steptrim, scorer, capture, fork)
-            for r, res in zip(chunk, done):
-                cut_result(res, r.stop, self.decode)
-            results.extend(done)
+        for b, (done, generated) in map_batches(run, len(batches), self.workers):
+            results[b] = done
+            self.generated_tokens += generated
             tokens += sum(generated_tokens(r) for r in done)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tokens/s", refresh=False)
-            bar.update(len(chunk))
+            bar.update(len(done))
         bar.close()
-        return results
+        return [res for done in results for res in done]
 
     def _shared_prefixes(self, reqs: list[GenRequest]) -> tuple[list[int], list[dict[int, tuple[torch.Tensor, torch.Tensor]]]]:
         """Per request, how many leading prompt tokens it shares with every other request of its slot
@@ -207,7 +220,8 @@ class HFEngine(ChatIO):
 
     @torch.no_grad()
     def _generate_batch(self, reqs: list[GenRequest], max_new: int, steptrim: StepTrim | None,
-                        scorer: StepTrim | None, capture, fork) -> list[GenResult]:
+                        scorer: StepTrim | None, capture, fork) -> tuple[list[GenResult], int]:
+        """The batch's results, and the tokens generated for it before any cut (rows × steps)."""
         from transformers import DynamicCache
 
         dev = self.device
@@ -241,7 +255,7 @@ class HFEngine(ChatIO):
                 cache.update(keys, values, layer)
             results = [GenResult(uid=r.uid, slot=r.slot) for r in reqs]
             rows = [_Row(req=j, branch=None, released=False, tokens=[]) for j in range(len(reqs))]
-            t = 0
+            t, generated = 0, 0
             while rows:
                 names = [BASE if (row.released or reqs[row.req].slot == NO_SLOT)
                          else self.adapters[reqs[row.req].slot].name for row in rows]
@@ -249,7 +263,7 @@ class HFEngine(ChatIO):
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                  logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
                 next_tok = out.logits[:, -1].argmax(-1)
-                self.generated_tokens += len(rows)
+                generated += len(rows)
                 h = captured["h"].float()
                 slots = torch.tensor([reqs[row.req].slot for row in rows], device=dev)
                 tt = torch.full_like(slots, t)
@@ -295,4 +309,4 @@ class HFEngine(ChatIO):
                 t += 1
         finally:
             hook.remove()
-        return results
+        return results, generated

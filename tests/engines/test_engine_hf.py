@@ -97,3 +97,32 @@ def test_captures_hidden_at_requested_forwards(engine, requests_mixed) -> None:
 def test_unknown_slot_is_rejected(engine) -> None:
     with pytest.raises(ValueError, match="slot 5"):
         engine.generate([GenRequest("x", [1, 2, 3], 5)], 4)
+
+
+def _sweep_like_pass(engine, reqs, workers: int):
+    """One pass with everything a pass can do (forks, captures, a scorer), on ``workers`` processes."""
+    g = torch.Generator().manual_seed(5)
+    scorer = StepTrim([LearnedPolicy(torch.randn(576, generator=g) / 24, 0.0, 0.0), None], 576)
+    engine.workers, start = workers, engine.generated_tokens
+    try:
+        out = engine.generate(reqs, MAX_NEW, scorer=scorer, capture={0, 2}.__contains__,
+                              fork=lambda res, t, s: t in (1, 4))
+    finally:
+        engine.workers = 1
+    return out, engine.generated_tokens - start
+
+
+def test_worker_processes_give_the_results_of_one(engine, requests_mixed) -> None:
+    """Three batches on two forked workers (and on three) equal the same batches in this process:
+    tokens, branches, release points, scores, hidden states and the tokens counted."""
+    reqs = requests_mixed[:12]  # batch_size 8: batches of 8 and 4, so a worker gets a short one
+    one, n_one = _sweep_like_pass(engine, reqs, 1)
+    for workers in (2, 3):
+        many, n_many = _sweep_like_pass(engine, reqs, workers)
+        assert n_many == n_one > 0
+        assert [r.uid for r in many] == [r.uid for r in reqs]
+        for a, b in zip(one, many):
+            assert (a.tokens, a.branches, a.release, a.scores) == (b.tokens, b.branches, b.release, b.scores)
+            assert a.hidden.keys() == b.hidden.keys() and all(torch.equal(a.hidden[t], b.hidden[t]) for t in a.hidden)
+    assert any(r.branches for r in one) and any(r.hidden for r in one)
+

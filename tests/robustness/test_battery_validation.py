@@ -64,6 +64,8 @@ BAD_CONFIGS = [
     ("engine.batch_size=0", ConfigError, "engine.batch_size=0"),
     ("engine.batch_size=big", ConfigError, "engine.batch_size='big'"),
     ("engine.progress=maybe", ConfigError, "engine.progress='maybe'"),
+    ("engine=hf;engine.workers=0", ConfigError, "engine.workers='0'"),
+    ("engine=hf;engine.workers=many", ConfigError, "engine.workers='many'"),
     ("engine.name=tgi", ConfigError, "engine='tgi'"),
     ("backbone.dtype=int8", ConfigError, "backbone.dtype='int8'"),
     ("backbone.gguf_file=null", ConfigError, "backbone.gguf_file=None"),
@@ -105,7 +107,7 @@ def test_bad_config_is_one_clear_error(override: str, error: type, fragment: str
 
 
 GOOD_CONFIGS = ["", "export.rule=budget;export.budget=0", "export.budget=1e-05", "export.budget=1e20", "sweep.skip_levels=[]", "export.rule=P100", "export.policy=profiled",
-                "labeling.points=[0]", "task.sizes.train=null", "engine=vllm", "labeling.shard_requests=auto",
+                "labeling.points=[0]", "task.sizes.train=null", "engine=vllm", "labeling.shard_requests=auto", "engine=hf;engine.workers=2",
                 "task=gsm8k;task.options.source=/data/gsm8k", "+labeling.task_points.arith=[0,5]"]
 
 

@@ -33,13 +33,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+AUTO_ENV = "LORAZOR_HF_WORKERS"  # a number: what engine.workers=auto means in this environment
+
+
 def resolve_workers(option: str | int, device: torch.device) -> int:
     """``engine.workers``: ``auto`` is one worker per available core when torch runs on one thread
     on the CPU (``OMP_NUM_THREADS=1``, as ``make demo`` sets), else 1: torch's own threads already
-    use the cores. A number is taken as it is. On a GPU there is one worker."""
+    use the cores. ``LORAZOR_HF_WORKERS=N`` makes ``auto`` N (``make test`` sets 1: its pytest
+    workers already fill the cores). A number is taken as it is. On a GPU there is one worker."""
     if device.type != "cpu":
         return 1
     if option == "auto":
+        if os.environ.get(AUTO_ENV, "").isdigit() and int(os.environ[AUTO_ENV]) >= 1:
+            return int(os.environ[AUTO_ENV])
         return available_cores() if torch.get_num_threads() == 1 else 1
     return int(option)
 

@@ -55,7 +55,8 @@ def test_a_worker_that_dies_is_reported() -> None:
         dict(map_batches(fn, 4, 2))
 
 
-def test_auto_is_one_per_core_on_one_torch_thread() -> None:
+def test_auto_is_one_per_core_on_one_torch_thread(monkeypatch) -> None:
+    monkeypatch.delenv("LORAZOR_HF_WORKERS", raising=False)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -66,3 +67,12 @@ def test_auto_is_one_per_core_on_one_torch_thread() -> None:
         torch.set_num_threads(threads)
     assert resolve_workers("3", torch.device("cpu")) == 3
     assert resolve_workers("auto", torch.device("cuda")) == 1
+
+
+def test_the_environment_says_what_auto_means(monkeypatch) -> None:
+    monkeypatch.setenv("LORAZOR_HF_WORKERS", "3")
+    assert resolve_workers("auto", torch.device("cpu")) == 3
+    assert resolve_workers("2", torch.device("cpu")) == 2  # an explicit number wins
+    monkeypatch.setenv("LORAZOR_HF_WORKERS", "none")  # not a number: ignored
+    torch_threads = torch.get_num_threads()
+    assert resolve_workers("auto", torch.device("cpu")) == (len(os.sched_getaffinity(0)) if torch_threads == 1 else 1)

@@ -27,8 +27,10 @@ from labeling.tasks import TaskError
 from serve_bridge.bundle import load_bundle
 from tests.conftest import ROOT
 
+# Four labeling points instead of the default seven: each labeled request forks one OFF branch per
+# point, and the kill/resume and CLI tests run this config in several processes.
 TINY = ["task=arith", "adapter=arith_demo", "task.sizes.train=6", "task.sizes.validation=3", "task.sizes.test=3", "task.options.max_new_tokens=40",
-        "labeling.shard_requests=2", "engine.progress=false"]
+        "labeling.shard_requests=2", "labeling.points=[0,3,7,31]", "engine.progress=false"]
 
 
 def compose_cfg(overrides: list[str]):

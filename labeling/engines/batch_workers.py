@@ -95,15 +95,15 @@ def map_batches(fn: Callable[[int], Any], n: int, workers: int) -> Iterator[tupl
     procs = [ctx.Process(target=child, daemon=True) for _ in range(workers - 1)]
     for p in procs:
         p.start()
-    expected, received = n, 0
+    received = 0
     try:
         while (i := claim()) is not None:
             yield i, fn(i)
             received += 1
-            while not queue.empty() and received < expected:
+            while not queue.empty() and received < n:
                 yield _receive(queue.get())
                 received += 1
-        while received < expected:
+        while received < n:
             try:
                 item = queue.get(timeout=1.0)
             except Empty:  # is every child still alive?
@@ -115,7 +115,7 @@ def map_batches(fn: Callable[[int], Any], n: int, workers: int) -> Iterator[tupl
             received += 1
     finally:
         for p in procs:
-            if p.is_alive() and received < expected:
+            if p.is_alive() and received < n:
                 p.kill()
             p.join()
         queue.close()

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from labeling.engines.batch_workers import WorkerError, map_batches, resolve_workers
+from labeling.engines.batch_workers import WorkerError, available_cores, map_batches, resolve_workers
 
 
 def _slow_square(i: int) -> tuple[int, int, torch.Tensor]:
@@ -60,7 +60,7 @@ def test_auto_is_one_per_core_on_one_torch_thread(monkeypatch) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert resolve_workers("auto", torch.device("cpu")) == len(os.sched_getaffinity(0))
+        assert resolve_workers("auto", torch.device("cpu")) == available_cores()
         torch.set_num_threads(2)
         assert resolve_workers("auto", torch.device("cpu")) == 1
     finally:
@@ -75,4 +75,4 @@ def test_the_environment_says_what_auto_means(monkeypatch) -> None:
     assert resolve_workers("2", torch.device("cpu")) == 2  # an explicit number wins
     monkeypatch.setenv("LORAZOR_HF_WORKERS", "none")  # not a number: ignored
     torch_threads = torch.get_num_threads()
-    assert resolve_workers("auto", torch.device("cpu")) == (len(os.sched_getaffinity(0)) if torch_threads == 1 else 1)
+    assert resolve_workers("auto", torch.device("cpu")) == (available_cores() if torch_threads == 1 else 1)

@@ -125,4 +125,3 @@ def test_worker_processes_give_the_results_of_one(engine, requests_mixed) -> Non
             assert (a.tokens, a.branches, a.release, a.scores) == (b.tokens, b.branches, b.release, b.scores)
             assert a.hidden.keys() == b.hidden.keys() and all(torch.equal(a.hidden[t], b.hidden[t]) for t in a.hidden)
     assert any(r.branches for r in one) and any(r.hidden for r in one)
-

@@ -1,7 +1,7 @@
 """Slot hand-back is token-exact. Needs a GPU and vLLM (0.33.0 or 0.26.0).
 
     python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
-        [--invariance] [--lora-kernels vllm|gridtrim]
+        [--invariance [PAIR ...]] [--engines [ENGINE ...]] [--lora-kernels vllm|gridtrim]
 
 (with the plugin visible to vLLM: ``pip install -e ".[vllm]"``, or ``source scripts/env.sh``)
 
@@ -26,9 +26,10 @@ differ: every engine runs with ``VLLM_BATCH_INVARIANT=1`` (vLLM's batch-invarian
 split-K off in the LoRA shrink, ``lora/ops/triton_ops/utils.py:222``), under which a request's
 tokens do not depend on its batch. A mismatch is reported with the first differing position
 relative to the request's release position. ``--invariance`` checks that premise on stock vLLM
-itself, (f): stock vLLM with ``max_num_seqs`` 16 instead of 128 gives the same tokens, with CUDA
-graphs and eager, with LoRA, with LoRA enabled but no adapter requested, and for the backbone alone
-(which of these holds says where a batch dependence lies). On vLLM 0.33.0 vLLM's LoRA path is batch-dependent under
+itself, (f): stock vLLM with ``max_num_seqs`` 16 instead of 128 gives the same tokens, in named
+pairs (:data:`INVARIANCE_PAIRS`) that hold one thing fixed each: CUDA graphs or eager, LoRA, LoRA
+enabled but no adapter requested, the backbone alone, the V1 runner, a slot for every adapter,
+prompts prefilled whole (which of these holds says where a batch dependence lies). On vLLM 0.33.0 vLLM's LoRA path is batch-dependent under
 ``VLLM_BATCH_INVARIANT=1`` (2026-12-02: 215 of 320 requests identical with LoRA, 320 of 320
 without), so there (b) and (c) need LoRA kernels that are batch-invariant: ``--lora-kernels
 gridtrim`` runs every engine on the plugin's, and (f) says whether those are. With them (b) and (c)
@@ -67,19 +68,31 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, m
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}
 EAGER = {"mode": 0, "cudagraph_mode": "NONE"}
-# --invariance: stock vLLM under other batch limits, graphs and LoRA (engine option overrides;
-# "adapters": False requests no adapter from a LoRA-enabled engine); each (f) pair differs in
-# max_num_seqs alone, the precondition of (b) and (c)
+# --invariance: stock vLLM under other batch limits, graphs, LoRA settings and runners (engine option
+# overrides; "adapters": False requests no adapter from a LoRA-enabled engine; "env": environment
+# overrides); each (f) pair differs in max_num_seqs alone, the precondition of (b) and (c)
 VARIANTS: dict[str, dict[str, Any]] = {
     "stock16": {"max_num_seqs": 16},
     "eager": {"compilation_config": EAGER}, "eager16": {"compilation_config": EAGER, "max_num_seqs": 16},
     "idle": {"adapters": False}, "idle16": {"adapters": False, "max_num_seqs": 16},
     "base": {"enable_lora": False}, "base16": {"enable_lora": False, "max_num_seqs": 16},
+    "v1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
+    "v1_16": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "max_num_seqs": 16},
+    "wide": {"max_loras": N_ADAPTERS}, "wide16": {"max_loras": N_ADAPTERS, "max_num_seqs": 16},
+    "whole": {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096},
+    "whole16": {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "max_num_seqs": 16},
 }
 STOCK_ENGINES = ("stock", *VARIANTS)  # stock vLLM: no bundle, no LoRazor read-outs
-INVARIANCE_PAIRS = (("stock", "stock16", "CUDA graphs, LoRA"), ("eager", "eager16", "eager, LoRA"),
-                    ("idle", "idle16", "CUDA graphs, LoRA enabled, no adapter requested"),
-                    ("base", "base16", "CUDA graphs, no LoRA"))
+# name: (engine, the same with max_num_seqs 16, what the pair holds fixed)
+INVARIANCE_PAIRS = {
+    "lora": ("stock", "stock16", "CUDA graphs, LoRA"),
+    "eager": ("eager", "eager16", "eager, LoRA"),
+    "idle": ("idle", "idle16", "CUDA graphs, LoRA enabled, no adapter requested"),
+    "base": ("base", "base16", "CUDA graphs, no LoRA"),
+    "v1": ("v1", "v1_16", "CUDA graphs, LoRA, the V1 model runner"),
+    "wide": ("wide", "wide16", "CUDA graphs, LoRA, a slot for every adapter (max_loras 48)"),
+    "whole": ("whole", "whole16", "CUDA graphs, LoRA, every prompt prefilled whole (no chunked prefill)"),
+}
 
 
 def name(a: int, family: str) -> str:
@@ -129,7 +142,7 @@ def engine_env(engine: str, work: Path, environ: dict[str, str], gridtrim: bool 
         env["LORAZOR_LOG_INTERVAL_S"] = "0"
     if engine == "keep":
         env["LORAZOR_SLOTS"] = "0"
-    return env
+    return env | VARIANTS.get(engine, {}).get("env", {})
 
 
 def serve(engine: str, work: Path, out: Path) -> None:
@@ -141,7 +154,7 @@ def serve(engine: str, work: Path, out: Path) -> None:
 
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    options = ENGINE | VARIANTS.get(engine, {})
+    options = ENGINE | {k: v for k, v in VARIANTS.get(engine, {}).items() if k != "env"}
     adapters = options.pop("adapters", True) and options["enable_lora"]
     if not options["enable_lora"]:
         options = {k: v for k, v in options.items() if not k.startswith(("max_lora", "max_cpu_lora"))}
@@ -198,7 +211,7 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
         lengths = [len(t) for t in full]
         rows.append(("output lengths = max_tokens", lengths == [r["max_tokens"] for r in requests],
                      f"{sum(lengths)} tokens"))
-    for big, small, what in INVARIANCE_PAIRS:  # not among the 12 checks: whether (b) and (c) can hold
+    for big, small, what in INVARIANCE_PAIRS.values():  # not among the 12 checks: whether (b) and (c) can hold
         if big in res and small in res:
             a, b = res[big]["full"]["tokens"], res[small]["full"]["tokens"]
             diffs = [f"req {i}: first diff at token {first_difference(x, y)}"
@@ -232,19 +245,29 @@ def table(rows: list[tuple[str, bool, str]]) -> str:
     return "\n".join(lines)
 
 
+def engine_order(engines: list[str], pairs: list[str] | None) -> list[str]:
+    """The engines to run, in order: ``engines`` (of :data:`ENGINES`), then the invariance pairs'
+    (``pairs``: [] means every pair, None none) that are not among them."""
+    chosen = [e for e in ENGINES if e in engines]
+    for pair in (INVARIANCE_PAIRS if pairs == [] else pairs or []):
+        chosen += [e for e in INVARIANCE_PAIRS[pair][:2] if e not in chosen]
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_slots"))
     ap.add_argument("--requests", type=int, default=320)
     ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
-    ap.add_argument("--invariance", action="store_true",
-                    help="also run stock vLLM with max_num_seqs 16, eager and without LoRA, and check (f)")
+    ap.add_argument("--invariance", nargs="*", choices=sorted(INVARIANCE_PAIRS), metavar="PAIR",
+                    help="also check (f) on stock vLLM: each named pair (default: all of "
+                         f"{', '.join(INVARIANCE_PAIRS)}) runs an engine with max_num_seqs 128 and 16")
     ap.add_argument("--lora-kernels", choices=["vllm", "gridtrim"], default="vllm",
                     help="every engine's LoRA kernels: vLLM's (default) or the plugin's GridTrim kernels, whose "
                          "batch invariance (f) measures with --invariance; 'stock' is then the plugin without release")
-    ap.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=sorted(ENGINES),
-                    help="the engines to run (default all; the 12 checks need all three)")
+    ap.add_argument("--engines", nargs="*", choices=sorted(ENGINES), default=sorted(ENGINES),
+                    help="the engines to run (default all; the 12 checks need all three; none: only --invariance)")
     ap.add_argument("--engine", choices=sorted(ENGINES | VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     notes = []
-    for engine in [e for e in ENGINES if e in args.engines] + (list(VARIANTS) if args.invariance else []):
+    for engine in engine_order(args.engines, args.invariance):
         left = args.budget_s - (time.time() - start)
         if left < 20:
             notes.append(f"{engine}: not run, {left:.0f} s left")

@@ -78,3 +78,23 @@ def test_refuses_before_any_work_when_vllm_would_not_load_the_plugin(tmp_path, m
     monkeypatch.setattr(check_slots, "entry_points", lambda group: [])
     assert check_slots.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
     assert "scripts/env.sh" in capsys.readouterr().err and not (tmp_path / "work").exists()
+
+
+def test_variants_set_their_environment_and_only_known_options(tmp_path):
+    env = check_slots.engine_env("v1_16", tmp_path, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_BATCH_INVARIANT"] == "1"
+    assert check_slots.engine_env("wide", tmp_path, {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    for big, small, _ in check_slots.INVARIANCE_PAIRS.values():
+        one = {k: v for k, v in (check_slots.ENGINE | check_slots.VARIANTS.get(big, {})).items()}
+        other = {k: v for k, v in (check_slots.ENGINE | check_slots.VARIANTS[small]).items()}
+        assert {k for k in one | other if one.get(k) != other.get(k)} == {"max_num_seqs"}, (big, small)
+        assert other["max_num_seqs"] == 16 and one["max_num_seqs"] == 128
+
+
+def test_engine_order_runs_each_named_pair_once():
+    assert check_slots.engine_order(["keep", "stock", "slots"], None) == ["stock", "slots", "keep"]
+    assert check_slots.engine_order([], ["idle", "v1"]) == ["idle", "idle16", "v1", "v1_16"]
+    assert check_slots.engine_order(["stock"], ["lora", "base"]) == ["stock", "stock16", "base", "base16"]
+    every = check_slots.engine_order(list(check_slots.ENGINES), [])
+    assert every[:3] == list(check_slots.ENGINES) and set(every[3:]) == set(check_slots.VARIANTS)
+    assert len(every) == len(set(every))

@@ -41,6 +41,24 @@ def decided_length(tokens: Sequence[int], stop: StopFn | None, decode: Decode, s
     return next((n for n in range(max(1, start), len(tokens) + 1) if decided_at(tokens[:n], stop, decode)), None)
 
 
+class AnswerWatch:
+    """Where a response that continues ``prefix`` is decided, watched as its tokens arrive: called
+    with the continuation so far (each call extending the last), it returns the smallest n whose
+    ``prefix + continuation[:n]`` is decided (:func:`decided_at`), else None. ``prefix`` itself must
+    be undecided; each length is judged once."""
+
+    def __init__(self, prefix: Sequence[int], stop: StopFn, decode: Decode) -> None:
+        self.prefix, self.stop, self.decode = list(prefix), stop, decode
+        self.checked = 0
+
+    def __call__(self, continuation: Sequence[int]) -> int | None:
+        for n in range(self.checked + 1, len(continuation) + 1):
+            self.checked = n
+            if decided_at(self.prefix + list(continuation[:n]), self.stop, self.decode):
+                return n
+        return None
+
+
 def cut_result(res: Any, stop: StopFn | None, decode: Decode) -> None:
     """Cut a :class:`labeling.engines.hf.GenResult` in place where its responses are decided: the
     ON tokens, scores and h_t at its decided length L, the release if it came later, the branches

@@ -13,6 +13,7 @@ the hf engine; only vLLM's kernels are missing.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -34,7 +35,14 @@ class FakeSamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     extra_args: dict | None = None
-    output_kind: Any = None  # the stand-in returns final outputs only from step(), whatever this says
+    output_kind: Any = None  # FakeOutputKind.DELTA: step() returns each new token; else final outputs only
+
+
+class FakeOutputKind(enum.Enum):
+    """``vllm.sampling_params.RequestOutputKind``'s two kinds the engine uses."""
+
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class FakeLLM:
         self.preempt_every = preempt_every
         self._ids = itertools.count()
         self.steps = 0
+        self.generated = 0  # tokens sampled, aborted requests' included
         self.preemptions = 0
         self._waiting: list[tuple[int, _Req]] = []
         self._running: list[tuple[int, _Req]] = []
@@ -191,8 +200,13 @@ class FakeLLM:
                 self._finished.append(r)
         self._running = [(i, r) for i, r in self._running if r not in self._finished]
         self.events += [(self.steps, "finished", r.req_id) for r in self._finished]
-        return [SimpleNamespace(request_id=r.req_id, finished=True,
-                                outputs=[SimpleNamespace(token_ids=list(r.output))]) for r in self._finished]
+        sampled = [r for r, _ in rows if r.computed == r.num_tokens - 1]  # one new token each
+        self.generated += len(sampled)
+        delta = [r for r in sampled if r.params.output_kind is FakeOutputKind.DELTA]
+        return ([SimpleNamespace(request_id=r.req_id, finished=r in self._finished,
+                                 outputs=[SimpleNamespace(token_ids=r.output[-1:])]) for r in delta]
+                + [SimpleNamespace(request_id=r.req_id, finished=True, outputs=[SimpleNamespace(token_ids=list(r.output))])
+                   for r in self._finished if r not in delta])
 
     def generate(self, prompts, params, lora_request=None, use_tqdm=False):
         """All requests added at once, stepped until done, outputs in input order (``LLM.generate``);

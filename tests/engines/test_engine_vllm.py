@@ -25,7 +25,7 @@ from predictors.candidates import tau_candidates
 from predictors.sweep import ForkPlanner
 from serve_bridge.calibration import calibration_config
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim
-from tests.engines.fake_vllm import FakeLLM, FakeLoRARequest, FakeSamplingParams
+from tests.engines.fake_vllm import FakeLLM, FakeLoRARequest, FakeOutputKind, FakeSamplingParams
 
 MAX_NEW = 12  # the stand-in runs one model call per request and token
 H = 576
@@ -56,7 +56,8 @@ def fake_llm(engine) -> FakeLLM:
 
 @pytest.fixture(scope="module")
 def vengine(engine, fake_llm) -> VLLMEngine:
-    backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest)
+    backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest,
+                           FakeOutputKind)
     return VLLMEngine(backend, engine.tokenizer, engine.adapters, engine.eos_ids, engine.hidden_size, progress=False)
 
 
@@ -239,7 +240,7 @@ def test_pipelined_run_aborts_on_error_and_refuses_a_busy_engine(engine, fake_ll
     """A follow-up callback that fails leaves no request behind in the engine; a run does not
     start on an engine that has someone else's requests."""
     backend = LocalBackend(fake_llm, engine.adapters, engine.eos_ids, FakeSamplingParams, FakeLoRARequest,
-                           final_only="FINAL_ONLY")
+                           FakeOutputKind)
     reqs = [VLLMRequest((1, 2, 3, 4), 0, 6, uid=f"e{i}") for i in range(3)] + [VLLMRequest((5, 6), 0, 3, uid="short")]
     seen = []
 
@@ -307,12 +308,14 @@ def test_a_replica_that_cannot_start_is_one_clear_error() -> None:
         DataParallelBackend(1, 1, "tests.engines.fake_vllm:no_such_factory", (), visible=["0"])
 
 
-def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine) -> None:
+def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine, fake_llm) -> None:
     """Responses end where the task decides them, as on the hf engine; with early stop the ON
-    response is cut before its OFF branches are planned (none past that point), without it every
-    branch runs and is cut afterwards: the same results, never more tokens. The requests: one whose hf
-    response is decided early (the backbone alone commits a wrong count on a counter question)
-    and one that is not, picked on the hf engine, which is fast."""
+    response is cut before its OFF branches are planned (none past that point) and an OFF branch
+    is aborted at the step that decides it; without it every branch runs to its end and is cut
+    afterwards: the same results, fewer tokens generated. The requests: one whose hf response is
+    decided early (the backbone alone commits a wrong count on a counter question), the same
+    question with the adapter (its OFF branch at t = 0 commits as early), and one that is not,
+    picked on the hf engine, which is fast."""
     from labeling.labels import build_requests
 
     CUT_MAX_NEW = 16  # the backbone's early-decided answer needs 12 tokens
@@ -323,16 +326,22 @@ def test_vllm_engine_cuts_where_the_answer_is_decided(engine, vengine) -> None:
     cut = [q for q, r in zip(pool, first) if len(r.tokens) < CUT_MAX_NEW and r.tokens[-1] not in engine.eos_ids]
     whole = [q for q, r in zip(pool, first) if len(r.tokens) == CUT_MAX_NEW]
     assert cut and whole, "the backbone no longer answers these counter questions as this test expects"
-    reqs = cut[:1] + whole[:1]
+    # with the adapter, the same question: released at t = 0 the backbone commits as early
+    twin = next(q for q in pool if q.slot == 0 and q.uid.split("@")[0] == cut[0].uid.split("@")[0])
+    reqs = cut[:1] + [twin] + whole[:1]
     kw = dict(fork=lambda res, t, s: t in (0, 13))  # 13: past the early-decided response's cut
     hf = engine.generate(reqs, CUT_MAX_NEW, **kw)
-    used = []
+    cut_branches = [b for r in hf for b in r.branches.values() if len(b) < CUT_MAX_NEW and b[-1] not in engine.eos_ids]
+    assert cut_branches, "no OFF branch is decided early: the test would not see the OFF early stop"
+    used, sampled = [], []
     for early_stop in (True, False):
-        vengine.early_stop, start = early_stop, vengine.generated_tokens
+        vengine.early_stop, start, start_sampled = early_stop, vengine.generated_tokens, fake_llm.generated
         try:
             vl = vengine.generate(reqs, CUT_MAX_NEW, **kw)
         finally:
             vengine.early_stop = True
         used.append(vengine.generated_tokens - start)
+        sampled.append(fake_llm.generated - start_sampled)
         assert [(r.tokens, r.branches) for r in vl] == [(r.tokens, r.branches) for r in hf]
-    assert used[0] <= used[1]
+        assert not fake_llm.has_unfinished_requests()
+    assert used[0] == sampled[0] < used[1] == sampled[1]  # what was counted is what the engine sampled

@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from labeling.answer_cut import cut_result, decided_at, decided_length
+from labeling.answer_cut import AnswerWatch, cut_result, decided_at, decided_length
 from labeling.engines.hf import GenResult
 from labeling.evaluators.numeric import numeric_decided
 
@@ -53,3 +53,21 @@ def test_cut_result_cuts_tokens_scores_hidden_release_and_branches() -> None:
     before = (list(res.tokens), dict(res.branches))
     cut_result(res, STOP, decode)  # idempotent
     assert (res.tokens, res.branches) == before
+
+
+def test_answer_watch_finds_the_decided_length_as_tokens_arrive() -> None:
+    """Fed a growing continuation (one or several tokens at a time), the watch returns the first
+    length whose prefix + continuation is decided, the one decided_length finds on the whole."""
+    import random
+
+    rng = random.Random(3)
+    prefix = encode("40 + 2 = ")
+    for text in ("42\n#### 42 and so on", "#### 4\u00e92\n#### 7", "#### 41, more", "no answer at all"):
+        tokens = encode(text)
+        whole = decided_length(prefix + tokens, STOP, decode, start=len(prefix) + 1)
+        watch, got, seen = AnswerWatch(prefix, STOP, decode), None, 0
+        while got is None and seen < len(tokens):
+            seen = min(len(tokens), seen + rng.randint(1, 3))
+            got = watch(tokens[:seen])
+        assert got == (None if whole is None else whole - len(prefix)), text
+        assert got is None or got <= seen

@@ -33,16 +33,16 @@ class LocalBackend:
     """One ``vllm.LLM`` in this process (tensor parallel inside it)."""
 
     def __init__(self, llm: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
-                 sampling_params_cls: Any = None, lora_request_cls: Any = None, final_only: Any = None) -> None:
+                 sampling_params_cls: Any = None, lora_request_cls: Any = None, output_kinds: Any = None) -> None:
         if sampling_params_cls is None or lora_request_cls is None:
             from vllm import SamplingParams
             from vllm.lora.request import LoRARequest
             from vllm.sampling_params import RequestOutputKind
 
-            sampling_params_cls, lora_request_cls = SamplingParams, LoRARequest
-            final_only = RequestOutputKind.FINAL_ONLY
+            sampling_params_cls, lora_request_cls, output_kinds = SamplingParams, LoRARequest, RequestOutputKind
         self.llm = llm
-        self._final_only = final_only  # SamplingParams.output_kind of run_pipelined's requests
+        # SamplingParams.output_kind of the driven loop's requests: FINAL_ONLY, DELTA for watched ones
+        self._kinds = output_kinds
         self.slot_names = [a.name for a in adapters]
         self.stop_ids = sorted(int(i) for i in stop_ids)
         self._params = sampling_params_cls
@@ -62,6 +62,8 @@ class LocalBackend:
 
         if not reqs:
             return Batch([])
+        if any(r.decided is not None for r in reqs) and not config.get("policy"):
+            return self.run_pipelined(reqs, config, lambda k, tokens, record: (), desc, progress)[0]
         params = [self.sampling_params(r) for r in reqs]
         loras = [self.lora_request(r) for r in reqs]
         self.llm.collective_rpc(lorazor_calibrate, args=(dict(config),))
@@ -83,7 +85,9 @@ class LocalBackend:
 
         It drives vLLM V1's ``LLMEngine`` as ``LLM.generate`` does (``add_request``, then ``step()``
         while requests are unfinished: ``entrypoints/offline_utils.py:573-630``), asking for final
-        outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561). Request ids are ours
+        outputs only as ``LLM`` does (``output_kind`` FINAL_ONLY, :561), except for requests with a
+        ``decided`` watch: those stream their new tokens (DELTA) and are aborted at the step that
+        decides them, keeping the tokens up to there. Request ids are ours
         (``on<k>``, ``off<j>``); outputs hold them (``v1/engine/output_processor.py:371``). On an
         error, the requests still running are aborted (``v1/engine/llm_engine.py:212``)."""
         from serve_bridge.vllm.rpc import lorazor_calibrate
@@ -135,15 +139,35 @@ class _PipelinedRun:
         self.off_tokens: list[list[int]] = []
         self.records: dict[str, dict[str, Any]] = {}
         self.pending: set[str] = set()
+        self.watched: dict[str, tuple[Callable[[Sequence[int]], int | None], list[int]]] = {}  # id → (watch, tokens)
         self.start, self.tokens = time.perf_counter(), 0  # for the bar's generated tokens/s
 
     def add(self, request_id: str, r: VLLMRequest) -> None:
         # A raw token prompt: LLMEngine.add_request preprocesses it itself (v1/engine/input_processor.py:
         # 281-294, deprecated in favour of the Renderer's output but accepted by 0.26.0).
+        kinds = self.backend._kinds
+        kind = None if kinds is None else kinds.DELTA if r.decided is not None else kinds.FINAL_ONLY
         self.engine.add_request(request_id, {"prompt_token_ids": list(r.prompt_ids)},
-                                self.backend.sampling_params(r, self.backend._final_only),
-                                lora_request=self.backend.lora_request(r))
+                                self.backend.sampling_params(r, kind), lora_request=self.backend.lora_request(r))
         self.pending.add(request_id)
+        if r.decided is not None:
+            self.watched[request_id] = (r.decided, [])
+
+    def _tokens(self, out: Any) -> list[int] | None:
+        """A finished request's tokens from a step output, or None while it runs; a watched
+        request's delta is added to its tokens, and where they are decided it is aborted."""
+        new = [int(x) for x in out.outputs[0].token_ids]
+        if out.request_id not in self.watched:
+            return new if out.finished else None
+        decided, tokens = self.watched[out.request_id]
+        tokens += new
+        n = decided(tokens)
+        if n is None and not out.finished:
+            return None
+        del self.watched[out.request_id]
+        if n is not None and not out.finished:
+            self.engine.abort_request([out.request_id])
+        return tokens if n is None else tokens[:n]
 
     def drive(self) -> None:
         """Step until no request is unfinished; after each step, read the records of the ON
@@ -153,9 +177,9 @@ class _PipelinedRun:
         while self.engine.has_unfinished_requests():
             finished = []
             for out in self.engine.step():
-                if not out.finished:
-                    continue
-                rid, tokens = out.request_id, [int(x) for x in out.outputs[0].token_ids]
+                rid = out.request_id
+                if rid not in self.pending or (tokens := self._tokens(out)) is None:
+                    continue  # still running (or aborted where decided)
                 self.pending.discard(rid)
                 if rid.startswith("on"):
                     self.on_tokens[int(rid[2:])] = tokens

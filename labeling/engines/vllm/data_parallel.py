@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from typing import Any
 
 from labeling.engines.vllm.requests import Batch, VLLMRequest
@@ -98,6 +99,9 @@ class DataParallelBackend:
         return out
 
     def run(self, reqs: Sequence[VLLMRequest], config: Mapping[str, Any], desc: str, progress: bool) -> Batch:
+        """Replicas generate every request to its end: a ``decided`` watch (and the tokenizer it
+        decodes with) does not cross to them, so the caller cuts the results afterwards."""
+        reqs = [replace(r, decided=None) for r in reqs]
         parts = shard([len(r.prompt_ids) + r.max_tokens for r in reqs], len(self.pools))
         futures = [pool.submit(_run, [reqs[i] for i in idx], dict(config), f"{desc} [replica {rank}]",
                                progress and rank == 0) for rank, (pool, idx) in enumerate(zip(self.pools, parts))]

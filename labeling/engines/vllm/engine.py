@@ -27,8 +27,9 @@ class VLLMEngine(ChatIO):
     prefix_caching: whether the backend's engines cache prefixes (then passes with a release
     policy are refused, :func:`serve_bridge.calibration.require_cacheable`).
     early_stop: cut each ON response where its answer is decided (:mod:`labeling.answer_cut`)
-    before planning its OFF branches, so none is forked past that point; every result is cut
-    afterwards either way (vLLM itself generates each response to its end).
+    before planning its OFF branches, so none is forked past that point, and stop each OFF branch
+    at the step its answer is decided (a :class:`LocalBackend` aborts it there; data-parallel
+    replicas generate it to its end); every result is cut afterwards either way.
     """
 
     def __init__(self, backend: Any, tokenizer: Any, adapters: Sequence[AdapterSpec], stop_ids: Iterable[int],
@@ -120,13 +121,19 @@ class VLLMEngine(ChatIO):
             if fork is not None:
                 plan = plan_forks(results, fork)
                 if plan:
-                    off = [off_request(requests[i], results[i], t, max_new_tokens) for i, t in plan]
+                    off = [off_request(requests[i], results[i], t, max_new_tokens, self._branch_decode)
+                           for i, t in plan]
                     out = self.backend.run(off, self._config(), f"{desc}: {len(off)} OFF branches", self.progress)
                     self.generated_tokens += sum(map(len, out.tokens))
                     assemble_branches(results, plan, out.tokens)
         for r, res in zip(requests, results):
             cut_result(res, r.stop, self.decode)
         return results
+
+    @property
+    def _branch_decode(self) -> Callable[[list[int]], str] | None:
+        """The decode that lets OFF branches stop where decided (:func:`off_request`), with ``early_stop``."""
+        return self.decode if self.early_stop else None
 
     def _on_result(self, req: GenRequest, tokens: Sequence[int], record: dict[str, Any] | None,
                    scored: bool) -> GenResult:
@@ -146,7 +153,7 @@ class VLLMEngine(ChatIO):
             res = results[k] = self._on_result(requests[k], tokens, record, scored)
             points = fork_points(res, fork)
             plan.extend((k, t) for t in points)
-            return [off_request(requests[k], res, t, max_new_tokens) for t in points]
+            return [off_request(requests[k], res, t, max_new_tokens, self._branch_decode) for t in points]
 
         on, off_tokens = self.backend.run_pipelined(on_requests(requests, max_new_tokens), config, follow,
                                                     f"{desc} (ON + OFF branches)", self.progress)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from labeling.answer_cut import AnswerWatch, Decode
 from labeling.engines.hf import GenRequest, GenResult
 from labeling.forks import ForkFn, forks_at
 from serve_bridge.runtime import REQUEST_ARGS_KEY
@@ -21,6 +22,8 @@ class VLLMRequest:
 
     uid: the calibration record's key (ON pass), None for OFF branches.
     release_position: forced release (OFF branches): positions ≥ it run without the adapter.
+    decided: called with the tokens generated so far, the number to keep once the response is
+    decided (:class:`labeling.answer_cut.AnswerWatch`), else None; the request then stops there.
     """
 
     prompt_ids: tuple[int, ...]
@@ -28,6 +31,7 @@ class VLLMRequest:
     max_tokens: int
     uid: str | None = None
     release_position: int | None = None
+    decided: Callable[[Sequence[int]], int | None] | None = field(default=None, compare=False, repr=False)
 
     def extra_args(self) -> dict[str, Any] | None:
         """``SamplingParams.extra_args`` (:func:`serve_bridge.runtime.request_args` layout)."""
@@ -102,13 +106,17 @@ def plan_forks(results: Sequence[GenResult], fork: ForkFn) -> list[tuple[int, in
     return [(i, t) for i, res in enumerate(results) for t in fork_points(res, fork)]
 
 
-def off_request(req: GenRequest, res: GenResult, t: int, max_new_tokens: int) -> VLLMRequest:
+def off_request(req: GenRequest, res: GenResult, t: int, max_new_tokens: int,
+                decode: Decode | None = None) -> VLLMRequest:
     """OFF_t by prefix replay: prompt + ON tokens[:t+1], adapter off from position len(prompt)+t
-    (token t+1, consumed by forward t+1), for the tokens the ON response had left."""
+    (token t+1, consumed by forward t+1), for the tokens the ON response had left. With ``decode``
+    and the request's ``stop``, the branch stops where its answer is decided (ON tokens[:t+1] are
+    not: the ON response was cut first)."""
     if not 0 <= t < len(res.tokens) - 1:
         raise ValueError(f"request {req.uid}: no OFF branch at t={t} for an ON response of {len(res.tokens)} tokens")
+    watch = None if decode is None or req.stop is None else AnswerWatch(res.tokens[:t + 1], req.stop, decode)
     return VLLMRequest(tuple(req.prompt_ids) + tuple(res.tokens[:t + 1]), req.slot, max_new_tokens - (t + 1),
-                       release_position=len(req.prompt_ids) + t)
+                       release_position=len(req.prompt_ids) + t, decided=watch)
 
 
 def assemble_branches(results: Sequence[GenResult], plan: Sequence[tuple[int, int]],

@@ -5,9 +5,12 @@
 #   uniform512  512 adapters, max_loras 32, uniform traffic, offline: both, gridtrim, stock, nolora
 #   skewed1024  1024 adapters, max_loras 64, skewed (80% of requests on 20% of adapters): stock, gridtrim, both
 #   full128     128 adapters, max_loras 128 (no slot pressure, the no-regression check): nolora, stock, gridtrim, both
+#   llama8b256  Llama-3.1-8B shape, rank 16 (about 84 MB per adapter), 256 adapters, max_loras 16: both, gridtrim,
+#               stock, nolora (likely more than one call: MODES="stock" ..., the same OUT_DIR)
 #   poisson512  512 adapters, max_loras 32, open-loop Poisson arrivals at RATE req/s (default: 0.8 × gridtrim's
 #               offline req/s in OUT/uniform512, else 20): gridtrim, both; P50/P90 TTFT and TPOT
-# Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections, full CUDA graphs, REQUESTS
+# Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections (llama8b256: Llama-3.1-8B, rank 16),
+# full CUDA graphs, REQUESTS
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
 # per step beside the capacity model's prediction. Each table prints the line
 #   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ (those measured)
@@ -21,7 +24,7 @@
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
-[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 poisson512" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 llama8b256 poisson512" >&2; exit 2; }
 requests=${REQUESTS:-2048}
 budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
@@ -64,6 +67,8 @@ for table in "$@"; do
         bench "$table" "$start" --adapters 1024 --max-loras 64 --skewed --modes both gridtrim stock ;;
     full128)
         bench "$table" "$start" --adapters 128 --modes both gridtrim stock nolora ;;
+    llama8b256)
+        bench "$table" "$start" --model llama8b --rank 16 --adapters 256 --max-loras 16 --modes both gridtrim stock nolora ;;
     poisson512)
         rate=${RATE:-$(python3 - "$out/uniform512/bench.json" <<'PY'
 import json, sys
@@ -77,7 +82,7 @@ PY
         echo "Poisson arrivals at $rate req/s"
         bench "$table" "$start" --adapters 512 --max-loras 32 --arrival-rate "$rate" --modes both gridtrim ;;
     *)
-        echo "unknown table '$table': correctness, uniform512, skewed1024, full128 or poisson512" >&2
+        echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256 or poisson512" >&2
         exit 2 ;;
     esac
 done

@@ -1,11 +1,12 @@
-"""Offline throughput: stock vLLM 0.26 vs vLLM with the LoRazor plugin, in one run.
+"""Offline throughput: stock vLLM vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
-                                 [--passes P] [--model llama3b|mistral7b] [--skewed] [--arrival-rate R]
+                                 [--passes P] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
+                                 [--arrival-rate R]
 
 (``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
-It serves a Llama-3.2-3B-shaped model (or Mistral-7B-v0.3-shaped with
-``--model mistral7b``) with dummy weights and N random rank-8 peft adapters on
+It serves a Llama-3.2-3B-shaped model (Mistral-7B-v0.3- or Llama-3.1-8B-shaped with
+``--model``) with dummy weights and N random rank-8 (``--rank``) peft adapters on
 q,k,v,o,gate,up,down. The workload follows the paper: 2048 requests with
 prompts of 100–300 tokens and 20–100 output tokens (``ignore_eos``, per-request
 ``max_tokens``), spread uniformly over the adapters, or 80% of requests on 20% of them with
@@ -96,9 +97,12 @@ MISTRAL_7B = {
     "sliding_window": None, "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
-MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B}
-MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3"}
-RANK, ALPHA = 8, 16
+# Llama-3.1-8B's config.json (the production-shaped table: rank-16 adapters, about 84 MB each).
+LLAMA31_8B = {**LLAMA32_3B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "tie_word_embeddings": False}
+MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B, "llama8b": LLAMA31_8B}
+MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3", "llama8b": "Llama-3.1-8B"}
+RANK = 8  # the default adapter rank (--rank); alpha is 2 × rank, so every rank scales its update by 2
 # distinct weight files; adapter a's is a hard link to file a mod K (synthetic.write_random_adapters)
 DISTINCT_WEIGHTS = 32
 N_REQUESTS = 2048
@@ -290,11 +294,12 @@ def adapter_name(a: int) -> str:
     return f"a{a:02d}"
 
 
-def write_model_and_adapters(work: Path, n_adapters: int, cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, str]:
-    """``work/model/config.json`` and ``work/adapters/aNN``: random rank-8 peft adapters on
+def write_model_and_adapters(work: Path, n_adapters: int, cfg: dict[str, Any] = LLAMA32_3B,
+                             rank: int = RANK) -> dict[str, str]:
+    """``work/model/config.json`` and ``work/adapters/aNN``: random rank-``rank`` peft adapters on
     q,k,v,o,gate,up,down of this model's shapes; returns adapter name → weights sha256."""
     write_model_config(work, cfg)
-    fps = write_random_adapters(work, cfg, n_adapters, RANK, ALPHA, adapter_name, distinct=DISTINCT_WEIGHTS)
+    fps = write_random_adapters(work, cfg, n_adapters, rank, 2 * rank, adapter_name, distinct=DISTINCT_WEIGHTS)
     return {adapter_name(a): fp for a, fp in fps.items()}
 
 
@@ -307,7 +312,8 @@ def write_profiled_bundle(directory: Path, wl: Workload, fingerprints: dict[str,
                             stats={"rule": "profiled k: ~50% of decode forwards skipped on the bench lengths",
                                    "target_skip": TARGET_SKIP})
                for a in range(wl.n_adapters)]
-    backbone = "mistral-7b-v0.3-shape-dummy" if cfg.get("model_type") == "mistral" else "llama-3.2-3b-shape-dummy"
+    backbone = {("mistral", 4096): "mistral-7b-v0.3-shape-dummy", ("llama", 4096): "llama-3.1-8b-shape-dummy"}.get(
+        (cfg.get("model_type"), cfg["hidden_size"]), "llama-3.2-3b-shape-dummy")
     return write_bundle(directory, backbone=backbone, hidden_size=cfg["hidden_size"],
                         config_fingerprint=config_fingerprint(cfg), adapters=entries)
 
@@ -316,14 +322,14 @@ def _tag(n: int, skewed: bool) -> str:
     return f"n{n}_{'skewed' if skewed else 'uniform'}"
 
 
-def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> dict[str, Any]:
-    return {"config": cfg, "rank": RANK, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
+def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> dict[str, Any]:
+    return {"config": cfg, "rank": rank, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
 
 
-def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B) -> None:
+def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> None:
     """Remove ``work/prepared.json`` unless it was written for these adapters and this model."""
     stamp = work / "prepared.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters, cfg):
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters, cfg, rank):
         stamp.unlink()
 
 
@@ -333,26 +339,26 @@ def workload_for(n: int, n_requests: int, skewed: bool, seed: int, cfg: dict[str
 
 
 def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, seed: int,
-            cfg: dict[str, Any] = LLAMA32_3B) -> None:
+            cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> None:
     """Adapters for max(adapters), a bundle per adapter count; ``work/prepared.json`` last.
 
     Adapters already written for the same model and adapter count (same stamp) are kept."""
     import shutil
 
     stamp = work / "prepared.json"
-    drop_stale_stamp(work, adapters, cfg)
+    drop_stale_stamp(work, adapters, cfg, rank)
     if stamp.exists():
         fps = json.loads(stamp.read_text())["fingerprints"]
     else:
         for stale in ("adapters", "bundle", "bundle_bad", "bundles"):
             shutil.rmtree(work / stale, ignore_errors=True)
-        fps = write_model_and_adapters(work, max(adapters), cfg)
+        fps = write_model_and_adapters(work, max(adapters), cfg, rank)
     for n in adapters:
         wl = workload_for(n, n_requests, skewed, seed, cfg)
         directory = work / "bundles" / f"{_tag(n, skewed)}_r{n_requests}_s{seed}"
         if not directory.exists():
             write_profiled_bundle(directory, wl, fps, cfg)
-    stamp.write_text(json.dumps({"key": _prep_key(adapters, cfg), "fingerprints": fps}))
+    stamp.write_text(json.dumps({"key": _prep_key(adapters, cfg, rank), "fingerprints": fps}))
 
 
 # -- one engine (subprocess) ----------------------------------------------------------------------
@@ -361,7 +367,7 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
                    lora_target_modules: Sequence[str] | None = None,
                    tensor_parallel_size: int = 1, compiled: bool = False,
                    full_graphs: bool = False, max_loras: int | None = None,
-                   max_cpu_loras: int | None = None) -> dict[str, Any]:
+                   max_cpu_loras: int | None = None, rank: int = RANK) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
     workload), ``max_cpu_loras`` N (every adapter stays loaded in host memory after the warm-up
     request per adapter) or the given one, at least max_loras, and the decode CUDA graph sizes;
@@ -391,7 +397,7 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
-    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=RANK, max_cpu_loras=max(max_cpu_loras or n_adapters, slots),
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=rank, max_cpu_loras=max(max_cpu_loras or n_adapters, slots),
                  specialize_active_lora=SPECIALIZE[mode])
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
@@ -597,7 +603,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
                full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
-               slots: bool = True, max_cpu_loras: int | None = None) -> None:
+               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
     Slot statistics (:class:`SlotStats`) of the timed run go into the result beside the capacity
@@ -616,7 +622,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         lora_manager.install()
     t0 = time.time()
     opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
-                          max_loras, max_cpu_loras)
+                          max_loras, max_cpu_loras, rank)
     llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
     stats = SlotStats.attach(llm)
@@ -809,8 +815,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     (work / "prepare.failed").unlink(missing_ok=True)
     cfg = MODELS[args.model]
     runs = schedule(args.modes, args.passes)
-    drop_stale_stamp(work, args.adapters, cfg)
+    drop_stale_stamp(work, args.adapters, cfg, args.rank)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
+              "--rank", str(args.rank),
               "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
         ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
@@ -830,7 +837,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     preamble = [
         f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm()} vs the LoRazor plugin (GridTrim kernels, "
         "StepTrim release, both), same machine, back-to-back subprocesses",
-        f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{RANK} "
+        f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{args.rank} "
         f"random peft adapters on q,k,v,o,gate,up,down ({DISTINCT_WEIGHTS} distinct weight files hard-linked under the "
         "N adapter names: each name is loaded from disk and written into its slot on its own, as vLLM does)",
         f"workload: {args.requests} requests, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, outputs "
@@ -844,7 +851,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
                                                tensor_parallel_size=args.tensor_parallel_size,
-                                               compiled=args.compiled, full_graphs=args.full_graphs)
+                                               compiled=args.compiled, full_graphs=args.full_graphs, rank=args.rank)
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
                                    "specialize_active_lora": "per mode"}),
@@ -975,7 +982,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(cudagraph_mode FULL), in every mode; give --capture-sizes up to 2048 (the token "
                              "budget) so that no step runs eagerly")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
-                    help="dummy-weight model shape: Llama-3.2-3B (default) or Mistral-7B-v0.3")
+                    help="dummy-weight model shape: Llama-3.2-3B (default), Mistral-7B-v0.3 or Llama-3.1-8B")
+    ap.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank (alpha = 2 × rank; default 8)")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
     ap.add_argument("--max-loras", type=int, default=None, metavar="M",
                     help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
@@ -1012,7 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
     if args.phase == "prepare":
         try:
-            prepare(args.work, args.adapters, args.skewed, args.requests, args.seed, MODELS[args.model])
+            prepare(args.work, args.adapters, args.skewed, args.requests, args.seed, MODELS[args.model], args.rank)
         except BaseException:
             import traceback
 
@@ -1024,7 +1032,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
-                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras)
+                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank)
         return 0
     return orchestrate(args)
 

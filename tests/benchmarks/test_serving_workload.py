@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from benchmarks.serving import bench
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
@@ -493,3 +494,33 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
     assert pred == {"model_steps": ref.steps, "model_mean_running": ref.mean_running,
                     "model_mean_slots_held": ref.mean_occupancy}
     assert bench.predicted_slots(wl, 8, False, opts)["model_steps"] > pred["model_steps"]
+
+
+def test_rank_reaches_the_adapters_the_engine_and_the_stamp(tmp_path):
+    """--rank writes rank-R adapters (alpha 2R: the same scale as rank 8's alpha 16), sizes vLLM's
+    max_lora_rank and restamps a work directory prepared at another rank."""
+    tiny = {**bench.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    bench.prepare(tmp_path, [3], False, 32, 0, tiny, rank=16)
+    peft = json.loads((tmp_path / "adapters" / "a00" / "adapter_config.json").read_text())
+    assert (peft["r"], peft["lora_alpha"]) == (16, 32)
+    with safe_open(str(tmp_path / "adapters" / "a00" / "adapter_model.safetensors"), "pt") as f:
+        assert f.get_tensor("base_model.model.model.layers.0.mlp.down_proj.lora_A.weight").shape == (16, 128)
+    assert bench.engine_options(4, rank=16)["max_lora_rank"] == 16 and bench.engine_options(4)["max_lora_rank"] == 8
+    bench.drop_stale_stamp(tmp_path, [3], tiny, rank=16)
+    assert (tmp_path / "prepared.json").exists()
+    bench.drop_stale_stamp(tmp_path, [3], tiny)  # rank 8 now
+    assert not (tmp_path / "prepared.json").exists()
+
+
+def test_llama8b_shape_gives_the_production_table_sizes():
+    """Llama-3.1-8B's config: about 8.0 B parameters, and a rank-16 adapter on the seven
+    projections is about 84 MB in bf16 (the issue's production-shaped table)."""
+    cfg = bench.MODELS["llama8b"]
+    h, f, n, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    kv_dim = kv * cfg["head_dim"]
+    per_layer = h * h * 2 + h * kv_dim * 2 + 3 * h * f
+    params = n * per_layer + 2 * cfg["vocab_size"] * h  # untied embedding and lm_head
+    assert 7.9e9 < params < 8.1e9
+    lora = n * 16 * sum(n_in + n_out for _, n_in, n_out in lora_targets(cfg).values())  # what the writer writes
+    assert 83e6 < 2 * lora < 85e6

@@ -52,11 +52,10 @@ class AnswerWatch:
         self.checked = 0
 
     def __call__(self, continuation: Sequence[int]) -> int | None:
-        for n in range(self.checked + 1, len(continuation) + 1):
-            self.checked = n
-            if decided_at(self.prefix + list(continuation[:n]), self.stop, self.decode):
-                return n
-        return None
+        n = decided_length(self.prefix + list(continuation), self.stop, self.decode,
+                           start=len(self.prefix) + self.checked + 1)
+        self.checked = len(continuation)
+        return None if n is None else n - len(self.prefix)
 
 
 def cut_result(res: Any, stop: StopFn | None, decode: Decode) -> None:

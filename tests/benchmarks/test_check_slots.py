@@ -85,8 +85,8 @@ def test_variants_set_their_environment_and_only_known_options(tmp_path):
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_BATCH_INVARIANT"] == "1"
     assert check_slots.engine_env("wide", tmp_path, {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     for big, small, _ in check_slots.INVARIANCE_PAIRS.values():
-        one = {k: v for k, v in (check_slots.ENGINE | check_slots.VARIANTS.get(big, {})).items()}
-        other = {k: v for k, v in (check_slots.ENGINE | check_slots.VARIANTS[small]).items()}
+        one = check_slots.ENGINE | check_slots.VARIANTS.get(big, {})
+        other = check_slots.ENGINE | check_slots.VARIANTS[small]
         assert {k for k in one | other if one.get(k) != other.get(k)} == {"max_num_seqs"}, (big, small)
         assert other["max_num_seqs"] == 16 and one["max_num_seqs"] == 128
 

@@ -515,7 +515,7 @@ def test_rank_reaches_the_adapters_the_engine_and_the_stamp(tmp_path):
 
 def test_llama8b_shape_gives_the_production_table_sizes():
     """Llama-3.1-8B's config: about 8.0 B parameters, and a rank-16 adapter on the seven
-    projections is about 84 MB in bf16 (the issue's production-shaped table)."""
+    projections is about 84 MB in bf16 (scripts/gpu_slot_bench.sh's llama8b256 table)."""
     cfg = bench.MODELS["llama8b"]
     h, f, n, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     kv_dim = kv * cfg["head_dim"]

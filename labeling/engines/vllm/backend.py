@@ -62,7 +62,7 @@ class LocalBackend:
 
         if not reqs:
             return Batch([])
-        if any(r.decided is not None for r in reqs) and not config.get("policy"):
+        if any(r.decided is not None for r in reqs):
             return self.run_pipelined(reqs, config, lambda k, tokens, record: (), desc, progress)[0]
         params = [self.sampling_params(r) for r in reqs]
         loras = [self.lora_request(r) for r in reqs]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The slot-bound serving tables (each fits a 10-minute window on one H200):
 #   correctness check_slots: policy off token-identical to stock on 320 requests; profiled and learned
-#               policies token-identical with and without slot hand-back
+#               policies with and without slot hand-back identical up to numerical near-ties
 #   uniform512  512 adapters, max_loras 32, uniform traffic, offline: both, gridtrim, stock, nolora
 #   skewed1024  1024 adapters, max_loras 64, skewed (80% of requests on 20% of adapters): stock, gridtrim, both
 #   full128     128 adapters, max_loras 128 (no slot pressure, the no-regression check): nolora, stock, gridtrim, both

@@ -1,7 +1,8 @@
 """Synthetic serving fixtures for the device checks and benchmarks: a dummy-weight Llama model
 directory and random peft LoRA adapters of that model's shapes.
 
-vLLM serves the model with ``load_format="dummy"`` (only ``config.json`` is read); the
+vLLM serves the model with ``load_format="dummy"`` (only ``config.json`` is read), or from
+random weights at a trained model's scale (:func:`write_random_weights`); the
 adapters are real peft directories (``adapter_config.json`` + ``adapter_model.safetensors``)
 with non-zero random A and B in bf16, so LoRA changes outputs.
 """
@@ -31,6 +32,37 @@ def write_model_config(work: Path, cfg: dict[str, Any]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
+
+
+def write_random_weights(work: Path, cfg: dict[str, Any], std: float = 0.02, seed: int = 0) -> Path:
+    """``work/model/model.safetensors``: a Llama checkpoint of ``cfg``'s shapes with normal(0, ``std``)
+    matrices and unit RMSNorm weights, in bf16 (embeddings tied when the config says so).
+
+    vLLM's dummy weights are uniform in ±1e-3, norms included, so a dummy model's next token
+    hardly depends on its context and small numeric differences in its attention or matmuls
+    rarely change a token; at this scale they do, which is what a batch-invariance check needs."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).bfloat16()
+
+    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    if not cfg.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = normal(v, h)
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        for mod, (block, n_in, n_out) in lora_targets(cfg).items():
+            tensors[f"{prefix}.{block}.{mod}.weight"] = normal(n_out, n_in)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    path = work / "model" / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
 
 
 def write_random_adapters(work: Path, cfg: dict[str, Any], n_adapters: int, rank: int, alpha: int,

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from labeling.answer_cut import decided_length
 from labeling.engines.hf import GenRequest, generated_tokens
@@ -87,9 +89,21 @@ def test_demo_tables_are_identical_with_and_without_early_stop(demo_runs: tuple[
     a, b = pd.read_parquet(on / "labels/points.parquet"), pd.read_parquet(off / "labels/points.parquet")
     pd.testing.assert_frame_equal(a, b)
     assert len(a) > 0 and a["y"].sum() > 0
-    assert np.array_equal(np.load(on / "labels/features.npy"), np.load(off / "labels/features.npy"))
-    assert json.loads((on / "heads/candidates.json").read_text()) == json.loads((off / "heads/candidates.json").read_text())
-    pd.testing.assert_frame_equal(pd.read_parquet(on / "sweep/trees.parquet"), pd.read_parquet(off / "sweep/trees.parquet"))
+    # The hidden states are those of each forward in batches whose rows differ once some rows stop
+    # early; CPU matmuls may round them differently in the last bits.
+    np.testing.assert_allclose(np.load(on / "labels/features.npy"), np.load(off / "labels/features.npy"),
+                               rtol=1e-4, atol=1e-4)
+    # Heads trained on those features: the same candidates, thresholds equal to float32 rounding.
+    ca, cb = (json.loads((d / "heads/candidates.json").read_text()) for d in (on, off))
+    assert ca["ks"] == cb["ks"] and ca["taus"].keys() == cb["taus"].keys()
+    for name in ca["taus"]:
+        np.testing.assert_allclose(ca["taus"][name], cb["taus"][name], rtol=1e-5)
+    pd.testing.assert_frame_equal(pd.read_parquet(on / "sweep/trees.parquet"), pd.read_parquet(off / "sweep/trees.parquet"),
+                                  check_exact=False, rtol=1e-5)
     for name in TABLES:
-        pd.testing.assert_frame_equal(pd.read_csv(on / name), pd.read_csv(off / name), obj=name)
-    assert (on / "bundle/heads.safetensors").read_bytes() == (off / "bundle/heads.safetensors").read_bytes()
+        pd.testing.assert_frame_equal(pd.read_csv(on / name), pd.read_csv(off / name), obj=name, check_exact=False,
+                                      rtol=1e-5)
+    ha, hb = (load_file(str(d / "bundle/heads.safetensors")) for d in (on, off))
+    assert ha.keys() == hb.keys()
+    for key in ha:
+        torch.testing.assert_close(ha[key], hb[key], rtol=1e-4, atol=1e-4)

@@ -26,7 +26,8 @@ def _write(out, requests, *, keep_tokens=None, keep_releases=None, learn_tokens=
            keep_adapters=8, keep_scheduler="Scheduler"):
     tokens = [[10 * i] * r["max_tokens"] for i, r in enumerate(requests)]
     # learned requests released at t = 0 run without their adapter from the second token on
-    learned = learn_tokens or [t[:1] + [t[0] + 5] * (len(t) - 1) if i in _dropped(requests) else t
+    dropped = set(_dropped(requests))
+    learned = learn_tokens or [t[:1] + [t[0] + 5] * (len(t) - 1) if i in dropped else t
                                for i, t in enumerate(tokens)]
     releases = [0 if i % 2 else None for i in range(len(requests))]
     stats = {"slot_steps": 10, "max_slots_held": 8, "max_adapters_scheduled": on_adapters}

@@ -84,7 +84,7 @@ def demo_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return on, off
 
 
-def test_demo_tables_are_identical_with_and_without_early_stop(demo_runs: tuple[Path, Path]) -> None:
+def test_demo_labels_are_identical_and_tables_agree_with_and_without_early_stop(demo_runs: tuple[Path, Path]) -> None:
     on, off = demo_runs
     a, b = pd.read_parquet(on / "labels/points.parquet"), pd.read_parquet(off / "labels/points.parquet")
     pd.testing.assert_frame_equal(a, b)

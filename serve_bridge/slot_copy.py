@@ -52,8 +52,11 @@ class SlotWriter:
                      if all(t.dtype == first.dtype and t.device == first.device for t in ts)}
         shapes = [t.shape[1:] for ts in self.fast.values() for t in ts]
         sizes = [math.prod(s) for s in shapes]
-        self.staging = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        self.sources = [v.view(s) for v, s in zip(torch.split(self.staging, sizes), shapes)]
+        # A normal tensor even when vLLM first activates an adapter under inference mode (its warm-up
+        # dummy LoRAs): ``vllm serve --lora-modules`` writes later slots outside inference mode.
+        with torch.inference_mode(False):
+            self.staging = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+            self.sources = [v.view(s) for v, s in zip(torch.split(self.staging, sizes), shapes)]
         self._targets: dict[int, list[torch.Tensor]] = {}
 
     def image(self, weights: LayerWeights) -> SlotImage:

@@ -173,7 +173,8 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
         deadline = time.time() + READY_S
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready (see {log})")
+                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready; {log} ends:\n"
+                                   + log.read_text(errors="replace")[-4000:])
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                     if resp.status == 200:

@@ -107,3 +107,22 @@ def test_rendering_leaves_the_layers_untouched() -> None:
     SlotWriter(mods).image(random_adapter(random.Random(0), mods).__getitem__)
     assert all(torch.equal(a, b) for a, b in zip(state(mods), before))
     assert all(m.lora_a_stacked is stacked[n][0] and m.lora_b_stacked is stacked[n][1] for n, m in mods.items())
+
+
+@pytest.mark.parametrize("built_in_inference_mode", [True, False])
+def test_writes_in_and_out_of_inference_mode(built_in_inference_mode: bool) -> None:
+    """vLLM first activates adapters under inference mode (warm-up dummy LoRAs); ``vllm serve
+    --lora-modules`` activates the next ones outside it: both write the same slot contents."""
+    rng = random.Random(3)
+    ours = layers()
+    reference = copy.deepcopy(ours)
+    with torch.inference_mode(built_in_inference_mode):
+        writer = SlotWriter(ours)
+    adapters = [random_adapter(rng, ours) for _ in range(4)]
+    for step, adapter in enumerate(adapters * 2):
+        slot = rng.randrange(MAX_LORAS)
+        with torch.inference_mode(step % 2 == 0):
+            writer.write(writer.image(adapter.__getitem__), slot)
+        for name, m in reference.items():
+            m.reset_lora(slot) if adapter[name] is None else m.set_lora(slot, *adapter[name])
+        assert all(torch.equal(got, want) for got, want in zip(state(ours), state(reference)))

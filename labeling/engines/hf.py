@@ -32,11 +32,11 @@ from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.answer_cut import StopFn, cut_result, decided_at
 from labeling.engines.batch_workers import map_batches
 from labeling.engines.chat import ChatIO
+from labeling.engines.row_adapters import BASE, RowAdapters
 from labeling.forks import ForkFn, forks_at
 from labeling.options import CheckedOptions
 from serve_bridge.steptrim import NO_SLOT, StepTrim
 
-BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 MIN_SHARED_PREFIX = 8  # prompt tokens a slot's requests must share before they are run once for all
 
 
@@ -140,11 +140,17 @@ class HFEngine(ChatIO):
             for spec in adapters[1:]:
                 model.load_adapter(spec.path, adapter_name=spec.name)
         self.model = model.eval()
+        self._rows = RowAdapters(self.model) if adapters else None
         self.device = next(model.parameters()).device
         base = model.get_base_model() if adapters else model
         self._norm = base.model.norm
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, names: Sequence[str], **inputs):
+        """The model's forward with batch row i under adapter ``names[i]`` (BASE: none); without
+        adapters, the backbone's (``names`` unused)."""
+        return self._rows(names, **inputs) if self._rows is not None else self.model(**inputs)
 
     def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, steptrim: StepTrim | None = None,
                  scorer: StepTrim | None = None, capture: Callable[[int], bool] | None = None,
@@ -207,9 +213,9 @@ class HFEngine(ChatIO):
                 continue
             ids = torch.tensor([prompts[0][:n]], device=self.device)
             cache = DynamicCache()
-            kwargs = {"adapter_names": [BASE if slot == NO_SLOT else self.adapters[slot].name]} if self.adapters else {}
-            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(n, device=self.device)[None],
-                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
+            self.forward([BASE if slot == NO_SLOT else self.adapters[slot].name], input_ids=ids,
+                         attention_mask=torch.ones_like(ids), position_ids=torch.arange(n, device=self.device)[None],
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
             for layer, c in enumerate(cache.layers):
                 if layer == len(kv):
                     kv.append({})
@@ -259,9 +265,8 @@ class HFEngine(ChatIO):
             while rows:
                 names = [BASE if (row.released or reqs[row.req].slot == NO_SLOT)
                          else self.adapters[reqs[row.req].slot].name for row in rows]
-                kwargs = {"adapter_names": names} if self.adapters else {}
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                 logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
+                out = self.forward(names, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                   logits_to_keep=1, **{self._cache_kw: cache})
                 next_tok = out.logits[:, -1].argmax(-1)
                 generated += len(rows)
                 h = captured["h"].float()

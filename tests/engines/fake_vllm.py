@@ -108,10 +108,9 @@ class FakeLLM:
         cuts = [0, *(np.flatnonzero(np.diff(lora_ids)) + 1).tolist(), end - start]
         for a, b in zip(cuts[:-1], cuts[1:]):
             lo, hi = start + a, start + b
-            kw = {"adapter_names": [names[int(lora_ids[a])]]} if self.hf.adapters else {}
-            out = self.hf.model(input_ids=torch.tensor([ids[lo:hi]]), position_ids=torch.arange(lo, hi)[None],
-                                attention_mask=torch.ones(1, hi, dtype=torch.long), use_cache=True, logits_to_keep=1,
-                                **{self.hf._cache_kw: r.cache}, **kw)
+            out = self.hf.forward([names[int(lora_ids[a])]], input_ids=torch.tensor([ids[lo:hi]]),
+                                  position_ids=torch.arange(lo, hi)[None], attention_mask=torch.ones(1, hi, dtype=torch.long),
+                                  use_cache=True, logits_to_keep=1, **{self.hf._cache_kw: r.cache})
             logits = out.logits[0, -1]
         return logits
 

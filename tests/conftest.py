@@ -78,7 +78,19 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     tests/calibrate/test_pipeline.py's TINY overrides, shared by the tests that start from it
     (each stage is cached in the run directory, so a test that needs a later stage runs only
     that). Read it, or copy it (``shutil.copytree``) before running more stages in it."""
+    import json
+
+    from filelock import FileLock
+
     from tests.calibrate.test_pipeline import TINY, run
 
-    run_dir = tmp_path_factory.mktemp("tiny_run")
-    return run_dir, run(run_dir, TINY)
+    # Under pytest-xdist each worker would build its own copy: the first to get here builds it in the
+    # directory the workers share, the others wait for it and read its summaries.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    run_dir, done = shared / "tiny_run", shared / "tiny_run.summaries.json"
+    with FileLock(str(shared / "tiny_run.lock")):
+        if not done.exists():
+            done.write_text(json.dumps(run(run_dir, TINY)))
+    return run_dir, json.loads(done.read_text())

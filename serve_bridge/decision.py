@@ -80,6 +80,7 @@ class DecisionLauncher:
         self._buckets: dict[int, _Bucket] = {}
         self._inflight: tuple[_Bucket, int, torch.Tensor | None] | None = None
         self._last: tuple[_Bucket, int] | None = None
+        self.keep_scores = False  # off CUDA, also write the scores that last_scores() reads
         if self.on_cuda:
             from kernels.steptrim import hidden_source  # Triton: imported only where the kernel runs
 
@@ -134,6 +135,8 @@ class DecisionLauncher:
             self._inflight = (b, n, None)
             h = hidden.index_select(0, b.meta[ROW, :n]) if st.needs_hidden else None
             b.out[:n] = st.fires(b.meta[SLOT, :n], b.meta[T, :n], h)
+            if self.keep_scores:
+                b.score[:n] = st.scores(b.meta[SLOT, :n], h) if st.needs_hidden else 0.0
             return
         # on CUDA StepTrim has a learned policy (else it is on the CPU), so hidden is given
         hidden = StepTrim.kernel_hidden(hidden)
@@ -162,7 +165,7 @@ class DecisionLauncher:
 
     def last_scores(self) -> torch.Tensor:
         """The scores s of the last read decision's rows (float32 [n], on StepTrim's device; for
-        checks: meaningful for learned slots on CUDA, not written off CUDA)."""
+        checks: meaningful for learned slots, off CUDA only with ``keep_scores``)."""
         if self._last is None:
             raise RuntimeError("DecisionLauncher.last_scores: no decision was read")
         b, n = self._last

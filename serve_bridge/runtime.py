@@ -32,6 +32,7 @@ ignored (the request runs as if it had none).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -140,6 +141,8 @@ class RequestState:
     uid: the request's calibration name (``extra_args``), if any.
     forced_release_position: a forced release (``extra_args``): positions ≥ it run without
     the adapter, and the request takes no decision.
+    margins: t → s_t − τ of each learned decision after forward t, kept only while the runtime
+    records them (:attr:`ReleaseRuntime.record_margins`).
     """
 
     adapter: str | None
@@ -149,6 +152,7 @@ class RequestState:
     forwards: int = 0
     uid: str | None = None
     forced_release_position: int | None = None
+    margins: dict[int, float] = field(default_factory=dict)
 
     @property
     def release_position(self) -> int:
@@ -267,7 +271,19 @@ class ReleaseRuntime:
         self.resolve()
         self.steptrim = steptrim
         self.slot_of = {name: i for i, name in enumerate(slot_names)}
+        record = self.record_margins
         self._launcher = DecisionLauncher(steptrim, **self._launcher_args)
+        self.record_margins = record
+
+    @property
+    def record_margins(self) -> bool:
+        """Whether each learned decision's s_t − τ is kept in its request's state (off by default:
+        a device-to-host read per step; for checks that tell a decision near-tie from a fault)."""
+        return self._launcher.keep_scores
+
+    @record_margins.setter
+    def record_margins(self, on: bool) -> None:
+        self._launcher.keep_scores = bool(on)
 
     # -- request lifecycle -------------------------------------------------------------
     def add(self, req_id: str, adapter: str | None, adapter_path: str | None, num_prompt_tokens: int,
@@ -296,7 +312,7 @@ class ReleaseRuntime:
         st = self.states.pop(req_id, None)
         if st is not None:
             self.finished_log.append({"req_id": req_id, "adapter": st.adapter, "forwards": st.forwards,
-                                      "release": st.release})
+                                      "release": st.release, "margins": sorted(st.margins.items())})
 
     def _slot(self, adapter: str, path: str | None) -> int:
         """The adapter's StepTrim slot, or NO_SLOT (full LoRA, with one warning) when unusable."""
@@ -392,6 +408,12 @@ class ReleaseRuntime:
             return
         start = time.perf_counter()
         fired, gpu_ms = self._launcher.result()
+        if self.record_margins:
+            slots = torch.tensor([st.slot for st in p.states], dtype=torch.long)
+            margins = self.steptrim.margins(slots, self._launcher.last_scores()).tolist()
+            for st, t, m in zip(p.states, p.forwards, margins):
+                if math.isfinite(m):
+                    st.margins[t] = m
         for i in fired.nonzero()[0].tolist():
             st = p.states[i]
             if st.release is None:  # planned rows were unreleased; release stays one-way

@@ -141,6 +141,10 @@ class StepTrim:
             return self._launch(slots, torch.zeros_like(slots), hidden)[0]
         return self._score(self.table[slots], hidden)
 
+    def margins(self, slots: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """s − τ_slot per row, float32 [R]: below 0 a learned policy fires; +inf for other slots."""
+        return scores.float() - self.table[slots.to(self.device), _TAU]
+
     def fires(self, slots: torch.Tensor, t: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Rows whose policy releases them after forward ``t`` (bool [R]), ignoring earlier release.
 

@@ -19,7 +19,9 @@ t = 0, one third never, one third where wᵀh < 0). Three engines, each in its o
 Checks (:data:`N_CHECKS` rows): (a) policy off ≡ stock, token for token (the same schedule:
 nothing releases); (b) profiled and (c) learned: every request's tokens with hand-back equal those
 without up to a near-tie (:func:`divergence`), and release points are equal wherever the tokens
-before them agree; (d) hand-back happened: some step scheduled more distinct adapters than
+before them agree, for (c) up to a near-tie of the decision itself (:func:`decision_ties`: at the
+earlier release both runs' head scores lie within :data:`DECISION_TIE` of τ; the tokens may then
+differ far from the next token on, where one run has dropped the adapter); (d) hand-back happened: some step scheduled more distinct adapters than
 max_loras, no step had more than max_loras holding a slot, and it took fewer steps; (e) without
 hand-back no step scheduled more than max_loras adapters; (g) the near-tie test sees an adapter:
 requests that drop theirs at t = 0 differ far from full LoRA.
@@ -167,6 +169,10 @@ def serve(engine: str, work: Path, out: Path, weights: str = "dummy") -> None:
     if not options["enable_lora"]:
         options = {k: v for k, v in options.items() if not k.startswith(("max_lora", "max_cpu_lora"))}
     llm = LLM(model=str(work / "model"), **options)
+    if engine not in STOCK_ENGINES:
+        from serve_bridge.vllm.rpc import lorazor_record_margins
+
+        llm.collective_rpc(lorazor_record_margins)
     stats = SlotStats.attach(llm)
     result: dict[str, Any] = {"startup_s": time.time() - t0,
                               "scheduler": type(llm.llm_engine.engine_core.engine_core.scheduler).__name__}
@@ -189,13 +195,34 @@ def serve(engine: str, work: Path, out: Path, weights: str = "dummy") -> None:
 
             index = {o.request_id: j for j, o in enumerate(outs)}
             releases: list[int | None] = [None] * len(requests)
+            margins: list[list[list[float]]] = [[] for _ in requests]
             for rec in llm.collective_rpc(lorazor_requests, kwargs={"clear": True})[0]:
                 j = index.get(rec["req_id"].rsplit("-", 1)[0])  # internal id = external id + "-" + suffix
                 if j is not None:
-                    releases[j] = rec["release"]
-            part["releases"] = releases
+                    releases[j], margins[j] = rec["release"], rec["margins"]
+            part["releases"], part["margins"] = releases, margins
         result[family] = part
     (out / f"{engine}.json").write_text(json.dumps(result))
+
+
+DECISION_TIE = 0.05  # |s_t − τ| in both runs within which a learned decision may flip; the heads' s ~ N(0, 1)
+
+
+def decision_ties(on: dict[str, Any], keep: dict[str, Any], rows: list[int]) -> dict[int, int]:
+    """Request → first token that the tie may change, for the ``rows`` whose release points differ
+    at a near-tie of the decision: at the earlier release t both runs recorded the head's margin
+    s_t − τ (``margins``: [[t, m], ...] per request) and both lie within DECISION_TIE of τ, so a
+    last-bit difference of h_t decides it; tokens from t + 1 on run with or without the adapter."""
+    out = {}
+    for i in rows:
+        a, b = on["releases"][i], keep["releases"][i]
+        if a == b or not (on.get("margins") and keep.get("margins")):
+            continue
+        t = min(x for x in (a, b) if x is not None)
+        m = [dict(map(tuple, run["margins"][i])).get(t) for run in (on, keep)]
+        if all(x is not None and abs(x) <= DECISION_TIE for x in m):
+            out[i] = t + 1
+    return out
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -218,15 +245,22 @@ def divergence(a: dict[str, Any], b: dict[str, Any], i: int) -> tuple[str, int]:
 
 
 def _divergences(a: dict[str, Any], b: dict[str, Any], rows: range | list[int],
-                 note: Any = None) -> tuple[dict[str, int], str]:
+                 note: Any = None, ties: dict[int, int] | None = None) -> tuple[dict[str, int], str]:
     """Counts of each :func:`divergence` kind over ``rows`` and a detail string (the first far
-    differences, else the first near-ties; ``note(i)`` adds to each example)."""
+    differences, else the first near-ties; ``note(i)`` adds to each example). A far difference of a
+    request in ``ties`` (:func:`decision_ties`) from its token on counts as "after a decision tie"."""
     kinds = {i: divergence(a, b, i) for i in rows}
-    counts = {k: sum(kind == k for kind, _ in kinds.values()) for k in ("identical", "near-tie", "far")}
+    for i, start in (ties or {}).items():
+        if i in kinds and kinds[i][0] == "far" and kinds[i][1] >= start:
+            kinds[i] = ("after a decision tie", kinds[i][1])
+    counts = {k: sum(kind == k for kind, _ in kinds.values())
+              for k in ("identical", "near-tie", "far", "after a decision tie")}
     shown = [i for i, (kind, _) in kinds.items() if kind == "far"] or \
             [i for i, (kind, _) in kinds.items() if kind == "near-tie"]
     examples = [f"req {i}: {kinds[i][0]} at token {kinds[i][1]}" + (note(i) if note else "") for i in shown[:3]]
     detail = f"{counts['identical']}/{len(kinds)} identical, {counts['near-tie']} near-tie, {counts['far']} far"
+    if counts["after a decision tie"]:
+        detail += f", {counts['after a decision tie']} far after a decision near-tie"
     return counts, detail + (f" ({'; '.join(examples)})" if examples else "")
 
 
@@ -275,15 +309,17 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
     if "slots" in res and "keep" in res:
         for tag, fam in (("(b) profiled", "prof"), ("(c) learned", "learn")):
             on, keep = res["slots"][fam], res["keep"][fam]
-            counts, detail = _divergences(on, keep, range(n), lambda i: f", release {keep['releases'][i]}")
+            same_inputs = comparable_releases(on, keep, n)
+            ties = decision_ties(on, keep, same_inputs)
+            counts, detail = _divergences(on, keep, range(n), lambda i: f", release {keep['releases'][i]}", ties)
             rows.append((f"{tag}: tokens with hand-back ≡ without, up to near-ties", counts["far"] == 0, detail))
             released = sum(r is not None for r in keep["releases"])
-            same_inputs = comparable_releases(on, keep, n)
             equal = sum(on["releases"][i] == keep["releases"][i] for i in same_inputs)
+            tied = f", {len(ties)} at a decision near-tie (|s − τ| ≤ {DECISION_TIE} in both runs)" if ties else ""
             rows.append((f"{tag}: release points with hand-back ≡ without, where the tokens before them agree",
-                         equal == len(same_inputs) and released > 0,
-                         f"{equal}/{len(same_inputs)} equal ({n - len(same_inputs)} diverged earlier); {released} "
-                         "released"))
+                         equal + len(ties) == len(same_inputs) and released > 0,
+                         f"{equal}/{len(same_inputs)} equal{tied} ({n - len(same_inputs)} diverged earlier); "
+                         f"{released} released"))
             rows.append((f"{tag} (d): slots handed on", on["max_adapters_scheduled"] > MAX_LORAS
                          and on["max_slots_held"] <= MAX_LORAS and on["slot_steps"] < keep["slot_steps"],
                          f"max {on['max_adapters_scheduled']} adapters in a step, {on['max_slots_held']} holding "

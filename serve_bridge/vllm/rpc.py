@@ -40,7 +40,8 @@ def lorazor_counters(worker: Any) -> dict[str, Any]:
 
 def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     """Per-request records: vLLM's internal request id, adapter, forwards run, release
-    point r (None: not released) and ``finished``.
+    point r (None: not released), ``margins`` ([t, s_t − τ] of each learned decision, while
+    :func:`lorazor_record_margins` is on) and ``finished``.
 
     Finished requests come first, oldest first, then the tracked ones. The runner learns
     that a request finished only at the next engine step, so the requests of the last
@@ -51,10 +52,16 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     runtime.resolve()
     records = [{**rec, "finished": True} for rec in runtime.finished_log]
     records += [{"req_id": req_id, "adapter": st.adapter, "forwards": st.forwards, "release": st.release,
-                 "finished": False} for req_id, st in runtime.states.items()]
+                 "margins": sorted(st.margins.items()), "finished": False} for req_id, st in runtime.states.items()]
     if clear:
         runtime.finished_log.clear()
     return records
+
+
+def lorazor_record_margins(worker: Any, on: bool = True) -> None:
+    """Keep each learned decision's margin s_t − τ in its request's record from the next step on
+    (one device-to-host read per step; for checks, not for serving)."""
+    _runtime(worker).record_margins = on
 
 
 def _calibration(worker: Any) -> CalibrationRuntime:

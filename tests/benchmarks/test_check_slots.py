@@ -192,3 +192,36 @@ def test_random_weights_are_a_complete_llama_checkpoint(tmp_path):
     assert q.shape == (cfg["num_attention_heads"] * cfg["head_dim"], cfg["hidden_size"])
     assert 0.018 < q.std().item() < 0.022 and torch.all(tensors["model.norm.weight"] == 1)
     assert load_file(str(write_random_weights(tmp_path, cfg))).keys() == tensors.keys()
+
+
+def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp_path):
+    """Request 1 releases after forward 2 with hand-back and after 5 without, tokens equal up to
+    there, then far from token 3 (one run dropped the adapter): accepted when both runs' margins
+    s_2 − τ lie within DECISION_TIE, refused when one does not or none were recorded."""
+    requests = _requests(6, max_tokens=lambda i: 6)
+    tokens = [[10 * i] * 6 for i in range(6)]
+    dropped = [t if i != 1 else [10, 10, 10, 90, 90, 90] for i, t in enumerate(tokens)]
+    rows = ("(c) learned: tokens with hand-back ≡ without, up to near-ties",
+            "(c) learned: release points with hand-back ≡ without, where the tokens before them agree")
+
+    def checked(margin_on, margin_keep, record=True):
+        _write(tmp_path, requests, learn_tokens=tokens, keep_tokens=tokens, keep_releases=[3, 5, 3, 3, 3, 3])
+        slots, keep = (json.loads((tmp_path / f"{e}.json").read_text()) for e in ("slots", "keep"))
+        slots["learn"]["tokens"] = dropped
+        slots["learn"]["releases"] = [3, 2, 3, 3, 3, 3]
+        keep["learn"]["releases"] = [3, 5, 3, 3, 3, 3]
+        if record:
+            slots["learn"]["margins"] = [[[0, 1.0], [1, 0.7], [2, margin_on]]] * 6
+            keep["learn"]["margins"] = [[[0, 1.0], [1, 0.7], [2, margin_keep]]] * 6
+        for e, doc in (("slots", slots), ("keep", keep)):
+            (tmp_path / f"{e}.json").write_text(json.dumps(doc))
+        got = {n: (ok, d) for n, ok, d in check_slots.compare(tmp_path, requests)}
+        return [got[r] for r in rows]
+
+    (tok_ok, tok_detail), (rel_ok, rel_detail) = checked(-0.01, 0.02)
+    assert tok_ok and tok_detail == "5/6 identical, 0 near-tie, 0 far, 1 far after a decision near-tie"
+    assert rel_ok and rel_detail == ("5/6 equal, 1 at a decision near-tie (|s − τ| ≤ 0.05 in both runs) "
+                                     "(0 diverged earlier); 6 released")
+    for args in ((-0.01, 0.4), (-0.3, 0.02), (0.0, 0.0, False)):
+        (tok_ok, tok_detail), (rel_ok, _) = checked(*args)
+        assert not tok_ok and not rel_ok and tok_detail.endswith("1 far (req 1: far at token 3, release 5)")

@@ -246,3 +246,34 @@ def test_worker_extension_names_the_readouts(tmp_path, served):
 def test_rpc_without_bridge_explains_how_to_start():
     with pytest.raises(RuntimeError, match="LORAZOR_BUNDLE=<bundle directory>"):
         lorazor_counters(SimpleNamespace(model_runner=SimpleNamespace()))
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_recorded_margins_are_the_learned_scores_less_tau(tmp_path, served, record):
+    """With record_margins each learned decision's s_t − τ is kept: equal to the head on the
+    request's hidden state, non-negative before the release and negative at it; none for a
+    profiled request, and none at all while off (the default)."""
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
+    assert not rt.record_margins
+    rt.record_margins = record
+    reqs = [WalkRequest(f"m{i}", "learn", 3, prompt=3 + i, length=10) for i in range(8)]
+    reqs.append(WalkRequest("p", "prof2", 2, prompt=4, length=6))
+    _run(rt, reqs, budget=10, preempt={"m1"}, paths=dict(served))
+    records = {rec["req_id"]: rec for rec in lorazor_requests(SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt)))}
+    assert records["p"]["margins"] == []
+    if not record:
+        assert all(rec["margins"] == [] for rec in records.values())
+        return
+    released = 0
+    for r in reqs[:-1]:
+        rel, margins = records[r.req_id]["release"], dict(records[r.req_id]["margins"])
+        assert sorted(margins) == list(range(len(margins))) and margins, r.req_id  # every decision, in order
+        for t, m in margins.items():
+            want = float(W_LEARN @ hidden_state(r.req_id, t)) + B_LEARN - TAU_LEARN
+            assert m == pytest.approx(want, rel=1e-5, abs=1e-5)
+        if rel is not None:
+            released += 1
+            assert max(margins) == rel and margins[rel] < 0 and all(margins[t] >= 0 for t in range(rel))
+        else:
+            assert all(m >= 0 for m in margins.values())
+    assert released > 0

@@ -225,6 +225,13 @@ def decision_ties(on: dict[str, Any], keep: dict[str, Any], rows: list[int]) -> 
     return out
 
 
+def _margins_at(on: dict[str, Any], keep: dict[str, Any], i: int) -> str:
+    """Both runs' margins s_t − τ of request ``i`` at its earlier release t, for the report."""
+    t = min((x for x in (on["releases"][i], keep["releases"][i]) if x is not None), default=None)
+    got = [dict(map(tuple, run["margins"][i])).get(t) if run.get("margins") else None for run in (on, keep)]
+    return " / ".join("—" if m is None else f"{m:+.3f}" for m in got) + f" at t = {t}"
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -316,10 +323,13 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
             released = sum(r is not None for r in keep["releases"])
             equal = sum(on["releases"][i] == keep["releases"][i] for i in same_inputs)
             tied = f", {len(ties)} at a decision near-tie (|s − τ| ≤ {DECISION_TIE} in both runs)" if ties else ""
+            odd = [i for i in same_inputs if on["releases"][i] != keep["releases"][i] and i not in ties]
+            shown = "; ".join(f"req {i}: release {on['releases'][i]} vs {keep['releases'][i]}, margins "
+                              f"{_margins_at(on, keep, i)}" for i in odd[:3])
             rows.append((f"{tag}: release points with hand-back ≡ without, where the tokens before them agree",
                          equal + len(ties) == len(same_inputs) and released > 0,
                          f"{equal}/{len(same_inputs)} equal{tied} ({n - len(same_inputs)} diverged earlier); "
-                         f"{released} released"))
+                         f"{released} released" + (f" ({shown})" if shown else "")))
             rows.append((f"{tag} (d): slots handed on", on["max_adapters_scheduled"] > MAX_LORAS
                          and on["max_slots_held"] <= MAX_LORAS and on["slot_steps"] < keep["slot_steps"],
                          f"max {on['max_adapters_scheduled']} adapters in a step, {on['max_slots_held']} holding "

@@ -222,6 +222,7 @@ def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp
     assert tok_ok and tok_detail == "5/6 identical, 0 near-tie, 0 far, 1 far after a decision near-tie"
     assert rel_ok and rel_detail == ("5/6 equal, 1 at a decision near-tie (|s − τ| ≤ 0.05 in both runs) "
                                      "(0 diverged earlier); 6 released")
-    for args in ((-0.01, 0.4), (-0.3, 0.02), (0.0, 0.0, False)):
-        (tok_ok, tok_detail), (rel_ok, _) = checked(*args)
+    for args, shown in (((-0.01, 0.4), "-0.010 / +0.400"), ((-0.3, 0.02), "-0.300 / +0.020"), ((0.0, 0.0, False), "— / —")):
+        (tok_ok, tok_detail), (rel_ok, rel_detail) = checked(*args)
         assert not tok_ok and not rel_ok and tok_detail.endswith("1 far (req 1: far at token 3, release 5)")
+        assert rel_detail.endswith(f"6 released (req 1: release 2 vs 5, margins {shown} at t = 2)")

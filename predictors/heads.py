@@ -38,7 +38,6 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
-from sklearn.linear_model import LogisticRegression
 
 from serve_bridge.bundle import head_tensor_names
 from serve_bridge.steptrim import LearnedPolicy
@@ -108,6 +107,8 @@ def fit_head(adapter: str, features: np.ndarray, labels: np.ndarray, request_ids
         message = (f"adapter '{adapter}' {found}; a head needs both classes, so this adapter gets a "
                    f"never-release policy (full LoRA). Label more requests or release points to get both.")
         return Head(adapter, np.zeros(x.shape[1], np.float32), 0.0, n_req, n, pos, "single_class", message)
+    from sklearn.linear_model import LogisticRegression  # ~1 s to import: only where a head is fitted
+
     mu = x.mean(axis=0)
     clf = LogisticRegression(C=1.0 / (lam * n_req), l1_ratio=0, solver="lbfgs", tol=1e-10, max_iter=10_000)
     clf.fit(x - mu, y, sample_weight=1.0 / counts[inverse])

@@ -154,6 +154,11 @@ class RequestState:
     forced_release_position: int | None = None
     margins: dict[int, float] = field(default_factory=dict)
 
+    def record(self, req_id: str) -> dict[str, Any]:
+        """The request's read-out (:func:`serve_bridge.vllm.rpc.lorazor_requests`), plain data."""
+        return {"req_id": req_id, "adapter": self.adapter, "forwards": self.forwards, "release": self.release,
+                "margins": sorted(self.margins.items())}
+
     @property
     def release_position(self) -> int:
         """First position that runs without the adapter (:data:`NEVER` if not released)."""
@@ -311,8 +316,7 @@ class ReleaseRuntime:
         self.resolve()
         st = self.states.pop(req_id, None)
         if st is not None:
-            self.finished_log.append({"req_id": req_id, "adapter": st.adapter, "forwards": st.forwards,
-                                      "release": st.release, "margins": sorted(st.margins.items())})
+            self.finished_log.append(st.record(req_id))
 
     def _slot(self, adapter: str, path: str | None) -> int:
         """The adapter's StepTrim slot, or NO_SLOT (full LoRA, with one warning) when unusable."""

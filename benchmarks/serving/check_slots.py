@@ -215,21 +215,22 @@ def decision_ties(on: dict[str, Any], keep: dict[str, Any], rows: list[int]) -> 
     last-bit difference of h_t decides it; tokens from t + 1 on run with or without the adapter."""
     out = {}
     for i in rows:
-        a, b = on["releases"][i], keep["releases"][i]
-        if a == b or not (on.get("margins") and keep.get("margins")):
-            continue
-        t = min(x for x in (a, b) if x is not None)
-        m = [dict(map(tuple, run["margins"][i])).get(t) for run in (on, keep)]
-        if all(x is not None and abs(x) <= DECISION_TIE for x in m):
-            out[i] = t + 1
+        if on["releases"][i] != keep["releases"][i]:
+            t, margins = margins_at_release(on, keep, i)
+            if all(m is not None and abs(m) <= DECISION_TIE for m in margins):
+                out[i] = t + 1
     return out
 
 
-def _margins_at(on: dict[str, Any], keep: dict[str, Any], i: int) -> str:
-    """Both runs' margins s_t − τ of request ``i`` at its earlier release t, for the report."""
+def margins_at_release(on: dict[str, Any], keep: dict[str, Any], i: int) -> tuple[int | None, list[float | None]]:
+    """Request ``i``'s earlier release t of the two runs (None: neither released) and each run's
+    recorded margin s_t − τ there (None where that run recorded none at t)."""
     t = min((x for x in (on["releases"][i], keep["releases"][i]) if x is not None), default=None)
-    got = [dict(map(tuple, run["margins"][i])).get(t) if run.get("margins") else None for run in (on, keep)]
-    return " / ".join("—" if m is None else f"{m:+.3f}" for m in got) + f" at t = {t}"
+    return t, [dict(map(tuple, run["margins"][i])).get(t) if run.get("margins") else None for run in (on, keep)]
+
+
+def _margins_text(t: int | None, margins: list[float | None]) -> str:
+    return " / ".join("—" if m is None else f"{m:+.3f}" for m in margins) + f" at t = {t}"
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -325,7 +326,7 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
             tied = f", {len(ties)} at a decision near-tie (|s − τ| ≤ {DECISION_TIE} in both runs)" if ties else ""
             odd = [i for i in same_inputs if on["releases"][i] != keep["releases"][i] and i not in ties]
             shown = "; ".join(f"req {i}: release {on['releases'][i]} vs {keep['releases'][i]}, margins "
-                              f"{_margins_at(on, keep, i)}" for i in odd[:3])
+                              f"{_margins_text(*margins_at_release(on, keep, i))}" for i in odd[:3])
             rows.append((f"{tag}: release points with hand-back ≡ without, where the tokens before them agree",
                          equal + len(ties) == len(same_inputs) and released > 0,
                          f"{equal}/{len(same_inputs)} equal{tied} ({n - len(same_inputs)} diverged earlier); "

@@ -51,8 +51,7 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     runtime = _runtime(worker)
     runtime.resolve()
     records = [{**rec, "finished": True} for rec in runtime.finished_log]
-    records += [{"req_id": req_id, "adapter": st.adapter, "forwards": st.forwards, "release": st.release,
-                 "margins": sorted(st.margins.items()), "finished": False} for req_id, st in runtime.states.items()]
+    records += [{**st.record(req_id), "finished": False} for req_id, st in runtime.states.items()]
     if clear:
         runtime.finished_log.clear()
     return records

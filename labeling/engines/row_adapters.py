@@ -4,8 +4,9 @@ Semantics: ``RowAdapters(model)(names, **inputs)`` (``names``: one adapter name 
 :data:`BASE` for the backbone alone) returns what ``model(**inputs, adapter_names=names)`` returns,
 through the same peft code path (every LoRA layer's ``forward(..., adapter_names=names)``), so with
 the same numbers. peft 0.21 scans the whole module tree twice and registers a pre-forward hook on
-every LoRA layer at each such call (``tuners/lora/model.py:567-683``), about 30 ms per forward of
-SmolLM2-135M on one CPU thread, a quarter of a one-row decode step; here those hooks are registered
+every LoRA layer at each such call (``tuners/lora/model.py:567-683``): 22-27 ms per decode step of
+SmolLM2-135M on one CPU thread, about a seventh of a one-row step
+(``python -m benchmarks.engines.bench_row_adapters``, 2026-12-03); here those hooks are registered
 once and read the names of the current call.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ RUNNER_SIGNATURES = {
         "vllm.v1.worker.gpu.lora_utils:LoraState.__init__": ["max_num_reqs"],
         "vllm.v1.worker.gpu.lora_utils:LoraState.make_lora_inputs": ["req_ids", "idx_mapping", "num_scheduled_tokens"],
         "vllm.v1.worker.gpu.lora_utils:LoraState.get_activate_loras": ["req_ids"],
-        "vllm.utils.gpu_sync_debug:gpu_sync_allowed": [],
+        "vllm.utils.gpu_sync_debug:gpu_sync_allowed": ["first_only"],
     },
 }
 SIGNATURES = {

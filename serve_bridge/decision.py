@@ -1,7 +1,7 @@
 """Launching one engine step's StepTrim decisions with few host calls (docs/design.md §2, §4).
 
 The decision itself is StepTrim's (:meth:`serve_bridge.steptrim.StepTrim.fires`; on CUDA its
-kernel, :mod:`kernels.steptrim`); this module only hands it inputs and takes its result. Per
+kernel, :mod:`lora_kernels.steptrim`); this module only hands it inputs and takes its result. Per
 bucket of rows (powers of two, created on demand, never freed) it keeps preallocated buffers:
 the per-row inputs (hidden-row index, slot, t) in one int64 [3, B] host tensor filled through a
 numpy view, a float32 [B] score buffer and a bool [B] result. Padded rows get slot NO_SLOT,
@@ -9,7 +9,7 @@ which never fires.
 
 On CUDA the input block and the result are pinned host memory that the kernel reads and writes
 directly, and so is a launcher-wide int64 pair holding the address and row stride of the
-step's hidden states (:func:`kernels.steptrim.hidden_source`). One launch is then, with CUDA
+step's hidden states (:func:`lora_kernels.steptrim.hidden_source`). One launch is then, with CUDA
 graphs (the default), a write of that pair and one graph replay, queued behind the forward on
 the current stream:
 
@@ -82,7 +82,7 @@ class DecisionLauncher:
         self._last: tuple[_Bucket, int] | None = None
         self.keep_scores = False  # off CUDA, also write the scores that last_scores() reads
         if self.on_cuda:
-            from kernels.steptrim import hidden_source  # Triton: imported only where the kernel runs
+            from lora_kernels.steptrim import hidden_source  # Triton: imported only where the kernel runs
 
             self._hidden_source = hidden_source
             # the hidden states' (address, row stride), read by the kernel at run time

@@ -1,9 +1,9 @@
 """GridTrim behind vLLM's punica contract: our work-list kernels for LoRA linears (docs/design.md §4, §6).
 
-Pure torch; importable without vLLM and without Triton (the ``kernels`` Triton modules load on
+Pure torch; importable without vLLM and without Triton (the ``lora_kernels`` Triton modules load on
 first launch). :mod:`serve_bridge.vllm.punica_wrapper` is the vLLM side that calls it.
 
-Per engine step, the :class:`~kernels.worklist.RowTileWorklist` is rebuilt from the step's LoRA
+Per engine step, the :class:`~lora_kernels.worklist.RowTileWorklist` is rebuilt from the step's LoRA
 metadata (:func:`refresh_worklist`, or on the host by :mod:`serve_bridge.punica_meta`). It holds only
 row tiles of slots whose adapter id is ≥ 0, so rows mapped to -1 (no adapter, or released by
 StepTrim) and CUDA-graph padding rows launch no work. Per LoRA linear, :func:`add_lora_linear`
@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from kernels.layout import as_3d, num_splits, partials_buffer
-from kernels.metadata import LoRABatchMeta
-from kernels.worklist import RowTileWorklist
+from lora_kernels.layout import as_3d, num_splits, partials_buffer
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.worklist import RowTileWorklist
 
 # A child of vLLM's "vllm" logger, as serve_bridge.runtime's, so records follow vLLM's logging.
 logger = logging.getLogger("vllm.lorazor.gridtrim")
@@ -218,7 +218,7 @@ def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], _T]) 
 def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
                  lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
                  offset_start: int) -> tuple[str | None, Any]:
-    """(:func:`ineligible_reason`, and when None the layer's ``kernels.linear.LinearConfig`` for
+    """(:func:`ineligible_reason`, and when None the layer's ``lora_kernels.linear.LinearConfig`` for
     x and y of these layouts) through the per-layer cache. Building the launch arguments costs
     about 0.2 ms of Python per call on the development CPU, the same order as the GPU host's
     measured per-call cost in eager steps (``benchmarks/results/2026-11-29-host-path.md``, 2026-11-29)."""
@@ -231,7 +231,7 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
         reason = ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start)
         if reason is not None:
             return reason, None
-        from kernels.linear import linear_config
+        from lora_kernels.linear import linear_config
 
         return None, linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
 
@@ -378,9 +378,9 @@ def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lo
             meta: LoRABatchMeta, worklist: RowTileWorklist, scale: float, offset_start: int, add_inputs: bool,
             num_programs: int, config: Any = None) -> None:
     """``gridtrim_lora_linear``: shrink then expand through an uninitialised partials buffer (shrink
-    writes every (split, slice, row) that expand reads, kernels/layout.py). ``config``: the layer's
-    ``kernels.linear.LinearConfig`` for these x/y layouts (built here when None, as under the op)."""
-    from kernels.linear import launch_linear, linear_config
+    writes every (split, slice, row) that expand reads, lora_kernels/layout.py). ``config``: the layer's
+    ``lora_kernels.linear.LinearConfig`` for these x/y layouts (built here when None, as under the op)."""
+    from lora_kernels.linear import launch_linear, linear_config
 
     if config is None:
         config = linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
@@ -396,7 +396,7 @@ def _shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], meta: 
 
     With one hidden chunk (``K ≤ K_CHUNK``) the kernel writes straight into y (a view as
     ``[1, slices, M, rank]`` partials); otherwise into zeroed split-K partials, summed into y."""
-    from kernels.shrink import lora_shrink
+    from lora_kernels.shrink import lora_shrink
 
     rank, hidden = as_3d(lora_a[0]).shape[1:]
     splits = num_splits(hidden)
@@ -413,7 +413,7 @@ def _shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], meta: 
 def _expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], meta: LoRABatchMeta,
             worklist: RowTileWorklist, offset_start: int, add_inputs: bool, num_programs: int) -> None:
     """``gridtrim_expand``: y's slices (+)= bf(x[s]) @ B_s[id]ᵀ on rows with an adapter."""
-    from kernels.expand import lora_expand
+    from lora_kernels.expand import lora_expand
 
     lora_expand(x.unsqueeze(0), lora_b, y, meta, worklist, offset_start=offset_start, add_inputs=add_inputs,
                 num_programs=num_programs or None)

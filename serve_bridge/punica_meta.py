@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.worklist import RowTileWorklist, host_tiles
+from lora_kernels.worklist import RowTileWorklist, host_tiles
 
 
 _UNKNOWN = -2  # a lookup-table entry for an adapter id > 0 without a slot
@@ -89,7 +89,7 @@ class _KernelMetaBlock:
 
     def write(self, indices: np.ndarray) -> None:
         """``prepare_tensors(indices)`` (slot index per token, -1 = none) into the host block, and the
-        work list for it (``kernels.worklist.host_tiles``)."""
+        work list for it (``lora_kernels.worklist.host_tiles``)."""
         n = indices.size
         self.active.fill(-1)
         self.counts.fill(0)

@@ -15,7 +15,7 @@ Skip fraction: decode forwards (t ≥ 1) that run without the adapter, over all 
 forwards, summed over requests. A response of L tokens takes forwards 0 … L−1, so it has
 L−1 decode forwards, of which max(0, L−1−r) skip the adapter.
 
-This module is pure torch (on CUDA it launches the Triton kernel of ``kernels.steptrim``) and
+This module is pure torch (on CUDA it launches the Triton kernel of ``lora_kernels.steptrim``) and
 imports no vLLM: the hf engine, the sweep and the vLLM runtime all call it, so calibrated
 numbers predict serving.
 """
@@ -78,7 +78,7 @@ class StepTrim:
     the rest. s is the float32 sum of the float32 products h_j·w_j (no GEMM: no TF32, no
     reduction order that changes with the number of heads). Its order of summation belongs to
     the device: torch's ``(h.float() * w).sum(-1) + b`` off CUDA, and on CUDA the fused kernel
-    of :mod:`kernels.steptrim` (one launch: gather, score, compare), whose order depends on the
+    of :mod:`lora_kernels.steptrim` (one launch: gather, score, compare), whose order depends on the
     hidden size only, not on the batch. ``kernel`` picks the path (default: the kernel on CUDA;
     True off CUDA needs Triton's interpreter). On one device, :meth:`scores`, :meth:`fires`,
     :meth:`step` and :meth:`fires_into` agree bit for bit on the same rows, so the sweep's
@@ -165,9 +165,9 @@ class StepTrim:
         """The kernel path's launch, for callers that keep their own buffers (the serving
         runtime's CUDA graphs): rows ``meta`` (int64 [3, B]: hidden row, slot, t; padding rows
         have slot NO_SLOT) of the hidden states that ``src`` points at
-        (:func:`kernels.steptrim.hidden_source`, dtype ``hidden_dtype``) into ``score``
+        (:func:`lora_kernels.steptrim.hidden_source`, dtype ``hidden_dtype``) into ``score``
         (float32 [B]) and ``fire`` (bool [B]). Buffers may be pinned host memory."""
-        from kernels.steptrim import launch_steptrim  # Triton, imported on the kernel path only
+        from lora_kernels.steptrim import launch_steptrim  # Triton, imported on the kernel path only
 
         if not self.kernel:
             raise RuntimeError("StepTrim.fires_into: this StepTrim computes with torch (kernel=False)")
@@ -175,7 +175,7 @@ class StepTrim:
 
     def _launch(self, slots: torch.Tensor, t: torch.Tensor,
                 hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.steptrim import hidden_source
+        from lora_kernels.steptrim import hidden_source
 
         n = slots.shape[0]
         meta = torch.stack([torch.arange(n, device=self.device), slots.to(self.device, torch.int64),

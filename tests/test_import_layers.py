@@ -5,7 +5,7 @@ Every ``import`` statement counts, wherever it stands (module level, inside a fu
 ``a/__init__.py`` and ``a/b/__init__.py``; those package imports count too, except the importer's
 own enclosing packages (Python has already started them).
 
-Layers, from the bottom: ``kernels`` (Triton and torch only) → the engine-independent core
+Layers, from the bottom: ``lora_kernels`` (Triton and torch only) → the engine-independent core
 ``serve_bridge`` (release semantics, bundle, decisions, runtimes, GridTrim host code) → the vLLM
 integration ``serve_bridge.vllm``, the one package that imports ``vllm``. ``calibrate``,
 ``labeling`` and ``predictors`` use the core, never the integration, with one exception: the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("calibrate", "labeling", "predictors", "serve_bridge", "kernels", "conf", "benchmarks")
+PACKAGES = ("calibrate", "labeling", "predictors", "serve_bridge", "lora_kernels", "conf", "benchmarks")
 VLLM_ENGINE = "labeling.engines.vllm"
 
 
@@ -129,7 +129,7 @@ GRAPH, IMPORTED = import_graph()
 
 
 def test_the_graph_sees_function_level_and_relative_imports():
-    assert "kernels.steptrim" in GRAPH["serve_bridge.steptrim"]  # imported inside a method
+    assert "lora_kernels.steptrim" in GRAPH["serve_bridge.steptrim"]  # imported inside a method
     assert "serve_bridge.runtime" in GRAPH["serve_bridge.calibration"]
 
 
@@ -149,8 +149,8 @@ def _core(module: str) -> bool:
 
 
 RULES = [
-    ("kernels imports no other package of the project, nor vLLM",
-     lambda m: _within(m, "kernels"), ("vllm", "serve_bridge", "calibrate", "labeling", "predictors", "conf")),
+    ("lora_kernels imports no other package of the project, nor vLLM",
+     lambda m: _within(m, "lora_kernels"), ("vllm", "serve_bridge", "calibrate", "labeling", "predictors", "conf")),
     ("the serve_bridge core never imports vLLM or its integration",
      _core, ("vllm", "serve_bridge.vllm", "calibrate", "labeling", "predictors")),
     ("the vLLM integration imports no calibration pipeline",

@@ -10,10 +10,10 @@ Times, as CUDA-graph replays in one process, the LoRA work of qkv (3 slices), o,
 - work list (ours): shrink + expand per op, one graph per batch size M, reused across scenarios
   after refreshing the metadata and the work list in place (the refresh is timed on its own: it
   runs once per step, not per layer);
-- fused (ours): one launch per op walking the same work list (`kernels.fused`), graphs as for
+- fused (ours): one launch per op walking the same work list (`lora_kernels.fused`), graphs as for
   the work list.
 All read the very same metadata tensors (vLLM's; without `vllm` in --designs, static buffers
-refreshed by `kernels.metadata.build_metadata`). Each design's first replay per scenario and
+refreshed by `lora_kernels.metadata.build_metadata`). Each design's first replay per scenario and
 config is checked against the torch reference. The floor is the bytes that must move (A and B
 of the active adapters, x of the rows with an adapter, and y read + written for them) at the
 measured device-to-device copy bandwidth.
@@ -41,15 +41,15 @@ import torch
 import triton
 from benchmarks.kernels.lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
 
-from kernels.expand import launch_expand
-from kernels.fused import FusedConfig
-from kernels.gridtrim import GridTrimPlan, plan_gridtrim
-from kernels.layout import partials_buffer
-from kernels.linear import LinearKnobs, add_lora_linear, linear_config
-from kernels.metadata import LoRABatchMeta, build_metadata
-from kernels.reference import expand_reference, shrink_reference
-from kernels.shrink import launch_shrink
-from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
+from lora_kernels.expand import launch_expand
+from lora_kernels.fused import FusedConfig
+from lora_kernels.gridtrim import GridTrimPlan, plan_gridtrim
+from lora_kernels.layout import partials_buffer
+from lora_kernels.linear import LinearKnobs, add_lora_linear, linear_config
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
+from lora_kernels.reference import expand_reference, shrink_reference
+from lora_kernels.shrink import launch_shrink
+from lora_kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
 
 DEVICE = "cuda"
 MAX_LORAS = 128

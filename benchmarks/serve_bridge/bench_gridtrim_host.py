@@ -18,10 +18,10 @@ import time
 import torch
 
 
-import kernels.expand
-import kernels.shrink
-from kernels.metadata import build_metadata
-from kernels.worklist import RowTileWorklist
+import lora_kernels.expand
+import lora_kernels.shrink
+from lora_kernels.metadata import build_metadata
+from lora_kernels.worklist import RowTileWorklist
 from serve_bridge import gridtrim
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    kernels.shrink._shrink_worklist_kernel = kernels.expand._expand_worklist_kernel = _NoLaunch()
+    lora_kernels.shrink._shrink_worklist_kernel = lora_kernels.expand._expand_worklist_kernel = _NoLaunch()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     y = torch.zeros(ROWS, 3 * SLICE, dtype=torch.bfloat16)

@@ -24,8 +24,8 @@ import torch
 
 from benchmarks.serve_bridge.bench_mapping_host import step_args
 
-from kernels.metadata import LoRABatchMeta
-from kernels.worklist import RowTileWorklist
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.worklist import RowTileWorklist
 from serve_bridge.punica_meta import HostPunicaMetadata
 from tests.serve_bridge.test_gridtrim import VllmKernelMeta
 from tests.serve_bridge.test_punica_meta import convert_mapping

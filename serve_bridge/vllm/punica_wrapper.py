@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-from kernels.worklist import persistent_programs
+from lora_kernels.worklist import persistent_programs
 from serve_bridge import gridtrim
 from serve_bridge.punica_meta import HostPunicaMetadata
 

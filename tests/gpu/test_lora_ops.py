@@ -18,12 +18,12 @@ if not torch.cuda.is_available():  # before Triton loads: the CPU tests set up i
     pytest.skip("needs an NVIDIA GPU (CUDA)", allow_module_level=True)
 
 from benchmarks.kernels.lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
-from kernels.gridtrim import plan_gridtrim
-from kernels.layout import partials_buffer
-from kernels.linear import add_lora_linear
-from kernels.metadata import build_metadata
-from kernels.reference import expand_reference, shrink_reference
-from kernels.worklist import RowTileWorklist
+from lora_kernels.gridtrim import plan_gridtrim
+from lora_kernels.layout import partials_buffer
+from lora_kernels.linear import add_lora_linear
+from lora_kernels.metadata import build_metadata
+from lora_kernels.reference import expand_reference, shrink_reference
+from lora_kernels.worklist import RowTileWorklist
 
 DEVICE = "cuda"
 MAX_LORAS = 128

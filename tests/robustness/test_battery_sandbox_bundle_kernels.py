@@ -25,7 +25,7 @@ from serve_bridge.bundle import HEADS_FILE, MANIFEST, AdapterEntry, BundleError,
 from serve_bridge.steptrim import K_LIMIT, StepTrim
 from tests.robustness.helpers import make_database
 
-# As tests/kernels/conftest.py: without a GPU, Triton (imported by the launch checks below, which
+# As tests/lora_kernels/conftest.py: without a GPU, Triton (imported by the launch checks below, which
 # raise before any launch) runs in its interpreter; the mode is fixed at its first import.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -422,7 +422,7 @@ def test_bundle_edge_values_load_and_the_runtime_accepts_them(tmp_path: Path, k:
 
 # --------------------------------------------------------------------------- kernel entry points
 def _meta(mapping: list[int], max_loras: int = 4):
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     return build_metadata(torch.tensor(mapping, dtype=torch.int32), max_loras)
 
@@ -434,7 +434,7 @@ def _with(meta, **changes):
 
 
 def _allocate(tokens: int, slots: int):
-    from kernels.worklist import RowTileWorklist
+    from lora_kernels.worklist import RowTileWorklist
 
     return RowTileWorklist.allocate(tokens, slots, "cpu")
 
@@ -454,7 +454,7 @@ def k_worklist_too_few_slots():
 
 def k_worklist_other_device():
     meta = _meta(BASE)
-    from kernels.worklist import RowTileWorklist
+    from lora_kernels.worklist import RowTileWorklist
 
     RowTileWorklist.allocate(len(BASE), meta.num_slots, "meta").update(meta)
 
@@ -485,55 +485,55 @@ def k_meta_not_tensor():
 
 
 def k_plan_fewer_slots():
-    from kernels.gridtrim import plan_gridtrim
+    from lora_kernels.gridtrim import plan_gridtrim
 
     plan_gridtrim(_meta(BASE), len(BASE), 3)  # slot 3 (adapter 2) holds tokens
 
 
 def k_plan_more_slots():
-    from kernels.gridtrim import plan_gridtrim
+    from lora_kernels.gridtrim import plan_gridtrim
 
     plan_gridtrim(_meta(BASE), len(BASE), 9)
 
 
 def k_plan_negative_slots():
-    from kernels.gridtrim import plan_gridtrim
+    from lora_kernels.gridtrim import plan_gridtrim
 
     plan_gridtrim(_meta(BASE), len(BASE), -1)
 
 
 def k_plan_too_few_tokens():
-    from kernels.gridtrim import plan_gridtrim
+    from lora_kernels.gridtrim import plan_gridtrim
 
     plan_gridtrim(_meta([0] * 40), 20, 5)
 
 
 def k_build_float():
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     build_metadata(torch.zeros(4), 2)
 
 
 def k_build_bool():
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     build_metadata(torch.zeros(4, dtype=torch.bool), 2)
 
 
 def k_build_2d():
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     build_metadata(torch.zeros(2, 2, dtype=torch.int32), 2)
 
 
 def k_build_negative_loras():
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     build_metadata(torch.zeros(4, dtype=torch.int32), -1)
 
 
 def k_host_tiles_small():
-    from kernels.worklist import RowTileWorklist, host_tiles
+    from lora_kernels.worklist import RowTileWorklist, host_tiles
 
     meta = _meta(BASE)
     out = np.zeros(RowTileWorklist.block_size(2), np.int32)
@@ -542,7 +542,7 @@ def k_host_tiles_small():
 
 
 def k_host_tiles_int64():
-    from kernels.worklist import RowTileWorklist, host_tiles
+    from lora_kernels.worklist import RowTileWorklist, host_tiles
 
     meta = _meta(BASE)
     out = np.zeros(RowTileWorklist.block_size(64), np.int64)
@@ -551,13 +551,13 @@ def k_host_tiles_int64():
 
 
 def k_in_block_size():
-    from kernels.worklist import RowTileWorklist
+    from lora_kernels.worklist import RowTileWorklist
 
     RowTileWorklist.in_block(torch.zeros(100, dtype=torch.int32), 8)
 
 
 def k_in_block_dtype():
-    from kernels.worklist import RowTileWorklist
+    from lora_kernels.worklist import RowTileWorklist
 
     RowTileWorklist.in_block(torch.zeros(RowTileWorklist.block_size(8), dtype=torch.int64), 8)
 
@@ -577,7 +577,7 @@ def _full_worklist(meta):
 
 
 def _plan(slots: int, dtype: torch.dtype = torch.int32):
-    from kernels.gridtrim import GridTrimPlan
+    from lora_kernels.gridtrim import GridTrimPlan
 
     return lambda meta: GridTrimPlan(slots, 16, torch.arange(slots, dtype=dtype), None)
 
@@ -586,7 +586,7 @@ def _shrink(m: int = len(BASE), x_of: Callable = lambda x: x, part_of: Callable 
             schedule: Callable = _full_worklist) -> None:
     """lora_shrink on a fresh layer of ``m`` tokens (metadata: BASE), with x and the partials passed
     through ``x_of`` / ``part_of`` and the schedule ``schedule(meta)``."""
-    from kernels.shrink import lora_shrink
+    from lora_kernels.shrink import lora_shrink
 
     x, a, _, _, part = _layer(m=m)
     meta = _meta(BASE)
@@ -597,7 +597,7 @@ def _expand(part_of: Callable = lambda p: p, y_of: Callable = lambda y: y, sched
             offset_start: int = 0) -> None:
     """lora_expand on a fresh layer (metadata: BASE), with the partials and y passed through
     ``part_of`` / ``y_of``, the schedule ``schedule(meta)`` and ``offset_start``."""
-    from kernels.expand import lora_expand
+    from lora_kernels.expand import lora_expand
 
     _, _, b, y, part = _layer()
     meta = _meta(BASE)
@@ -711,7 +711,7 @@ def test_kernel_entry_point_rejects_a_broken_contract(case: Callable, error: typ
 
 
 def test_kernel_metadata_does_not_alias_the_mapping() -> None:
-    from kernels.metadata import build_metadata
+    from lora_kernels.metadata import build_metadata
 
     mapping = torch.tensor(BASE, dtype=torch.int32)
     meta = build_metadata(mapping, 4)
@@ -722,8 +722,8 @@ def test_kernel_metadata_does_not_alias_the_mapping() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
 def test_kernel_valid_inputs_pass_the_checks_unchanged(dtype: torch.dtype) -> None:
-    from kernels.gridtrim import plan_gridtrim
-    from kernels.metadata import build_metadata
+    from lora_kernels.gridtrim import plan_gridtrim
+    from lora_kernels.metadata import build_metadata
 
     mapping = torch.tensor(BASE, dtype=dtype)
     copy = mapping.clone()

@@ -1,9 +1,9 @@
 """GridTrim behind vLLM's punica contract (serve_bridge/gridtrim.py, serve_bridge/vllm/punica_wrapper.py).
 
-The kernels run in Triton's interpreter on CPU (fp16 only there, see tests/kernels/
+The kernels run in Triton's interpreter on CPU (fp16 only there, see tests/lora_kernels/
 test_lora_kernels.py). The metadata is built here the way vLLM 0.26's ``LoRAKernelMeta`` builds it
 (static buffers reused across steps, ``lora/ops/triton_ops/lora_kernel_metadata.py:102-205``),
-independently of ``kernels.metadata``; the oracle is ``kernels.reference``.
+independently of ``lora_kernels.metadata``; the oracle is ``lora_kernels.reference``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.reference import expand_reference, shrink_reference  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
+from lora_kernels.reference import expand_reference, shrink_reference  # noqa: E402
+from lora_kernels.worklist import RowTileWorklist  # noqa: E402
 from serve_bridge import gridtrim  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

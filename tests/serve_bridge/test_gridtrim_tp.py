@@ -6,7 +6,7 @@ Each rank's call gets what vLLM 0.26.0 gives it (``lora/layers/column_parallel_l
 ``row_parallel_linear.py``, ``base_linear.py``; see serve_bridge/gridtrim.py's docstring): sharded
 weights and activations, the same token mapping. The collectives are done here by hand
 (all-gather = concatenation on the buffer's last dimension, all-reduce = sum), and the reassembled
-result is checked against ``kernels.reference`` on the unsharded LoRA. Inputs are fresh random
+result is checked against ``lora_kernels.reference`` on the unsharded LoRA. Inputs are fresh random
 values, outputs are poisoned (NaN or random) before the calls, and rows mapped to -1 (no adapter)
 and CUDA-graph padding rows must come back bit for bit.
 """
@@ -24,14 +24,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.reference import expand_reference, shrink_reference  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
+from lora_kernels.reference import expand_reference, shrink_reference  # noqa: E402
+from lora_kernels.worklist import RowTileWorklist  # noqa: E402
 from serve_bridge import gridtrim  # noqa: E402
 from tests.serve_bridge.test_gridtrim import (MAX_LORAS, MAX_TOKENS, PROGRAMS, VllmKernelMeta,  # noqa: E402
                                               _stub_vllm, _wrapper, vllm_mapping)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.float16  # the interpreter's dtype (tests/kernels/test_lora_kernels.py)
+DTYPE = torch.float16  # the interpreter's dtype (tests/lora_kernels/test_lora_kernels.py)
 TP = 2
 HIDDEN, RANK = 96, 8
 QKV = (40, 16, 16)  # a column-parallel layer's full slice widths, each split across the ranks
@@ -222,9 +222,9 @@ def test_fully_sharded_row_parallel_shrink_reduce_expand():
 
 @needs_triton
 def test_shrink_over_several_hidden_chunks():
-    """Inputs wider than one hidden chunk (kernels/layout.py K_CHUNK) go through split-K partials that
+    """Inputs wider than one hidden chunk (lora_kernels/layout.py K_CHUNK) go through split-K partials that
     are summed into the buffer; a step with no adapter row zeroes the buffer (and launches nothing)."""
-    from kernels.layout import K_CHUNK
+    from lora_kernels.layout import K_CHUNK
 
     gen = torch.Generator().manual_seed(25)
     hidden = K_CHUNK + 40

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.metadata import LoRABatchMeta
-from kernels.worklist import RowTileWorklist
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.worklist import RowTileWorklist
 from serve_bridge.punica_meta import HostPunicaMetadata
 from tests.serve_bridge.test_gridtrim import DEVICE, VllmKernelMeta
 

@@ -6,17 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.expand import CHUNK_TILES, ExpandConfig, expand_config, launch_expand
-from kernels.expand import NUM_WARPS as EXPAND_WARPS
-from kernels.fused import FusedConfig, lora_fused
-from kernels.gridtrim import GridTrimPlan
-from kernels.layout import K_CHUNK
-from kernels.metadata import LoRABatchMeta
-from kernels.shrink import BLOCK_K as SHRINK_BLOCK_K
-from kernels.shrink import NUM_STAGES as SHRINK_STAGES
-from kernels.shrink import NUM_WARPS as SHRINK_WARPS
-from kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
-from kernels.worklist import RowTileWorklist
+from lora_kernels.expand import CHUNK_TILES, ExpandConfig, expand_config, launch_expand
+from lora_kernels.expand import NUM_WARPS as EXPAND_WARPS
+from lora_kernels.fused import FusedConfig, lora_fused
+from lora_kernels.gridtrim import GridTrimPlan
+from lora_kernels.layout import K_CHUNK
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.shrink import BLOCK_K as SHRINK_BLOCK_K
+from lora_kernels.shrink import NUM_STAGES as SHRINK_STAGES
+from lora_kernels.shrink import NUM_WARPS as SHRINK_WARPS
+from lora_kernels.shrink import ShrinkConfig, launch_shrink, shrink_config
+from lora_kernels.worklist import RowTileWorklist
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
-from kernels.gridtrim import SMALL_ROWS, GridTrimPlan
-from kernels.layout import as_3d
-from kernels.metadata import LoRABatchMeta
-from kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
+from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
+from lora_kernels.gridtrim import SMALL_ROWS, GridTrimPlan
+from lora_kernels.layout import as_3d
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
                            pick_slice)
-from kernels.worklist import RowTileWorklist, persistent_programs
+from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
 CHUNK_TILES = 4  # with 256-column tiles: the H200 sweeps' choice (benchmarks/results/2026-11-30-kernels.md)

@@ -26,15 +26,15 @@ from conftest import mapping_from_groups, vllm_style_metadata
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from kernels.expand import lora_expand  # noqa: E402
-from kernels.fused import FusedConfig  # noqa: E402
-from kernels.gridtrim import plan_gridtrim  # noqa: E402
-from kernels.layout import partials_buffer  # noqa: E402
-from kernels.linear import add_lora_linear  # noqa: E402
-from kernels.metadata import LoRABatchMeta, build_metadata  # noqa: E402
-from kernels.reference import expand_reference, shrink_reference  # noqa: E402
-from kernels.shrink import lora_shrink  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
+from lora_kernels.expand import lora_expand  # noqa: E402
+from lora_kernels.fused import FusedConfig  # noqa: E402
+from lora_kernels.gridtrim import plan_gridtrim  # noqa: E402
+from lora_kernels.layout import partials_buffer  # noqa: E402
+from lora_kernels.linear import add_lora_linear  # noqa: E402
+from lora_kernels.metadata import LoRABatchMeta, build_metadata  # noqa: E402
+from lora_kernels.reference import expand_reference, shrink_reference  # noqa: E402
+from lora_kernels.shrink import lora_shrink  # noqa: E402
+from lora_kernels.worklist import RowTileWorklist  # noqa: E402
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 PROGRAMS = 3  # a persistent grid smaller than the work, so programs stride over items

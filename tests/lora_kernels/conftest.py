@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from lora_kernels.metadata import LoRABatchMeta
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The mode is fixed when
 # triton.language is first imported, so it is chosen here, before any test module imports it.

@@ -36,7 +36,7 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M: tl.constexpr):
-    """Work-list tile `tile` (kernels/worklist.py): its adapter id (int64) and its token indices
+    """Work-list tile `tile` (lora_kernels/worklist.py): its adapter id (int64) and its token indices
     with their mask, as :func:`load_tile_rows` gives them. The two loads are independent, so
     they are in flight together."""
     lora = tl.load(tile_lora_ptr + tile).to(tl.int64)

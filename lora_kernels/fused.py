@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expand import b_kwargs, check_b
-from kernels.shrink import a_kwargs, check_a
-from kernels.tiles import (block_rank, column_chunk, expand_columns, load_worklist_tile, pick_slice,
+from lora_kernels.expand import b_kwargs, check_b
+from lora_kernels.shrink import a_kwargs, check_a
+from lora_kernels.tiles import (block_rank, column_chunk, expand_columns, load_worklist_tile, pick_slice,
                            shrink_acc)
-from kernels.worklist import RowTileWorklist, persistent_programs
+from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def chunk_width(widths: Sequence[int], block_n: int, col_chunks: int) -> int:
     return block_n * triton.cdiv(triton.cdiv(n_max, pieces), block_n)
 
 
-# `rank` and `stride_bn` are compile-time constants for B's vectorized loads (see kernels/expand.py).
+# `rank` and `stride_bn` are compile-time constants for B's vectorized loads (see lora_kernels/expand.py).
 @triton.jit
 def _fused_worklist_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import mapping_from_groups, vllm_style_metadata
 
-from kernels.gridtrim import MAX_LARGE_SLOTS, plan_gridtrim, row_bound
-from kernels.metadata import build_metadata
+from lora_kernels.gridtrim import MAX_LARGE_SLOTS, plan_gridtrim, row_bound
+from lora_kernels.metadata import build_metadata
 
 
 @pytest.mark.parametrize("max_rows, tokens, bound", [

@@ -14,11 +14,11 @@ CPU-safe modules (importable without Triton):
 Triton modules (import them explicitly; they need Triton): `tiles`, `shrink`, `expand`, `fused`,
 `linear`.
 """
-from kernels.gridtrim import GridTrimPlan, plan_gridtrim, row_bound
-from kernels.layout import K_CHUNK, as_3d, num_splits, partials_buffer
-from kernels.metadata import LoRABatchMeta, build_metadata
-from kernels.reference import expand_reference, shrink_reference
-from kernels.worklist import RowTileWorklist, persistent_programs
+from lora_kernels.gridtrim import GridTrimPlan, plan_gridtrim, row_bound
+from lora_kernels.layout import K_CHUNK, as_3d, num_splits, partials_buffer
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
+from lora_kernels.reference import expand_reference, shrink_reference
+from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 __all__ = [
     "GridTrimPlan", "K_CHUNK", "LoRABatchMeta", "RowTileWorklist", "as_3d", "build_metadata",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.layout import as_3d
+from lora_kernels.layout import as_3d
 
 
 def _rows_by_adapter(token_lora_mapping: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import mapping_from_groups, vllm_style_metadata
 
-from kernels.metadata import LoRABatchMeta, build_metadata
-from kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, host_tiles, persistent_programs
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
+from lora_kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, host_tiles, persistent_programs
 
 
 def _expected_tiles(meta: LoRABatchMeta, block_m: int) -> list[tuple[int, list[int]]]:

@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
-from kernels.gridtrim import GridTrimPlan
-from kernels.layout import K_CHUNK, as_3d, num_splits
-from kernels.metadata import LoRABatchMeta
-from kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
-from kernels.worklist import RowTileWorklist, persistent_programs
+from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
+from lora_kernels.gridtrim import GridTrimPlan
+from lora_kernels.layout import K_CHUNK, as_3d, num_splits
+from lora_kernels.metadata import LoRABatchMeta
+from lora_kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
+from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
 NUM_WARPS = 2  # faster than 4 in every H200 sweep since 2026-11-30 (benchmarks/results/2026-11-30-kernels.md)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from lora_kernels.metadata import LoRABatchMeta
 
 PROGRAMS_PER_SM = 16  # fastest of 2..24 on the H200 (benchmarks/results/2026-11-30-kernels.md, 2026-11-30)
 

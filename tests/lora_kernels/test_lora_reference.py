@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import mapping_from_groups
 
-from kernels.layout import as_3d, num_splits, partials_buffer
-from kernels.reference import expand_reference, shrink_reference
+from lora_kernels.layout import as_3d, num_splits, partials_buffer
+from lora_kernels.reference import expand_reference, shrink_reference
 
 
 def _weights(gen: torch.Generator, loras: int, rank: int, k: int, widths: list[int],

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import mapping_from_groups, vllm_style_metadata
 
-from kernels.metadata import LoRABatchMeta, build_metadata
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
 
 
 def _check_contract(meta: LoRABatchMeta, mapping: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """Compile every kernel launch of one qkv-shaped layer op, and StepTrim's decision kernel, for sm_90
 without a GPU.
 
-Run as a script (`python tests/kernels/sm90_compile.py`, TRITON_INTERPRET unset): it calls the
+Run as a script (`python tests/lora_kernels/sm90_compile.py`, TRITON_INTERPRET unset): it calls the
 host ops (shrink, expand, fused) on CPU tensors with the kernels' launchers replaced by
 recorders, then compiles each recorded launch with Triton's ahead-of-time path for an H100/H200
 target. Catches GPU codegen
@@ -25,11 +25,11 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import expand, fused, shrink, steptrim  # noqa: E402
-from kernels.gridtrim import plan_gridtrim  # noqa: E402
-from kernels.layout import partials_buffer  # noqa: E402
-from kernels.metadata import build_metadata  # noqa: E402
-from kernels.worklist import RowTileWorklist  # noqa: E402
+from lora_kernels import expand, fused, shrink, steptrim  # noqa: E402
+from lora_kernels.gridtrim import plan_gridtrim  # noqa: E402
+from lora_kernels.layout import partials_buffer  # noqa: E402
+from lora_kernels.metadata import build_metadata  # noqa: E402
+from lora_kernels.worklist import RowTileWorklist  # noqa: E402
 
 class _Recorder:
     """Stands in for `kernel[grid]`: records the launch's keyword arguments."""
@@ -98,7 +98,7 @@ def main() -> None:
     for fn, kwargs in launches:
         compiled = _compile(fn, kwargs)
         if "expand" in fn.__name__ or "fused" in fn.__name__:
-            # B must load in 16-byte vectors (kernels/expand.py), not two bytes at a time, and y
+            # B must load in 16-byte vectors (lora_kernels/expand.py), not two bytes at a time, and y
             # must be added to with 16-byte atomic adds of 8 halves (tiles.store_y_tile).
             assert "ld.global.b16" not in compiled.asm["ptx"], f"{fn.__name__}: B loaded in scalar 2-byte loads"
             assert not kwargs["ADD_INPUTS"] or re.search(r"atom\.global\.\w+\.relaxed\.add\.noftz\.v8\.b?f16",

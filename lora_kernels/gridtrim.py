@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from lora_kernels.metadata import LoRABatchMeta
 
 SMALL_ROWS = 16
 BLOCK_M = 16  # row tile of the GridTrim launches

@@ -1,4 +1,4 @@
-"""StepTrim's fused decision kernel (kernels/steptrim.py) against StepTrim's torch path, on
+"""StepTrim's fused decision kernel (lora_kernels/steptrim.py) against StepTrim's torch path, on
 fresh random inputs: on the GPU when there is one (plus the serving launcher's pinned,
 graph-replayed buffers), else in Triton's interpreter."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.steptrim import COLUMNS, check_hidden, hidden_source, launch_steptrim
+from lora_kernels.steptrim import COLUMNS, check_hidden, hidden_source, launch_steptrim
 from serve_bridge.decision import DecisionLauncher
 from serve_bridge import steptrim as steptrim_module
 from serve_bridge.steptrim import NO_SLOT, LearnedPolicy, ProfiledPolicy, StepTrim

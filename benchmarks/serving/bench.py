@@ -322,6 +322,11 @@ def _tag(n: int, skewed: bool) -> str:
     return f"n{n}_{'skewed' if skewed else 'uniform'}"
 
 
+def bundle_dir(work: Path, n: int, skewed: bool, n_requests: int, seed: int) -> Path:
+    """Where :func:`prepare` writes the profiled bundle of N adapters for this workload."""
+    return work / "bundles" / f"{_tag(n, skewed)}_r{n_requests}_s{seed}"
+
+
 def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> dict[str, Any]:
     return {"config": cfg, "rank": rank, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
 
@@ -355,7 +360,7 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
         fps = write_model_and_adapters(work, max(adapters), cfg, rank)
     for n in adapters:
         wl = workload_for(n, n_requests, skewed, seed, cfg)
-        directory = work / "bundles" / f"{_tag(n, skewed)}_r{n_requests}_s{seed}"
+        directory = bundle_dir(work, n, skewed, n_requests, seed)
         if not directory.exists():
             write_profiled_bundle(directory, wl, fps, cfg)
     stamp.write_text(json.dumps({"key": _prep_key(adapters, cfg, rank), "fingerprints": fps}))
@@ -908,7 +913,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 flush()
                 return 1
             env = mode_env(mode, dict(os.environ),
-                           work / "bundles" / f"{_tag(n, args.skewed)}_r{args.requests}_s{args.seed}",
+                           bundle_dir(work, n, args.skewed, args.requests, args.seed),
                            {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
                            slots=not args.no_slot_release)
             result = out / f"{tag}_{mode}.json"

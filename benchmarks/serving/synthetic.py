@@ -4,7 +4,9 @@ directory and random peft LoRA adapters of that model's shapes.
 vLLM serves the model with ``load_format="dummy"`` (only ``config.json`` is read), or from
 random weights at a trained model's scale (:func:`write_random_weights`); the
 adapters are real peft directories (``adapter_config.json`` + ``adapter_model.safetensors``)
-with non-zero random A and B in bf16, so LoRA changes outputs.
+with non-zero random A and B in bf16, so LoRA changes outputs. Where a text path needs a
+tokenizer (``vllm serve`` and ``vllm bench serve``), :func:`write_word_tokenizer` gives the model
+directory one whose token i is the word ``t<i>``.
 """
 from __future__ import annotations
 
@@ -32,6 +34,26 @@ def write_model_config(work: Path, cfg: dict[str, Any]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     return d
+
+
+def write_word_tokenizer(model_dir: Path, cfg: dict[str, Any]) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` in ``model_dir``: a word-level tokenizer of
+    ``cfg["vocab_size"]`` tokens, token i being the word ``t<i>``, split on whitespace, with the
+    config's bos and eos ids as its special tokens and nothing added around a text.
+
+    Decoding ids joins their words with single spaces (the tokenizer has no decoder) and encoding
+    that text gives the same ids back, so a prompt of n random ids is a text of n tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    size = cfg["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": f"t{cfg['bos_token_id']}",
+         "eos_token": f"t{cfg['eos_token_id']}", "clean_up_tokenization_spaces": False,
+         "model_max_length": cfg["max_position_embeddings"]}))
 
 
 def write_random_weights(work: Path, cfg: dict[str, Any], std: float = 0.02, seed: int = 0) -> Path:

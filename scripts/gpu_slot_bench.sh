@@ -9,22 +9,28 @@
 #               stock, nolora (likely more than one call: MODES="stock" ..., the same OUT_DIR)
 #   poisson512  512 adapters, max_loras 32, open-loop Poisson arrivals at RATE req/s (default: 0.8 × gridtrim's
 #               offline req/s in OUT/uniform512, else 20): gridtrim, both; P50/P90 TTFT and TPOT
+#   goodput512  512 adapters, max_loras 32, through `vllm serve` (HTTP, multiprocess engine core) driven by
+#               `vllm bench serve` at a sweep of Poisson rates: per mode the highest rate whose P90 TTFT <= 1000 ms
+#               and P90 TPOT <= 50 ms (benchmarks/serving/goodput.py); one mode per call: MODES=both, then
+#               MODES=gridtrim, then MODES=stock, the same OUT_DIR; prints
+#                 goodput 512/32: both/gridtrim = X.XX, both/stock = Y.YY (those measured)
 # Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections (llama8b256: Llama-3.1-8B, rank 16),
 # full CUDA graphs, REQUESTS
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
-# per step beside the capacity model's prediction. Each table prints the line
+# per step beside the capacity model's prediction. Each offline table prints the line
 #   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ (those measured)
 # Usage, from anywhere (vLLM 0.33.0 or 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
-# Writes OUT_DIR/<table>/bench.{txt,json}, or OUT_DIR/correctness/check_slots.md.
+# Writes OUT_DIR/<table>/bench.{txt,json}, OUT_DIR/correctness/check_slots.md, or OUT_DIR/goodput512/goodput.{txt,json}
+# (with each mode's server log and each rate's vllm bench serve result and log under OUT_DIR/goodput512/<mode>/).
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
-[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 llama8b256 poisson512" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 llama8b256 poisson512 goodput512" >&2; exit 2; }
 requests=${REQUESTS:-2048}
 budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
@@ -81,8 +87,11 @@ PY
 )}
         echo "Poisson arrivals at $rate req/s"
         bench "$table" "$start" --adapters 512 --max-loras 32 --arrival-rate "$rate" --modes both gridtrim ;;
+    goodput512)  # the server runs its own engine core process; goodput.py sets that for the server
+        python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
+            --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} || rc=1 ;;
     *)
-        echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256 or poisson512" >&2
+        echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512 or goodput512" >&2
         exit 2 ;;
     esac
 done

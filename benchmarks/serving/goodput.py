@@ -57,48 +57,10 @@ one into the model directory: a word-level ``tokenizer.json`` (HF ``tokenizers``
 and nothing added around a text. Random ids decode to words joined by spaces and encode back to the
 same ids (tested at the full vocabulary on CPU), so every prompt has exactly the length the dataset
 drew, the server counts the same prompt tokens as the client, and vLLM's alignment probe finds no
-mismatch. Token-id prompts would not remove the need: the client writes TTFT and TPOT percentiles
-only with a tokenizer (``benchmarks/serve.py:1434``), and the one dataset that sends token ids,
-``timed_trace``, draws them from the tokenizer's vocabulary (``benchmarks/datasets/datasets.py:1461``,
-:1522) and replays a trace file rather than the random dataset's lengths.
+mismatch. Token-id prompts would not remove the need (docs/vllm_integration.md §12).
 
-**vLLM facts relied on**, file:line in the vLLM 0.33.0 wheel. vLLM 0.26.0's ``vllm bench serve``
-and ``vllm serve`` have every option used here and the same code behind each (0.26.0 lines given
-where a fact is cited from both), so the harness runs on both lines; any other version is refused.
-
-- ``vllm bench serve`` (``benchmarks/serve.py``): ``--request-rate`` (:1746; ``inf`` sends all at
-  once) with ``--burstiness`` 1 draws exponential gaps (:508), rescaled so the last request is sent
-  at ``num_prompts / rate`` (:524-526); ``--goodput ttft:MS tpot:MS`` (:1868) counts a request good
-  when its TTFT and TPOT are both within the SLO (:690) and saves ``request_goodput`` (:1326);
-  ``--lora-modules`` (:1945) with ``--lora-assignment random`` (:1955) gives each request a module
-  by ``random.choice`` (:967), seeded with ``--seed`` (:2060); the random dataset forces
-  ``ignore_eos`` on the OpenAI backends (:2183-2187); ``--percentile-metrics`` (:1848) and
-  ``--metric-percentiles`` (:1859) save ``p{P}_{metric}_ms`` for integral P (:1430-1432), ttft and
-  tpot only when the client has a tokenizer (:1434; 0.26.0: :1288-1290); TPOT is (latency − TTFT)
-  / (output tokens − 1) over requests of more than one token (:655-657), the output tokens being
-  the server's ``usage.completion_tokens`` (``benchmarks/lib/endpoint_request_func.py:294-295``);
-  ``completed``, ``failed``, ``duration`` and ``request_throughput`` (:1320-1325);
-  ``--save-result`` (:1792), ``--result-dir`` (:1816), ``--result-filename`` (:1823). Before
-  sending, the client tokenizes the first prompt on the server and re-aligns all prompts if the
-  lengths differ (:81-167, called for the random dataset at :2216).
-- the random dataset: lengths uniform in [⌊L(1−r)⌋, ⌈L(1+r)⌉] after subtracting the tokens the
-  tokenizer adds (``benchmarks/datasets/utils.py:68-73``, drawn at :96-97), a range ratio per
-  input and output as JSON (:19-36; parsed in ``benchmarks/datasets/datasets.py:2040-2050``);
-  prompts are ids other than the tokenizer's special ones (datasets.py:627-629), decoded and
-  re-encoded until the length holds (:494-552).
-- ``vllm serve``: every boolean engine option has a ``--no-`` form (``engine/arg_utils.py:384-386``),
-  ``--specialize-active-lora`` (:1633), ``--max-cpu-loras`` (:1624), ``--compilation-config`` as
-  JSON (:1891); ``--lora-modules name=path`` (``entrypoints/common/cli_args.py:55-57``; 0.26.0:
-  ``entrypoints/openai/cli_args.py:49-51``) loads every adapter at start-up
-  (``entrypoints/openai/models/serving.py:124-139``), before the server answers
-  (``entrypoints/launchers/api_server/entry.py:137-141``); ``GET /health``
-  (``entrypoints/serve/instrumentator/health.py:22``); ``POST /collective_rpc`` under
-  ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/serve/dev/rpc/api_router.py:23-59``,
-  ``entrypoints/launchers/api_server/routers.py:46``); the OpenAI server's engine core always runs
-  in its own process (``v1/engine/async_llm.py:193``).
-- the tokenizer: the server and the client load it with ``AutoTokenizer.from_pretrained``
-  (``tokenizers/hf.py:183``); its largest id bounds prompt ids together with the model's vocabulary
-  (``tokenizers/hf.py:123-133``, ``renderers/base.py:453-490``).
+**vLLM facts relied on**, with file:line in the 0.33.0 and 0.26.0 wheels: docs/vllm_integration.md §12.
+Any vLLM other than those two is refused.
 
 **Time.** Everything of one mode fits a 10-minute call on an H200 (``--budget-s`` 560, the rest
 for the script around it): the server's start-up with full CUDA graphs and 512 adapters loaded

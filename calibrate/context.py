@@ -9,6 +9,7 @@ from dataclasses import asdict
 from functools import cached_property
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from calibrate.config import Config, check_config
@@ -20,6 +21,7 @@ from labeling.backbone import (BackboneError, BackboneSpec, load_backbone, param
                                stop_token_ids)
 from labeling.engines.auto import AutoOptions, EngineChoice, MachineFacts, probe_facts, resolve_engine
 from labeling.engines.batch_workers import resolve_workers
+from labeling.engines.cpu_matmul import resolve_cpu_matmul
 from labeling.engines.hf import HFOptions
 from labeling.engines.vllm.options import VLLMOptions
 from labeling.tasks import Task, build_task
@@ -55,8 +57,9 @@ class Context:
         Every key, except:
 
         - ``engine``: only what changes the generated tokens — which engine, and its numerics
-          (``dtype``, ``device``), of the engine the run resolved to (``engine=auto`` counts as
-          the engine it chose). Switching hf↔vllm therefore recomputes the generation stages,
+          (``dtype``, ``device``, and the hf engine's ``cpu_matmul`` as resolved on this machine
+          where it differs from the model's dtype), of the engine the run resolved to
+          (``engine=auto`` counts as the engine it chose). Switching hf↔vllm therefore recomputes the generation stages,
           while throughput knobs (batch sizes, memory fraction, parallelism, progress bars) keep
           a run's cache;
         - ``backbone.gguf_dir``: where the GGUF file lies, not which model it is (``gguf_file``
@@ -70,7 +73,10 @@ class Context:
         """
         if name == "engine":
             options = asdict(self.engine_options)
-            return {k: options[k] for k in ENGINE_IDENTITY if k in options}
+            identity = {k: options[k] for k in ENGINE_IDENTITY if k in options}
+            if isinstance(self.engine_options, HFOptions) and self.hf_matmul != self.backbone_spec.dtype:
+                identity["matmul"] = self.hf_matmul
+            return identity
         section = self.section(name)
         if name == "backbone":
             section.pop("gguf_dir", None)
@@ -203,9 +209,19 @@ class Context:
         workers = resolve_workers(e.workers, next(model.parameters()).device)
         if workers > 1:
             print(f"hf engine: {workers} worker processes, one torch thread each (engine.workers={e.workers})", flush=True)
+        if self.hf_matmul != self.backbone_spec.dtype:
+            print(f"hf engine: {self.backbone_spec.dtype} model, linear layers multiply in {self.hf_matmul} "
+                  f"(engine.cpu_matmul={e.cpu_matmul})", flush=True)
         return HFEngine(model, tok, self.adapters, stop_token_ids(model.generation_config, tok, self.backbone_spec),
                         batch_size=e.batch_size, progress=e.progress, early_stop=self.config.labeling.early_stop,
-                        workers=workers)
+                        workers=workers, matmul=self.hf_matmul)
+
+    @cached_property
+    def hf_matmul(self) -> str:
+        """The dtype the hf engine's linear layers multiply in (``engine.cpu_matmul`` resolved for
+        this machine, :func:`labeling.engines.cpu_matmul.resolve_cpu_matmul`)."""
+        e = self.engine_options
+        return resolve_cpu_matmul(e.cpu_matmul, torch.device(e.device).type, self.backbone_spec.dtype)
 
     def vllm_engine(self, options: VLLMOptions):
         """A :class:`labeling.engines.vllm.engine.VLLMEngine` with ``options``."""

@@ -46,9 +46,7 @@ def random_adapter(backbone, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def engine(backbone, random_adapter):
-    """An HFEngine over a private copy of the backbone with arith-a (slot 0) and rand-attn (slot 1)."""
+def _engine(backbone, random_adapter, matmul: str):
     import copy
 
     from labeling.adapters import AdapterSpec
@@ -56,7 +54,22 @@ def engine(backbone, random_adapter):
 
     model, tok, stops = backbone
     adapters = [AdapterSpec("arith-a", str(DEMO_ADAPTER)), AdapterSpec("rand-attn", str(random_adapter))]
-    return HFEngine(copy.deepcopy(model), tok, adapters, stops, batch_size=8, progress=False)
+    return HFEngine(copy.deepcopy(model), tok, adapters, stops, batch_size=8, progress=False, matmul=matmul)
+
+
+@pytest.fixture(scope="session")
+def engine(backbone, random_adapter):
+    """An HFEngine over a private copy of the backbone with arith-a (slot 0) and rand-attn (slot 1),
+    float32 throughout: its results are compared with references batched otherwise (peft's generate,
+    the vLLM stand-in), which float32 matches token for token on these requests."""
+    return _engine(backbone, random_adapter, "float32")
+
+
+@pytest.fixture(scope="session")
+def engine_bf16(backbone, random_adapter):
+    """The same engine with bfloat16 multiplications (``engine.cpu_matmul``, the default on CPUs that
+    have them), for the contracts that compare it with itself."""
+    return _engine(backbone, random_adapter, "bfloat16")
 
 
 def mixed_requests(engine, n: int) -> list:

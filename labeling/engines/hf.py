@@ -32,6 +32,7 @@ from labeling.adapters import AdapterSpec, validate_adapter
 from labeling.answer_cut import StopFn, cut_result, decided_at
 from labeling.engines.batch_workers import map_batches
 from labeling.engines.chat import ChatIO
+from labeling.engines.cpu_matmul import CPU_MATMUL, use_bf16_matmuls
 from labeling.engines.row_adapters import BASE, RowAdapters
 from labeling.forks import ForkFn, forks_at
 from labeling.options import CheckedOptions
@@ -81,15 +82,20 @@ def generated_tokens(res: GenResult) -> int:
 class HFOptions(CheckedOptions):
     """``engine=hf``'s options: the device the model runs on (``cpu``, ``cuda``, ``cuda:1``...),
     requests per batch, processes that run batches side by side on the CPU (``auto``:
-    :func:`labeling.engines.batch_workers.resolve_workers`), and a progress bar per pass."""
+    :func:`labeling.engines.batch_workers.resolve_workers`), a progress bar per pass, and the dtype
+    a float32 model multiplies in on the CPU (``cpu_matmul``: ``bfloat16`` rounds the linear layers'
+    inputs and weights to bfloat16, :mod:`labeling.engines.cpu_matmul`; ``auto`` does so on a CPU
+    with native bfloat16 dot products)."""
 
-    rules = {"device": "text", "batch_size": "positive_int", "workers": "auto_or_positive_int"}
+    rules = {"device": "text", "batch_size": "positive_int", "workers": "auto_or_positive_int",
+             "cpu_matmul": CPU_MATMUL}
 
     name: str = "hf"
     device: str = "cpu"
     batch_size: int = 16
     workers: str = "auto"
     progress: bool = True
+    cpu_matmul: str = "auto"
 
 
 @dataclass
@@ -98,13 +104,6 @@ class _Row:
     branch: int | None  # None = main row, else the fork's release point r
     released: bool
     tokens: list[int]
-
-
-def _reindex_cache(cache, index: torch.Tensor) -> None:
-    """Gather (and duplicate) batch rows of a transformers DynamicCache in place."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, index)
-        layer.values = layer.values.index_select(0, index)
 
 
 class HFEngine(ChatIO):
@@ -117,10 +116,13 @@ class HFEngine(ChatIO):
     afterwards). Greedy decoding only (the exact one-pass sweep relies on it). With ``workers``
     > 1 a pass's batches run in that many processes forked from this one
     (:func:`labeling.engines.batch_workers.map_batches`): the same batches, so the same results.
+    ``matmul="bfloat16"`` makes a float32 model's linear layers multiply in bfloat16
+    (:mod:`labeling.engines.cpu_matmul`).
     """
 
     def __init__(self, model, tokenizer, adapters: Sequence[AdapterSpec], stop_ids: set[int],
-                 batch_size: int = 16, progress: bool = True, early_stop: bool = True, workers: int = 1) -> None:
+                 batch_size: int = 16, progress: bool = True, early_stop: bool = True, workers: int = 1,
+                 matmul: str = "float32") -> None:
         from peft import PeftModel
 
         hidden = model.config.hidden_size
@@ -143,6 +145,9 @@ class HFEngine(ChatIO):
         self._rows = RowAdapters(self.model) if adapters else None
         self.device = next(model.parameters()).device
         base = model.get_base_model() if adapters else model
+        if matmul == "bfloat16" and next(base.parameters()).dtype == torch.float32:
+            use_bf16_matmuls(base)
+        self.matmul = matmul
         self._norm = base.model.norm
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -228,7 +233,7 @@ class HFEngine(ChatIO):
     def _generate_batch(self, reqs: list[GenRequest], max_new: int, steptrim: StepTrim | None,
                         scorer: StepTrim | None, capture, fork) -> tuple[list[GenResult], int]:
         """The batch's results, and the tokens generated for it before any cut (rows × steps)."""
-        from transformers import DynamicCache
+        from labeling.engines.kv_cache import row_cache, select_rows, stable_order
 
         dev = self.device
         pad = self.tokenizer.pad_token_id
@@ -249,7 +254,7 @@ class HFEngine(ChatIO):
                 mask[j, head + width - len(x):] = 1
             ids, mask = ids.to(dev), mask.to(dev)
             positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, head:]
-            cache = DynamicCache()
+            cache = row_cache(length_hint=head + width + max_new)
             for layer, per_slot in enumerate(kv):
                 k0, v0 = next(iter(per_slot.values()))
                 keys = k0.new_zeros((len(reqs), k0.shape[1], head, k0.shape[3]))
@@ -300,12 +305,13 @@ class HFEngine(ChatIO):
                             res.branches[row.branch] = row.tokens
                     else:
                         keep.append(j)
-                rows_next = [rows[j] for j in keep] + [f for _, f in forks]
+                order = stable_order(len(rows), keep)  # rows that stay keep their place in the cache
+                rows_next = [rows[j] for j in order] + [f for _, f in forks]
                 if not rows_next:
                     break
                 if forks or len(keep) < len(rows):  # else every row goes on in place
-                    index = torch.tensor(keep + [j for j, _ in forks], device=dev)
-                    _reindex_cache(cache, index)
+                    index = torch.tensor(order + [j for j, _ in forks], device=dev)
+                    select_rows(cache, index)
                     mask, positions = mask.index_select(0, index), positions.index_select(0, index)
                 mask = torch.cat([mask, torch.ones((len(rows_next), 1), dtype=mask.dtype, device=dev)], 1)
                 positions = positions[:, -1:] + 1

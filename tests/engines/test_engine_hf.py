@@ -50,8 +50,11 @@ def test_shared_prompt_prefix_runs_once_per_slot(engine, requests_mixed) -> None
     assert alone == ([0], [])
 
 
-def test_fork_equals_profiled_from_scratch(engine, requests_mixed) -> None:
-    """OFF_k forked from the ON state == a from-scratch run with profiled k, for several k at once."""
+@pytest.mark.parametrize("engine_name", ["engine", "engine_bf16"])
+def test_fork_equals_profiled_from_scratch(engine_name, requests_mixed, request) -> None:
+    """OFF_k forked from the ON state == a from-scratch run with profiled k, for several k at once,
+    in float32 and with bfloat16 multiplications."""
+    engine = request.getfixturevalue(engine_name)
     reqs = [r for r in requests_mixed if r.slot != NO_SLOT][:4]
     ks = (0, 2, 5)
     forked = engine.generate(reqs, MAX_NEW, fork=lambda res, t, s: t in ks)
@@ -68,8 +71,10 @@ def test_fork_equals_profiled_from_scratch(engine, requests_mixed) -> None:
     assert n_checked >= 9
 
 
-def test_learned_release_matches_scores(engine, requests_mixed) -> None:
+@pytest.mark.parametrize("engine_name", ["engine", "engine_bf16"])
+def test_learned_release_matches_scores(engine_name, requests_mixed, request) -> None:
     """A learned policy releases at the first t whose recorded score falls below τ."""
+    engine = request.getfixturevalue(engine_name)
     reqs = [r for r in requests_mixed if r.slot == 0][:4]
     g = torch.Generator().manual_seed(3)
     head = LearnedPolicy(torch.randn(576, generator=g) / 24, 0.0, 0.0)

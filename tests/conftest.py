@@ -66,10 +66,13 @@ def engine(backbone, random_adapter):
 
 
 @pytest.fixture(scope="session")
-def engine_bf16(backbone, random_adapter):
-    """The same engine with bfloat16 multiplications (``engine.cpu_matmul``, the default on CPUs that
-    have them), for the contracts that compare it with itself."""
-    return _engine(backbone, random_adapter, "bfloat16")
+def engine_auto(backbone, random_adapter):
+    """The same engine as ``engine.cpu_matmul=auto`` builds it on this machine (bfloat16
+    multiplications on a CPU with native bfloat16, as calibration runs by default), for the
+    contracts that compare the engine with itself."""
+    from labeling.engines.cpu_matmul import resolve_cpu_matmul
+
+    return _engine(backbone, random_adapter, resolve_cpu_matmul("auto", "cpu", "float32"))
 
 
 def mixed_requests(engine, n: int) -> list:

@@ -36,41 +36,41 @@ def _generate(engine, early_stop: bool, task, examples, **kw):
         engine.early_stop = True
 
 
-def test_gsm8k_subset_results_are_identical_with_and_without_early_stop(engine) -> None:
+def test_gsm8k_subset_results_are_identical_with_and_without_early_stop(engine_auto) -> None:
     task = build_task("gsm8k", source=str(ROOT / "labeling" / "data" / "gsm8k_subset"), val_size=8,
                       sizes={"validation": 3}, max_new_tokens=40)
     examples = task.load_split("validation")
     kw = {"capture": lambda t: t in (0, 1, 2, 3, 7, 15), "fork": lambda res, t, s: t in (0, 1, 2, 3, 7, 15, 31)}
-    start = engine.generated_tokens
-    _, on = _generate(engine, True, task, examples, **kw)
-    middle = engine.generated_tokens
-    pairs, off = _generate(engine, False, task, examples, **kw)
+    start = engine_auto.generated_tokens
+    _, on = _generate(engine_auto, True, task, examples, **kw)
+    middle = engine_auto.generated_tokens
+    pairs, off = _generate(engine_auto, False, task, examples, **kw)
     for (ex, req), a, b in zip(pairs, on, off):
         assert (a.tokens, a.branches, a.release, sorted(a.hidden)) == (b.tokens, b.branches, b.release, sorted(b.hidden))
         for t in a.hidden:
             assert np.array_equal(a.hidden[t].numpy(), b.hidden[t].numpy())
         # a cut response scores as the whole one would, and ends at its first decided token
-        n = decided_length(a.tokens, req.stop, engine.decode)
+        n = decided_length(a.tokens, req.stop, engine_auto.decode)
         assert n is None or n == len(a.tokens)
-        assert all(task.score(ex, engine.decode(x)) in (0, 1) for x in [a.tokens, *a.branches.values()])
-    assert middle - start == sum(map(generated_tokens, on)) <= engine.generated_tokens - middle
+        assert all(task.score(ex, engine_auto.decode(x)) in (0, 1) for x in [a.tokens, *a.branches.values()])
+    assert middle - start == sum(map(generated_tokens, on)) <= engine_auto.generated_tokens - middle
 
 
-def test_cut_responses_score_as_the_whole_ones(engine) -> None:
+def test_cut_responses_score_as_the_whole_ones(engine_auto) -> None:
     """The cut is exact: with no answer rule the same requests generate to the end, and each cut
     response scores as its whole one; counter's wrong commits are cut before their sentence."""
     task = build_task("counter", sizes={"validation": 6}, max_new_tokens=32)
     examples = task.load_split("validation")
     kw = {"fork": lambda res, t, s: t in (0, 1, 2, 3, 5, 8)}
-    pairs, cut = _generate(engine, True, task, examples, **kw)
-    whole = engine.generate([GenRequest(r.uid, r.prompt_ids, r.slot) for _, r in pairs], task.max_new_tokens, **kw)
+    pairs, cut = _generate(engine_auto, True, task, examples, **kw)
+    whole = engine_auto.generate([GenRequest(r.uid, r.prompt_ids, r.slot) for _, r in pairs], task.max_new_tokens, **kw)
     shorter = 0
     for (ex, _), a, b in zip(pairs, cut, whole):
         assert b.tokens[:len(a.tokens)] == a.tokens
-        assert task.score(ex, engine.decode(a.tokens)) == task.score(ex, engine.decode(b.tokens))
+        assert task.score(ex, engine_auto.decode(a.tokens)) == task.score(ex, engine_auto.decode(b.tokens))
         for t, branch in a.branches.items():
             assert b.branches[t][:len(branch)] == branch
-            assert task.score(ex, engine.decode(branch)) == task.score(ex, engine.decode(b.branches[t]))
+            assert task.score(ex, engine_auto.decode(branch)) == task.score(ex, engine_auto.decode(b.branches[t]))
             shorter += len(branch) < len(b.branches[t])
     assert shorter > 0
 

@@ -50,10 +50,10 @@ def test_shared_prompt_prefix_runs_once_per_slot(engine, requests_mixed) -> None
     assert alone == ([0], [])
 
 
-@pytest.mark.parametrize("engine_name", ["engine", "engine_bf16"])
+@pytest.mark.parametrize("engine_name", ["engine", "engine_auto"])
 def test_fork_equals_profiled_from_scratch(engine_name, requests_mixed, request) -> None:
     """OFF_k forked from the ON state == a from-scratch run with profiled k, for several k at once,
-    in float32 and with bfloat16 multiplications."""
+    in float32 and as calibration multiplies by default."""
     engine = request.getfixturevalue(engine_name)
     reqs = [r for r in requests_mixed if r.slot != NO_SLOT][:4]
     ks = (0, 2, 5)
@@ -71,7 +71,7 @@ def test_fork_equals_profiled_from_scratch(engine_name, requests_mixed, request)
     assert n_checked >= 9
 
 
-@pytest.mark.parametrize("engine_name", ["engine", "engine_bf16"])
+@pytest.mark.parametrize("engine_name", ["engine", "engine_auto"])
 def test_learned_release_matches_scores(engine_name, requests_mixed, request) -> None:
     """A learned policy releases at the first t whose recorded score falls below τ."""
     engine = request.getfixturevalue(engine_name)
@@ -117,13 +117,13 @@ def _sweep_like_pass(engine, reqs, workers: int):
     return out, engine.generated_tokens - start
 
 
-def test_worker_processes_give_the_results_of_one(engine, requests_mixed) -> None:
+def test_worker_processes_give_the_results_of_one(engine_auto, requests_mixed) -> None:
     """Three batches on two forked workers (and on three) equal the same batches in this process:
     tokens, branches, release points, scores, hidden states and the tokens counted."""
     reqs = requests_mixed[:12]  # batch_size 8: batches of 8 and 4, so a worker gets a short one
-    one, n_one = _sweep_like_pass(engine, reqs, 1)
+    one, n_one = _sweep_like_pass(engine_auto, reqs, 1)
     for workers in (2, 3):
-        many, n_many = _sweep_like_pass(engine, reqs, workers)
+        many, n_many = _sweep_like_pass(engine_auto, reqs, workers)
         assert n_many == n_one > 0
         assert [r.uid for r in many] == [r.uid for r in reqs]
         for a, b in zip(one, many):

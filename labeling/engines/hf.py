@@ -92,7 +92,7 @@ class HFOptions(CheckedOptions):
 
     name: str = "hf"
     device: str = "cpu"
-    batch_size: int = 16
+    batch_size: int = 32
     workers: str = "auto"
     progress: bool = True
     cpu_matmul: str = "auto"
@@ -121,7 +121,7 @@ class HFEngine(ChatIO):
     """
 
     def __init__(self, model, tokenizer, adapters: Sequence[AdapterSpec], stop_ids: set[int],
-                 batch_size: int = 16, progress: bool = True, early_stop: bool = True, workers: int = 1,
+                 batch_size: int = 32, progress: bool = True, early_stop: bool = True, workers: int = 1,
                  matmul: str = "float32") -> None:
         from peft import PeftModel
 

@@ -133,7 +133,7 @@ def test_shard_requests_auto_follows_the_engine(tmp_path: Path) -> None:
     def shard(*overrides: str) -> int:
         return Context(compose_cfg(list(overrides)), RunDir(tmp_path)).shard_requests
 
-    assert shard() == 32 and shard("engine=hf", "engine.batch_size=4") == 8
+    assert shard() == 64 and shard("engine=hf", "engine.batch_size=4") == 8
     assert shard("engine=vllm") == 1024 and shard("engine=vllm", "engine.data_parallel_size=2") == 2048
     assert shard("engine=vllm", "engine.max_num_seqs=256") == 256
     assert shard("labeling.shard_requests=5") == 5

@@ -87,7 +87,7 @@ def test_default_is_auto_and_on_cpu_it_is_the_hf_engine(tmp_path: Path) -> None:
     assert ctx.cfg.engine.name == "auto"
     assert ctx.engine_options == HFOptions(device="cpu", progress=False)
     assert stage_fingerprints(ctx) == stage_fingerprints(_ctx(tmp_path, CPU, "engine=hf", "engine.progress=false"))
-    assert ctx.shard_requests == 32
+    assert ctx.shard_requests == 64
 
 
 def test_the_fingerprint_is_the_resolved_engine_and_explicit_engines_win(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ Why: on a CPU with bfloat16 dot-product instructions (x86 ``avx512_bf16`` / ``am
 2026-12-03: 475 against 103 GFLOP/s at 1024 x 576 x 1536), and its bfloat16 result for a row does not
 depend on the other rows of the batch or on their number (float32 takes another kernel below four
 rows). Attention stays float32 because PyTorch's CPU attention for one new token is about 10x slower
-in bfloat16 (``python -m benchmarks.engines.bench_hf_cpu``).
+in bfloat16 (benchmarks/results/2026-12-03-hf-engine-cpu.md).
 """
 from __future__ import annotations
 

@@ -59,9 +59,9 @@ class Context:
         - ``engine``: only what changes the generated tokens — which engine, and its numerics
           (``dtype``, ``device``, and the hf engine's ``cpu_matmul`` as resolved on this machine
           where it differs from the model's dtype), of the engine the run resolved to
-          (``engine=auto`` counts as the engine it chose). Switching hf↔vllm therefore recomputes the generation stages,
-          while throughput knobs (batch sizes, memory fraction, parallelism, progress bars) keep
-          a run's cache;
+          (``engine=auto`` counts as the engine it chose). Switching hf↔vllm therefore recomputes
+          the generation stages, while throughput knobs (batch sizes, memory fraction,
+          parallelism, progress bars) keep a run's cache;
         - ``backbone.gguf_dir``: where the GGUF file lies, not which model it is (``gguf_file``
           names it);
         - ``adapter``: each adapter by name and content (sha256 of its weights and its

@@ -147,7 +147,6 @@ class HFEngine(ChatIO):
         base = model.get_base_model() if adapters else model
         if matmul == "bfloat16" and next(base.parameters()).dtype == torch.float32:
             use_bf16_matmuls(base)
-        self.matmul = matmul
         self._norm = base.model.norm
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

@@ -61,6 +61,7 @@ def test_check_config_builds_every_group() -> None:
 @pytest.mark.parametrize("override, error, line", [
     ("export.budget=-1", ConfigError, "export.budget=-1.0: use a non-negative number."),
     ("engine=hf;engine.batch_size=0", ConfigError, "engine.batch_size=0: use a positive integer."),
+    ("engine=hf;engine.cpu_matmul=fp8", ConfigError, "engine.cpu_matmul='fp8': use one of ['auto', 'float32', 'bfloat16']."),
     ("task.name=nope", TaskError, "unknown task 'nope'"),
 ])
 def test_check_config_names_the_key_in_one_line(override: str, error: type, line: str) -> None:

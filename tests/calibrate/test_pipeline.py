@@ -23,6 +23,7 @@ from calibrate.pipeline import format_final, run_pipeline, stage_fingerprints
 from calibrate.config import register
 from calibrate.rundir import RunDir
 from labeling.adapters import AdapterError
+from labeling.engines.cpu_matmul import resolve_cpu_matmul
 from labeling.tasks import TaskError
 from serve_bridge.bundle import load_bundle
 from tests.conftest import ROOT
@@ -76,8 +77,8 @@ def test_end_to_end_tiny(tiny_run: tuple[Path, dict]) -> None:
 
 
 def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path) -> None:
-    """Switching hf↔vllm (or the dtype) re-runs the generation stages; batch sizes and the GGUF's
-    location do not."""
+    """Switching hf↔vllm (or the dtype, or the hf engine's multiplication dtype) re-runs the generation
+    stages; batch sizes and the GGUF's location do not."""
     def fps(*overrides: str) -> dict[str, str]:
         return stage_fingerprints(Context(compose_cfg([*TINY, *overrides]), RunDir(tmp_path)))
 
@@ -88,6 +89,10 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
     assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
     assert fps("+backbone.gguf_dir=/elsewhere") == hf
+    # The hf engine's multiplications count as resolved on this machine (engine.cpu_matmul).
+    fp32, bf16 = fps("engine=hf", "engine.cpu_matmul=float32"), fps("engine=hf", "engine.cpu_matmul=bfloat16")
+    assert fp32["labels"] != bf16["labels"] and fp32["data"] == bf16["data"]
+    assert hf == (bf16 if resolve_cpu_matmul("auto", "cpu", "float32") == "bfloat16" else fp32)
     # Another budget or rule re-runs the export and the test, not the sweep's generation.
     budget = fps("export.budget=5")
     assert budget["sweep"] == hf["sweep"] and budget["export"] != hf["export"] and budget["test"] != hf["test"]

@@ -12,6 +12,7 @@ CPU thread, a quarter to a third of the hf engine's time on the demo's forked ba
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -20,9 +21,12 @@ SPARE = 64  # positions kept free after each (re)allocation: a whole short respo
 
 
 class _SpareLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys``/``values`` are views of buffers with spare rows and length."""
+    """A ``DynamicLayer`` whose ``keys``/``values`` are views of buffers with spare rows and length;
+    the first buffers have room for ``length_hint`` positions."""
 
-    length_hint = 0
+    def __init__(self, length_hint: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.length_hint = length_hint
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -32,13 +36,13 @@ class _SpareLayer(DynamicLayer):
     def _view(self) -> None:
         self.keys, self.values = self._k[:self._rows, :, :self._n], self._v[:self._rows, :, :self._n]
 
-    def _grow(self, rows: int, length: int) -> None:
-        """Buffers for at least ``rows`` × ``length``, keeping what is stored."""
+    def _grow(self, rows: int, length: int, like: torch.Tensor) -> None:
+        """Buffers for at least ``rows`` × ``length`` (heads, head size, dtype and device of ``like``),
+        keeping what is stored."""
         if self._k is not None and rows <= self._k.shape[0] and length <= self._k.shape[2]:
             return
-        length = max(length + SPARE, self.length_hint)
-        shape = (2 * max(rows, self._rows), self._like.shape[1], length, self._like.shape[3])
-        k, v = self._like.new_empty(shape), self._like.new_empty(shape)
+        shape = (2 * max(rows, self._rows), like.shape[1], max(length + SPARE, self.length_hint), like.shape[3])
+        k, v = like.new_empty(shape), like.new_empty(shape)
         if self._k is not None:
             k[:self._rows, :, :self._n] = self.keys
             v[:self._rows, :, :self._n] = self.values
@@ -47,9 +51,8 @@ class _SpareLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self._like = key_states
         n, m = self._n, self._n + key_states.shape[-2]
-        self._grow(key_states.shape[0], m)
+        self._grow(key_states.shape[0], m, key_states)
         self._k[:key_states.shape[0], :, n:m] = key_states
         self._v[:value_states.shape[0], :, n:m] = value_states
         self._rows, self._n = key_states.shape[0], m
@@ -59,7 +62,7 @@ class _SpareLayer(DynamicLayer):
     def select_rows(self, index: torch.Tensor) -> None:
         if not self.is_initialized or self._k is None:
             return
-        self._grow(len(index), self._n)
+        self._grow(len(index), self._n, self._k)
         moved = (index != torch.arange(len(index), device=index.device)).nonzero().flatten()
         if moved.numel():
             src = index[moved]
@@ -72,7 +75,7 @@ class _SpareLayer(DynamicLayer):
 def row_cache(length_hint: int = 0) -> Cache:
     """An empty cache of :class:`_SpareLayer` layers, one appended per model layer on first use, each
     allocating room for ``length_hint`` positions at first (the most a batch can reach)."""
-    return Cache(layer_class_to_replicate=type("SpareLayer", (_SpareLayer,), {"length_hint": length_hint}))
+    return Cache(layer_class_to_replicate=partial(_SpareLayer, length_hint=length_hint))
 
 
 def select_rows(cache: Cache, index: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ PROFILED_K = [0, 1, 2, 4, 8, 16]
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=MAX_LORAS,
               max_lora_rank=RANK, max_cpu_loras=4 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
               max_model_len=1024, enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
-              gpu_memory_utilization=0.4,
+              gpu_memory_utilization=0.1, kv_cache_memory_bytes=4 << 30,  # a fixed cache: runs beside others
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from serve_bridge.steptrim import skip_fraction
-from tests.gpu.harness import ROOT
+from tests.gpu.harness import ENGINE_MEMORY, ROOT
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
@@ -118,7 +118,7 @@ def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
     hf = json.loads((work / "hf.json").read_text())
     llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
               max_num_seqs=256, max_model_len=1024, enable_prefix_caching=False, async_scheduling=False,
-              gpu_memory_utilization=0.3, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+              **ENGINE_MEMORY, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
     params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in hf["prompts"]]
     out: dict = {"runner": llm.collective_rpc(lambda w: type(w.model_runner).__name__)[0]}
@@ -156,7 +156,8 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
            "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
-           "--no-async-scheduling", "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
+           "--no-async-scheduling", "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]),
+           "--kv-cache-memory-bytes", str(ENGINE_MEMORY["kv_cache_memory_bytes"]), "--generation-config", "vllm",
            "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
            "--worker-extension-cls", "serve_bridge.vllm.rpc.LoRazorWorkerExtension"]
     env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

@@ -35,6 +35,7 @@ from pathlib import Path
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
 from serve_bridge.bundle import AdapterEntry, write_bundle
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
+from tests.gpu.harness import ENGINE_MEMORY
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -49,7 +50,7 @@ FAMILIES = ("off", "prof", "learn")
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=N_ADAPTERS,
               max_lora_rank=RANK, max_cpu_loras=3 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
               max_model_len=2048, enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=True,
-              gpu_memory_utilization=0.5, dtype="bfloat16",
+              **ENGINE_MEMORY, dtype="bfloat16",
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 SHRINK = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": 1, "num_warps": 4, "num_ctas": 1,

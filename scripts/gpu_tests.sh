@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU suite with its files side by side: each file of tests/gpu runs as its own `pytest -m gpu`
+# process on the one GPU, all at once (every engine the tests start reserves a fixed 4 GiB KV cache
+# and needs a tenth of the GPU free at start-up; tests/gpu/harness.py). It takes about as long as the
+# longest file (test_learned_real) instead of their sum, then prints one line per file and exits
+# non-zero if any file failed. Any other test file named after OUT_DIR runs without the -m gpu filter
+# (e.g. tests/serve_bridge/vllm/test_vllm_symbols.py, which checks the installed vLLM's names).
+# Usage, from anywhere (vLLM installed, or on PYTHONPATH through LORAZOR_VLLM_SITE; scripts/env.sh):
+#   bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]     default: every tests/gpu/test_*.py
+# Writes OUT_DIR/<file>.txt, each file's pytest output. test_learned_real needs LORAZOR_DEMO_RUN (its
+# docstring) and is skipped without it.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]}
+shift
+source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$root"
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py)
+python3 -c 'import torch, vllm; print("vLLM", vllm.__version__, "torch", torch.__version__)' || true
+git log -1 --format='commit %H %cd' 2>/dev/null || true
+declare -A pids
+for f in "${files[@]}"; do
+    case $f in tests/gpu/*) mark=gpu ;; *) mark="gpu or not gpu" ;; esac
+    python3 -m pytest -p no:cacheprovider -rs -m "$mark" "$f" > "$out/$(basename "$f" .py).txt" 2>&1 &
+    pids[$f]=$!
+done
+rc=0
+for f in "${files[@]}"; do
+    wait "${pids[$f]}"; frc=$?
+    [ $frc -eq 0 ] || [ $frc -eq 5 ] || rc=1  # 5: every test deselected or skipped
+    echo "$f: $(grep -E '^[0-9]+ (passed|failed|skipped|deselected|error)|^=+ .*(passed|failed|skipped|deselected|error)' "$out/$(basename "$f" .py).txt" | tail -1 | tr -d '=') (exit $frc)"
+done
+exit $rc

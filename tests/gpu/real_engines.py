@@ -16,8 +16,9 @@ test splits), in bf16 on the same GPU, each engine in its own process
   serve_bridge.vllm.rpc.LoRazorWorkerExtension``, ``VLLM_SERVER_DEV_MODE=1``): one ``POST
   /v1/completions`` per request; release points and counters over ``POST /collective_rpc``.
 
-:func:`compare` gives check rows. A release point may differ from hf's where the bf16 kernels of
-two engines (different reduction orders) move s_t across τ: the row passes when at least
+:func:`compare` gives check rows. A release point may differ between two engines (hf and each vLLM
+engine, stock and GridTrim kernels, the offline engine and the server) where their bf16 kernels
+(different reduction orders) move s_t across τ: the row passes when at least
 :data:`MIN_AGREEMENT` of the requests agree and every other one is explained, either by a score
 within :data:`MARGIN` of τ at the first disagreeing step or by full-LoRA trajectories that already
 differ there.
@@ -222,6 +223,31 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
 
 
+def release_row(label: str, names: tuple[str, str], releases: tuple[list, list], fulls: tuple[list, list],
+                scores: list[list[float]], scored: list[list[int]], tau: float, stops: set[int],
+                notes: list[str]) -> tuple[str, bool, str]:
+    """Check row for two engines' release points: at least MIN_AGREEMENT equal, every other one explained
+    at the earlier release t, either by hf's score ``scores[j][t]`` within MARGIN of τ or by full-LoRA
+    tokens up to t that differ between the two engines or from ``scored`` (the trajectory hf scored,
+    whose score then says nothing about theirs). Appends one note per difference."""
+    agree = sum(x == y for x, y in zip(*releases))
+    unexplained = 0
+    for j, (x, y) in enumerate(zip(*releases)):
+        if x == y:
+            continue
+        t = min(r for r in (x, y, len(scores[j]) - 1) if r is not None)
+        prefix = _strip(fulls[0][j], stops)[:t + 1] == _strip(fulls[1][j], stops)[:t + 1] \
+            == _strip(scored[j], stops)[:t + 1]
+        s = scores[j][t] if t < len(scores[j]) else float("nan")
+        unexplained += prefix and not abs(s - tau) < MARGIN
+        notes.append(f"{label} request {j}: release {names[0]} {x} vs {names[1]} {y}; at t={t} hf s_t={s:.3f} "
+                     f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
+                     f"{'agree' if prefix else 'differ'}")
+    ok = agree >= MIN_AGREEMENT * len(releases[0]) and not unexplained
+    return (f"{label} (≥ {MIN_AGREEMENT:.0%}, the rest explained)", ok,
+            f"{agree}/{len(releases[0])} = {100.0 * agree / len(releases[0]):.1f}%, {unexplained} unexplained")
+
+
 def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str]], list[str]]:
     """Check rows and notes (one per release mismatch)."""
     from transformers import AutoTokenizer
@@ -241,6 +267,8 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
 
     rows: list[tuple[str, bool, str]] = []
     notes: list[str] = []
+    shared = (hf["scores"], hf["full"], tau, stops, notes)  # what every release_row reads besides the two engines
+
     rows.append(("hf: full LoRA / learned policy accuracy", True, f"{accuracy(hf['full']):.1f}% / "
                  f"{accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))
     for mode in VLLM_MODES:
@@ -252,24 +280,11 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
         rows.append((f"{mode}: LoRazor runner active", v["runner"] == "LoRazorGPUModelRunner", v["runner"]))
         same_full = sum(_strip(a, stops) == _strip(b, stops) for a, b in zip(hf["full"], v["full"]))
         rows.append((f"{mode}: full-LoRA tokens = hf", True, f"{same_full}/{n} identical (reported, not a bar)"))
-        agree = sum(a == b for a, b in zip(hf["release"], v["trim_release"]))
-        unexplained = 0
         rows.append((f"{mode}: accuracy full / learned, realized skip", True,
                      f"{accuracy(v['full']):.1f}% / {accuracy(v['trim']):.1f}%, skip "
                      f"{skip(v['trim'], v['trim_release']):.3f}"))
-        for j, (a, b) in enumerate(zip(hf["release"], v["trim_release"])):
-            if a == b:
-                continue
-            t = min(x for x in (a, b, len(hf["scores"][j]) - 1) if x is not None)
-            prefix = _strip(hf["full"][j], stops)[:t + 1] == _strip(v["full"][j], stops)[:t + 1]
-            s = hf["scores"][j][t] if t < len(hf["scores"][j]) else float("nan")
-            unexplained += prefix and not abs(s - tau) < MARGIN
-            notes.append(f"{mode} request {j}: release hf {a} vs vLLM {b}; at t={t} hf s_t={s:.3f} "
-                         f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
-                         f"{'agree' if prefix else 'differ'}")
-        rows.append((f"{mode}: learned release points = hf (≥ {MIN_AGREEMENT:.0%}, the rest explained)",
-                     agree >= MIN_AGREEMENT * n and unexplained == 0,
-                     f"{agree}/{n} = {100.0 * agree / n:.1f}%, {unexplained} unexplained"))
+        rows.append(release_row(f"{mode}: learned release points = hf", ("hf", mode),
+                                (hf["release"], v["trim_release"]), (hf["full"], v["full"]), *shared))
     for first, second, label in (("vllm", "gridtrim", "gridtrim vs stock kernels"),
                                  ("gridtrim", "server", "vllm serve vs offline LLM (both gridtrim)")):
         if not all((work / f"{m}.json").exists() for m in (first, second)):
@@ -277,8 +292,8 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
         a, b = (json.loads((work / f"{m}.json").read_text()) for m in (first, second))
         same = sum(_strip(x, stops) == _strip(y, stops) for x, y in zip(a["full"], b["full"]))
         rows.append((f"{label}: full-LoRA tokens", True, f"{same}/{n} identical"))
-        same_rel = sum(x == y for x, y in zip(a["trim_release"], b["trim_release"]))
-        rows.append((f"{label}: learned release points (≥ 95%)", same_rel >= 0.95 * n, f"{same_rel}/{n}"))
+        rows.append(release_row(f"{label}: learned release points", (first, second),
+                                (a["trim_release"], b["trim_release"]), (a["full"], b["full"]), *shared))
     server = work / "server.json"
     if server.exists():
         c = json.loads(server.read_text())["counters"]

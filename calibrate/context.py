@@ -206,7 +206,10 @@ class Context:
 
         self.check_adapters()
         model, tok = load_backbone(self.backbone_spec, device=e.device)
-        workers = resolve_workers(e.workers, next(model.parameters()).device)
+        try:
+            workers = resolve_workers(e.workers, next(model.parameters()).device)
+        except ValueError as err:  # the environment's LORAZOR_HF_WORKERS
+            raise ConfigError(str(err)) from err
         if workers > 1:
             print(f"hf engine: {workers} worker processes, one torch thread each (engine.workers={e.workers})", flush=True)
         if self.hf_matmul != self.backbone_spec.dtype:

@@ -40,13 +40,18 @@ def resolve_workers(option: str | int, device: torch.device) -> int:
     """``engine.workers``: ``auto`` is one worker per available core when torch runs on one thread
     on the CPU (``OMP_NUM_THREADS=1``, as ``make demo`` sets), else 1: torch's own threads already
     use the cores. ``LORAZOR_HF_WORKERS=N`` makes ``auto`` N (``make test`` sets 1: its pytest
-    workers already fill the cores). A number is taken as it is. On a GPU there is one worker."""
+    workers already fill the cores; any other value is a ValueError). A number is taken as it is.
+    On a GPU there is one worker."""
     if device.type != "cpu":
         return 1
     if option == "auto":
-        if os.environ.get(AUTO_ENV, "").isdigit() and int(os.environ[AUTO_ENV]) >= 1:
-            return int(os.environ[AUTO_ENV])
-        return available_cores() if torch.get_num_threads() == 1 else 1
+        env = os.environ.get(AUTO_ENV)
+        if env is None:
+            return available_cores() if torch.get_num_threads() == 1 else 1
+        if not (env.isdigit() and int(env) >= 1):
+            raise ValueError(f"{AUTO_ENV}={env!r}: use a whole number of worker processes (1 or more) for "
+                             "engine.workers=auto, or unset it")
+        return int(env)
     return int(option)
 
 

@@ -73,6 +73,11 @@ def test_the_environment_says_what_auto_means(monkeypatch) -> None:
     monkeypatch.setenv("LORAZOR_HF_WORKERS", "3")
     assert resolve_workers("auto", torch.device("cpu")) == 3
     assert resolve_workers("2", torch.device("cpu")) == 2  # an explicit number wins
-    monkeypatch.setenv("LORAZOR_HF_WORKERS", "none")  # not a number: ignored
+    for bad in ("none", "0", "-2", "1.5", ""):  # not a whole number of workers: one clear error
+        monkeypatch.setenv("LORAZOR_HF_WORKERS", bad)
+        with pytest.raises(ValueError, match="LORAZOR_HF_WORKERS"):
+            resolve_workers("auto", torch.device("cpu"))
+        assert resolve_workers("2", torch.device("cpu")) == 2  # not read when a number is given
+    monkeypatch.delenv("LORAZOR_HF_WORKERS")
     torch_threads = torch.get_num_threads()
     assert resolve_workers("auto", torch.device("cpu")) == (available_cores() if torch_threads == 1 else 1)

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.serving.goodput import free_port
 from serve_bridge.steptrim import skip_fraction
 from tests.gpu.harness import ENGINE_MEMORY, ROOT
 
@@ -41,7 +42,6 @@ ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
 VLLM_MODES = ("vllm", "gridtrim", "server")
 PHASES = ("hf", *VLLM_MODES)
-SERVER_PORT = 8765
 READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
 MIN_AGREEMENT = 0.9  # release points equal to hf's, as a fraction of the requests
 MARGIN = 0.25  # |s_t − τ| below which bf16 reduction order may move a decision
@@ -151,9 +151,10 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     hf = json.loads((work / "hf.json").read_text())
-    url = f"http://127.0.0.1:{SERVER_PORT}"
+    port = free_port()  # the GPU suite's files, and two vLLM lines, may run side by side
+    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", _backbone_dir(gguf_dir),
-           "--port", str(SERVER_PORT), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
+           "--port", str(port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
            "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",

@@ -4,7 +4,7 @@
 
 What vLLM's eager mixed steps pay per LoRA linear besides the launches themselves:
 ``serve_bridge.gridtrim.add_lora_linear`` (views, the per-layer eligibility and launch-config
-cache, the metadata, the partials buffer) and ``kernels``' shrink and expand down to their
+cache, the metadata, the partials buffer) and ``lora_kernels``' shrink and expand down to their
 Triton kernels, whose launch (``kernel[grid](**args)``) is replaced by a no-op that takes the
 same arguments. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU
 tensors. A 28-layer model makes 4 such calls per layer per step (qkv, o, gate_up, down).

@@ -64,7 +64,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -505,6 +505,10 @@ class SlotStats:
         self._reset()
         self.on = True
 
+    def stop(self) -> None:
+        """Stop counting (what was counted stays)."""
+        self.on = False
+
     def summary(self) -> dict[str, float]:
         """Means over the steps that scheduled work; ``step_ms`` is the mean time from such a
         step's schedule to the next one's (the last step of the run is not timed)."""
@@ -603,16 +607,34 @@ def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
     return elapsed, tokens, steps
 
 
+def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any], repeats: int,
+               after_first: Callable[[], None] | None = None) -> tuple[list[float], list[int], list[float]]:
+    """:func:`serve_offline` ``repeats`` times in the same engine, back to back: every run's wall
+    time, and the first run's token counts and step times (``after_first`` is called right after
+    it, e.g. to stop counting). Every run must produce the first run's token counts."""
+    elapsed, tokens, steps = serve_offline(engine, prompts, params, loras)
+    if after_first is not None:
+        after_first()
+    runs = [elapsed]
+    for _ in range(repeats - 1):
+        again, again_tokens, _ = serve_offline(engine, prompts, params, loras)
+        if again_tokens != tokens:
+            raise RuntimeError(f"run {len(runs) + 1} produced other token counts than the first")
+        runs.append(again)
+    return runs, tokens, steps
+
+
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
                capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
                full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
-               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK) -> None:
+               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK, repeats: int = 1) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
-    (:func:`serve_offline`), or serve it open-loop at ``arrival_rate`` requests/s (Poisson).
-    Slot statistics (:class:`SlotStats`) of the timed run go into the result beside the capacity
-    model's prediction for it (:func:`predicted_slots`).
+    ``repeats`` times (:func:`timed_runs`; req/s from the median run), or serve it open-loop at
+    ``arrival_rate`` requests/s (Poisson). Slot statistics (:class:`SlotStats`), step times and the
+    release counters of the first timed run go into the result beside the capacity model's
+    prediction for it (:func:`predicted_slots`).
     With ``profile_steps`` > 0, afterwards profile that many steps of a fresh copy of the workload
     (:func:`profile_workload`; with ``profile_python`` also under cProfile) into ``<result stem>_profile.md``."""
     import torch
@@ -654,6 +676,13 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         from serve_bridge.vllm.rpc import lorazor_counters
 
         before = llm.collective_rpc(lorazor_counters)[0]
+    after: dict[str, Any] = {}
+
+    def first_run_done() -> None:
+        if stats is not None:
+            stats.stop()
+        if mode in STEPTRIM_MODES:
+            after.update(llm.collective_rpc(lorazor_counters)[0])
     # Offline, only final outputs, as LLM.generate asks for; open-loop needs every step's (TTFT).
     kind = RequestOutputKind.CUMULATIVE if arrival_rate else RequestOutputKind.FINAL_ONLY
     params = [SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, output_kind=kind)
@@ -670,9 +699,11 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     if arrival_rate:
         elapsed, timing, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
                                                     arrival_times(n_requests, arrival_rate, seed))
+        first_run_done()
     else:
-        elapsed, lengths, step_s = serve_offline(llm.llm_engine, prompts, params, loras)
-        timing = step_summary(step_s)
+        runs, lengths, step_s = timed_runs(llm.llm_engine, prompts, params, loras, repeats, first_run_done)
+        elapsed = float(np.median(runs))
+        timing = step_summary(step_s) | {"elapsed_runs_s": runs}
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
@@ -688,7 +719,6 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")
     if mode in STEPTRIM_MODES:
-        after = llm.collective_rpc(lorazor_counters)[0]
         decode = after["decode_forwards"] - before["decode_forwards"]
         skipped = after["skipped_forwards"] - before["skipped_forwards"]
         counters = {"decode_forwards": decode, "skipped_forwards": skipped,
@@ -831,7 +861,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else []) + (
         ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
         ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
-        ["--no-slot-release"] if args.no_slot_release else [])
+        ["--no-slot-release"] if args.no_slot_release else []) + (
+        ["--repeats", str(args.repeats)] if args.repeats > 1 else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "benchmarks.serving.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -851,7 +882,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         + (f"open-loop Poisson arrivals at {args.arrival_rate:g} req/s through LLMEngine.add_request/step "
            "(TTFT from the scheduled arrival; TPOT = (finish - first token) / (tokens - 1))"
            if latency else "offline: all requests added at once, then LLMEngine.step() until done (LLM.generate's "
-           "loop, with each step timed)"),
+           "loop, with each step timed)" + (f"; {args.repeats} timed runs per engine, req/s from the median, steps "
+                                             "and slot statistics from the first" if args.repeats > 1 else "")),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
@@ -932,8 +964,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                 print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
                       f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
                       f"{row['warmup_s']:.1f} s)", flush=True)
-                notes.append(f"{label}: generate {row['elapsed_s']:.1f} s, engine start-up "
-                             f"{row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
+                runs_s = row.get("elapsed_runs_s", [])
+                notes.append(f"{label}: generate {row['elapsed_s']:.1f} s"
+                             + (f" (median of {'/'.join(f'{r:.1f}' for r in runs_s)} s)" if len(runs_s) > 1 else "")
+                             + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
                              f"subprocess {time.time() - t:.0f} s"
                              + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/"
                                 f"{row['step_ms_p90']:.1f}/{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
@@ -974,6 +1008,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=1,
                     help="run the modes this many times per adapter count, each pass in the reverse order of "
                          "the one before; each row's ratio is to the stock row of its own pass")
+    ap.add_argument("--repeats", type=int, default=1, metavar="R",
+                    help="offline: time the workload R times in each engine, back to back, and report the "
+                         "median run's req/s (steps, slot statistics and counters are the first run's); each "
+                         "repeat costs one run, not an engine start")
     ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
@@ -1021,6 +1059,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeats < 1 or (args.repeats > 1 and args.arrival_rate):
+        ap.error("--repeats takes a whole number ≥ 1, and times offline runs only (not with --arrival-rate)")
     if args.profile_python and not args.profile_steps:
         ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
     if args.phase == "prepare":
@@ -1037,7 +1077,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
-                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank)
+                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank,
+                   args.repeats)
         return 0
     return orchestrate(args)
 

@@ -407,6 +407,36 @@ def test_serve_offline_times_every_step_and_maps_outputs_back():
         bench.serve_offline(Stuck(lambda i: 1), prompts, params, loras)
 
 
+def test_timed_runs_repeat_the_workload_in_one_engine():
+    engine = _StepEngine(lambda i: 5 - (i % 3))
+    prompts, params, loras = [[1, 2]] * 7, ["p"] * 7, [None] * 7
+    seen = []
+    runs, tokens, steps = bench.timed_runs(engine, prompts, params, loras, 3, lambda: seen.append(len(engine.added)))
+    assert len(runs) == 3 and all(r >= 0 for r in runs) and tokens == [i + 3 for i in range(7)]
+    assert len(steps) == 5  # the first run's steps
+    assert seen == [7]  # once, between the first run and the repeats
+    assert len(engine.added) == 21 and not engine.has_unfinished_requests()
+    assert len(bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 1)[0]) == 1
+
+    class Drifting(_StepEngine):
+        def step(self):
+            out = super().step()
+            for o in out:
+                if len(self.added) > 7:  # a repeat: one token more
+                    o.outputs[0].token_ids.append(0)
+            return out
+
+    with pytest.raises(RuntimeError, match="run 2 produced other token counts"):
+        bench.timed_runs(Drifting(lambda i: 2), prompts, params, loras, 2)
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--repeats", "2", "--arrival-rate", "5"]])
+def test_repeats_are_offline_runs_only(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and "--repeats" in capsys.readouterr().err
+
+
 def test_step_summary():
     s = bench.step_summary([0.010, 0.020, 0.030, 0.100])
     assert s["steps"] == 4 and s["step_ms_max"] == pytest.approx(100.0)

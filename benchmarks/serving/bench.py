@@ -1,7 +1,7 @@
 """Offline throughput: stock vLLM vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
-                                 [--passes P] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
+                                 [--passes P] [--repeats R] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
                                  [--arrival-rate R]
 
 (``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)

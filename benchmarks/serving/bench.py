@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving.synthetic import write_model_config, write_random_adapters
+from benchmarks.serving.synthetic import lora_targets, write_model_config, write_random_adapters
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import installed_version as installed_vllm
 
@@ -329,6 +329,40 @@ def bundle_dir(work: Path, n: int, skewed: bool, n_requests: int, seed: int) -> 
 
 def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> dict[str, Any]:
     return {"config": cfg, "rank": rank, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
+
+
+def adapter_bytes(cfg: dict[str, Any], rank: int) -> int:
+    """One adapter's weights as its file holds them (bf16): A (rank × in) and B (out × rank) of
+    q,k,v,o,gate,up,down in every layer."""
+    return 2 * rank * cfg["num_hidden_layers"] * sum(i + o for _, i, o in lora_targets(cfg).values())
+
+
+def host_bytes_needed(cfg: dict[str, Any], rank: int, n_adapters: int, max_loras: int | None,
+                      max_cpu_loras: int | None) -> int:
+    """Host memory one LoRA engine keeps for adapters, at most: every adapter vLLM keeps loaded
+    (``max_cpu_loras``, default all of them, at least ``max_loras``), twice: its loaded weights and
+    the plugin's pinned slot image (``serve_bridge/slot_copy.py``)."""
+    loaded = max(max_cpu_loras or n_adapters, max_loras or n_adapters)
+    return 2 * loaded * adapter_bytes(cfg, rank)
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_memory_problem(needed: int, available: int | None, share: float = 0.9) -> str | None:
+    """A line saying why ``needed`` bytes do not fit ``share`` of ``available``, else None."""
+    if available is None or needed <= share * available:
+        return None
+    return (f"the adapters kept in host memory need about {needed / 2**30:.1f} GiB (loaded weights and a pinned slot "
+            f"image each) and {available / 2**30:.1f} GiB is available: give fewer --adapters or --max-cpu-loras")
 
 
 def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> None:
@@ -849,6 +883,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "prepare.failed").unlink(missing_ok=True)
     cfg = MODELS[args.model]
+    needed = max(host_bytes_needed(cfg, args.rank, n, args.max_loras, args.max_cpu_loras) for n in args.adapters)
+    available = host_memory_available()
+    if problem := host_memory_problem(needed, available):
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
     runs = schedule(args.modes, args.passes)
     drop_stale_stamp(work, args.adapters, cfg, args.rank)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
@@ -892,6 +931,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
                                    "specialize_active_lora": "per mode"}),
+        f"host: one adapter {adapter_bytes(cfg, args.rank) / 2**20:.1f} MiB; a LoRA engine keeps up to "
+        f"{needed / 2**30:.1f} GiB of adapters in host memory (loaded and a pinned slot image each)"
+        + (f", {available / 2**30:.0f} GiB available at the start" if available else ""),
         "slots: " + ("steptrim/both keep vLLM's accounting (LORAZOR_SLOTS=0)" if args.no_slot_release else
                      "steptrim/both hand a released request's adapter slot on (LoRazor's scheduler); mean running "
                      "requests and slots held per scheduled step, beside the capacity model's prediction "

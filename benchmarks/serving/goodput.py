@@ -635,6 +635,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"goodput runs on vLLM {' or '.join(SUPPORTED)} (`vllm bench serve` of both lines has every option "
               f"used here); found {version or 'no vLLM'}", file=sys.stderr)
         return 2
+    needed = bench.host_bytes_needed(bench.LLAMA32_3B, bench.RANK, args.adapters, args.max_loras, None)
+    if problem := bench.host_memory_problem(needed, bench.host_memory_available()):
+        print(f"goodput: {problem}", file=sys.stderr)
+        return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     args.out.mkdir(parents=True, exist_ok=True)
     bundle, ks, planned = prepare_files(args.work, args.adapters, args.requests, args.seed)

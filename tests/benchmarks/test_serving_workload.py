@@ -163,6 +163,36 @@ def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
     assert files[35].samefile(files[3]) and fps["a35"] == fps["a03"] and fps["a03"] != fps["a04"]
 
 
+def test_adapter_bytes_are_the_adapter_files_tensors(tmp_path):
+    tiny = {**bench.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    for rank in (4, 8):
+        bench.write_model_and_adapters(tmp_path / str(rank), 1, tiny, rank)
+        path = tmp_path / str(rank) / "adapters" / bench.adapter_name(0) / "adapter_model.safetensors"
+        with safe_open(str(path), "pt") as f:
+            stored = sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert bench.adapter_bytes(tiny, rank) == stored
+    assert bench.adapter_bytes(bench.LLAMA32_3B, 8) / 1e6 == pytest.approx(24.3, abs=0.1)  # the tables' adapters
+    assert bench.adapter_bytes(bench.MODELS["llama8b"], 16) / 1e6 == pytest.approx(83.9, abs=0.1)
+
+
+def test_host_memory_preflight(tmp_path, monkeypatch, capsys):
+    one = bench.adapter_bytes(bench.LLAMA32_3B, 8)
+    assert bench.host_bytes_needed(bench.LLAMA32_3B, 8, 512, 32, None) == 2 * 512 * one
+    assert bench.host_bytes_needed(bench.LLAMA32_3B, 8, 512, 32, 64) == 2 * 64 * one
+    assert bench.host_bytes_needed(bench.LLAMA32_3B, 8, 16, 32, 8) == 2 * 32 * one  # vLLM raises it to max_loras
+    assert bench.host_memory_problem(10, 100) is None and bench.host_memory_problem(10**12, None) is None
+    assert "give fewer --adapters" in bench.host_memory_problem(95, 100)
+    available = bench.host_memory_available()
+    assert available is None or available > 0
+    monkeypatch.setattr(bench, "host_memory_available", lambda: 4 * 2**30)
+    rc = bench.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--adapters", "512"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert f"{2 * 512 * one / 2**30:.1f} GiB" in err and "4.0 GiB is available" in err
+    assert not (tmp_path / "work" / "prepared.json").exists()
+
+
 def test_table_rows():
     stock = {"mode": "stock", "adapters": 128, "skewed": False, "req_per_s": 40.0, "output_tok_per_s": 2400.0,
              "counters": None}

@@ -7,11 +7,16 @@
 # (e.g. tests/serve_bridge/vllm/test_vllm_symbols.py, which checks the installed vLLM's names).
 # Usage, from anywhere (vLLM installed, or on PYTHONPATH through LORAZOR_VLLM_SITE; scripts/env.sh):
 #   bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]     default: every tests/gpu/test_*.py
-# Writes OUT_DIR/<file>.txt, each file's pytest output. test_learned_real needs LORAZOR_DEMO_RUN (its
-# docstring) and is skipped without it.
+#   JOBS=N bash scripts/gpu_tests.sh ...                  at most N files at a time (default: all at once;
+#                                                         each file's engine holds its 4 GiB KV cache plus
+#                                                         its weights and workspace: on a small GPU, fewer)
+# Writes OUT_DIR/<file>.txt, each file's pytest output, and OUT_DIR/<file>.rc, its exit code.
+# test_learned_real needs LORAZOR_DEMO_RUN (its docstring) and is skipped without it.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]}
 shift
+jobs_max=${JOBS:-0}
+[[ $jobs_max =~ ^[0-9]+$ ]] || { echo "JOBS=$jobs_max: give a whole number of files to run at a time (0: all)" >&2; exit 2; }
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -20,16 +25,19 @@ files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py)
 python3 -c 'import torch, vllm; print("vLLM", vllm.__version__, "torch", torch.__version__)' || true
 git log -1 --format='commit %H %cd' 2>/dev/null || true
-declare -A pids
 for f in "${files[@]}"; do
     case $f in tests/gpu/*) mark=gpu ;; *) mark="gpu or not gpu" ;; esac
-    python3 -m pytest -p no:cacheprovider -rs -m "$mark" "$f" > "$out/$(basename "$f" .py).txt" 2>&1 &
-    pids[$f]=$!
+    name=$(basename "$f" .py)
+    rm -f "$out/$name.rc"
+    while [ "$jobs_max" -gt 0 ] && [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+    (python3 -m pytest -p no:cacheprovider -rs -m "$mark" "$f" > "$out/$name.txt" 2>&1; echo $? > "$out/$name.rc") &
 done
+wait
 rc=0
 for f in "${files[@]}"; do
-    wait "${pids[$f]}"; frc=$?
-    [ $frc -eq 0 ] || [ $frc -eq 5 ] || rc=1  # 5: every test deselected or skipped
-    echo "$f: $(grep -E '^[0-9]+ (passed|failed|skipped|deselected|error)|^=+ .*(passed|failed|skipped|deselected|error)' "$out/$(basename "$f" .py).txt" | tail -1 | tr -d '=') (exit $frc)"
+    name=$(basename "$f" .py)
+    frc=$(cat "$out/$name.rc" 2>/dev/null || echo "?")
+    [ "$frc" = 0 ] || [ "$frc" = 5 ] || rc=1  # 5: every test deselected or skipped
+    echo "$f: $(grep -E '^[0-9]+ (passed|failed|skipped|deselected|error)|^=+ .*(passed|failed|skipped|deselected|error)' "$out/$name.txt" | tail -1 | tr -d '=') (exit $frc)"
 done
 exit $rc

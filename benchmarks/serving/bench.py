@@ -879,15 +879,15 @@ def slot_table(rows: list[dict[str, Any]]) -> str:
 def orchestrate(args: argparse.Namespace) -> int:
     start = time.time()
     out, work = args.out, args.work
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "prepare.failed").unlink(missing_ok=True)
     cfg = MODELS[args.model]
     needed = max(host_bytes_needed(cfg, args.rank, n, args.max_loras, args.max_cpu_loras) for n in args.adapters)
     available = host_memory_available()
-    if problem := host_memory_problem(needed, available):
+    if problem := host_memory_problem(needed, available):  # before anything is written
         print(f"bench: {problem}", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "prepare.failed").unlink(missing_ok=True)
     runs = schedule(args.modes, args.passes)
     drop_stale_stamp(work, args.adapters, cfg, args.rank)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,

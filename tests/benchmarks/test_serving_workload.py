@@ -190,7 +190,7 @@ def test_host_memory_preflight(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert f"{2 * 512 * one / 2**30:.1f} GiB" in err and "4.0 GiB is available" in err
-    assert not (tmp_path / "work" / "prepared.json").exists()
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # refused before writing
 
 
 def test_table_rows():

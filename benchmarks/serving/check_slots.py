@@ -65,10 +65,14 @@ N_ADAPTERS, MAX_LORAS, RANK, ALPHA = 48, 8, 8, 16
 N_CHECKS = 13  # the rows of compare() other than the (f) pairs
 TOP_LOGPROBS = 5  # each generated position's most likely tokens, kept for the near-tie test
 PROFILED_K = [0, 1, 2, 4, 8, 16]
+# Engines that share one GPU: a fixed KV cache instead of a share of the GPU, and only a tenth of it free
+# at start-up (docs/vllm_integration.md §13). check_slots' engines and every GPU test's use it, so the
+# files of tests/gpu run side by side (scripts/gpu_tests.sh) and each run sizes its cache alike.
+ENGINE_MEMORY = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 4 << 30}
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=MAX_LORAS,
               max_lora_rank=RANK, max_cpu_loras=4 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
               max_model_len=1024, enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
-              gpu_memory_utilization=0.1, kv_cache_memory_bytes=4 << 30,  # a fixed cache: runs beside others
+              **ENGINE_MEMORY,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}

@@ -8,10 +8,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Every engine the GPU tests start reserves a fixed KV cache instead of a share of the GPU, and needs only
-# a tenth of it free at start-up: the files can run side by side on one GPU (scripts/gpu_tests.sh), and
-# every run sizes its cache alike whatever else the GPU holds.
-ENGINE_MEMORY = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 4 << 30}
 
 
 def gpu_count() -> int:

@@ -34,9 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.goodput import free_port
 from serve_bridge.steptrim import skip_fraction
-from tests.gpu.harness import ENGINE_MEMORY, ROOT
+from tests.gpu.harness import ROOT
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")

@@ -32,10 +32,10 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters
 from serve_bridge.bundle import AdapterEntry, write_bundle
 from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
-from tests.gpu.harness import ENGINE_MEMORY
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -3,9 +3,9 @@
 # process on the one GPU, all at once (every engine the tests start reserves a fixed 4 GiB KV cache
 # and needs a tenth of the GPU free at start-up: benchmarks/serving/check_slots.ENGINE_MEMORY). It
 # takes about as long as the longest file (test_learned_real) instead of their sum, then prints one
-# line per file and exits
-# non-zero if any file failed. Any other test file named after OUT_DIR runs without the -m gpu filter
-# (e.g. tests/serve_bridge/vllm/test_vllm_symbols.py, which checks the installed vLLM's names).
+# line per file and exits non-zero if any file failed. Any other test file named after OUT_DIR runs
+# without the -m gpu filter (e.g. tests/serve_bridge/vllm/test_vllm_symbols.py, which checks the
+# installed vLLM's names).
 # Usage, from anywhere (vLLM installed, or on PYTHONPATH through LORAZOR_VLLM_SITE; scripts/env.sh):
 #   bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]     default: every tests/gpu/test_*.py
 #   JOBS=N bash scripts/gpu_tests.sh ...                  at most N files at a time (default: all at once;

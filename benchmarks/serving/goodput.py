@@ -353,9 +353,10 @@ def ratio_line(n_adapters: int, max_loras: int, modes: dict[str, dict[str, Any]]
     rates = {m: goodput_rate(points_of(e, slo))[0] for m, e in modes.items()}
     parts = [f"both/{m} = {rates['both'] / rates[m]:.2f}" for m in ("gridtrim", "stock", "nolora")
              if rates.get("both") and rates.get(m)]
-    have = sorted(m for m, r in rates.items() if r)
+    have = ", ".join(sorted(m for m, r in rates.items() if r)) or "no mode"
     return f"goodput {n_adapters}/{max_loras}: " + (", ".join(parts) if parts else
-                                                     f"rows missing (a goodput rate for {have or 'no mode'})")
+                                                     f"no ratio yet: it needs both and gridtrim or stock "
+                                                     f"(a goodput rate so far: {have})")
 
 
 def render(doc: dict[str, Any], slo: Slo) -> str:

@@ -348,7 +348,7 @@ def test_table_and_ratio_line():
                        "rows": [_row(12.2, 900.0), _row(18.0, 1900.0)]}}
     assert goodput.ratio_line(512, 32, modes, SLO) == "goodput 512/32: both/gridtrim = 1.50, both/stock = 3.01"
     assert goodput.ratio_line(512, 32, {"both": modes["both"]}, SLO) == \
-        "goodput 512/32: rows missing (a goodput rate for ['both'])"
+        "goodput 512/32: no ratio yet: it needs both and gridtrim or stock (a goodput rate so far: both)"
     doc = {"preamble": ["pre"], "modes": modes, "notes": ["note"],
            "ratio": goodput.ratio_line(512, 32, modes, SLO)}
     lines = goodput.render(doc, SLO).splitlines()

@@ -1,7 +1,7 @@
 """Offline throughput: stock vLLM vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
-                                 [--passes P] [--repeats R] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
+                                 [--passes P] [--repeats R [--interleave]] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
                                  [--arrival-rate R]
 
 (``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
@@ -17,7 +17,10 @@ release skips about half of its decode forwards, given its requests' output leng
 Every (adapters, mode) pair runs in its own subprocess, back to back on the same machine, in
 the order of ``--modes`` (default stock, gridtrim, steptrim, both); ``--passes P`` repeats them
 P times, each pass in the reverse order of the one before (:func:`schedule`), and every row's
-ratio is to the stock row of its own pass:
+ratio is to the stock row of its own pass. With ``--repeats R --interleave`` the modes' engines
+start together and stay alive, sharing the GPU through KV caches sized for the workload, and their
+R timed runs go in rounds, one engine at a time (:mod:`benchmarks.serving.interleave`); the notes
+give both's ratio to every other mode round by round. The modes:
 
 - ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
   punica wrapper, with ``specialize_active_lora`` (the device README's setting).
@@ -71,6 +74,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serving import interleave
+from benchmarks.serving.interleave import Turns
 from benchmarks.serving.synthetic import lora_targets, write_model_config, write_random_adapters
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import installed_version as installed_vllm
@@ -108,6 +113,7 @@ DISTINCT_WEIGHTS = 32
 N_REQUESTS = 2048
 PROMPT_LEN = (100, 300)  # inclusive
 OUTPUT_LEN = (20, 100)  # inclusive
+MAX_NUM_SEQS = 256  # running requests per engine (every mode)
 TARGET_SKIP = 0.5
 HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
 # Decode batches replay CUDA graphs (no torch.compile), as in tests/gpu/release_engines.py; mixed
@@ -406,7 +412,8 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
                    lora_target_modules: Sequence[str] | None = None,
                    tensor_parallel_size: int = 1, compiled: bool = False,
                    full_graphs: bool = False, max_loras: int | None = None,
-                   max_cpu_loras: int | None = None, rank: int = RANK) -> dict[str, Any]:
+                   max_cpu_loras: int | None = None, rank: int = RANK,
+                   kv_cache_bytes: int | None = None) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
     workload), ``max_cpu_loras`` N (every adapter stays loaded in host memory after the warm-up
     request per adapter) or the given one, at least max_loras, and the decode CUDA graph sizes;
@@ -424,15 +431,19 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     allows full graphs without compilation (``config/compilation.py:635-638``) where the
     attention backend supports mixed batches: FlashAttention 3, the H200's
     (``v1/attention/backends/flash_attn.py:341-345``). ``nolora`` has the same options without
-    any LoRA one."""
+    any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU, :func:`interleaved_kv_cache_bytes`)
+    the KV cache has that size and the engine asks only a tenth of the GPU free at start-up
+    (``kv_cache_memory_bytes``, docs/vllm_integration.md §13)."""
     if compiled and full_graphs:
         raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
     if not compiled:
         compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
-    opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048,
+    opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
                 compilation_config=compilation)
+    if kv_cache_bytes:
+        opts |= {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": int(kv_cache_bytes)}
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
@@ -443,6 +454,17 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     if tensor_parallel_size > 1:
         opts["tensor_parallel_size"] = int(tensor_parallel_size)
     return opts
+
+
+def interleaved_kv_cache_bytes(cfg: dict[str, Any], block: int = 16, margin: float = 1.25) -> int:
+    """A KV cache that holds every running request at its longest, with ``margin`` to spare, so an
+    engine sharing the GPU schedules as one that has it alone (no preemption): max_num_seqs requests
+    of the longest prompt plus output, rounded up to whole blocks plus one, at 2 (K, V) × layers ×
+    KV heads × head dim × 2 bytes (bf16) per token. Llama-3.2-3B: about 14 GiB."""
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    longest = PROMPT_LEN[1] + OUTPUT_LEN[1]
+    tokens = MAX_NUM_SEQS * (-(-longest // block) + 1) * block
+    return int(margin * tokens * per_token)
 
 
 def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
@@ -642,19 +664,28 @@ def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
 
 
 def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any], repeats: int,
-               after_first: Callable[[], None] | None = None) -> tuple[list[float], list[int], list[float]]:
-    """:func:`serve_offline` ``repeats`` times in the same engine, back to back: every run's wall
-    time, and the first run's token counts and step times (``after_first`` is called right after
-    it, e.g. to stop counting). Every run must produce the first run's token counts."""
-    elapsed, tokens, steps = serve_offline(engine, prompts, params, loras)
-    if after_first is not None:
-        after_first()
-    runs = [elapsed]
-    for _ in range(repeats - 1):
-        again, again_tokens, _ = serve_offline(engine, prompts, params, loras)
-        if again_tokens != tokens:
-            raise RuntimeError(f"run {len(runs) + 1} produced other token counts than the first")
-        runs.append(again)
+               after_first: Callable[[], None] | None = None,
+               turns: Turns | None = None) -> tuple[list[float], list[int], list[float]]:
+    """:func:`serve_offline` ``repeats`` times in the same engine: every run's wall time, and the
+    first run's token counts and step times (``after_first`` is called right after it, e.g. to stop
+    counting). Every run must produce the first run's token counts. With ``turns`` each run waits
+    for its turn and reports its time (:mod:`benchmarks.serving.interleave`); else back to back."""
+    runs: list[float] = []
+    tokens: list[int] = []
+    steps: list[float] = []
+    for i in range(repeats):
+        if turns is not None:
+            turns.wait()
+        elapsed, got, step_s = serve_offline(engine, prompts, params, loras)
+        if turns is not None:
+            turns.done(elapsed)
+        if i == 0:
+            tokens, steps = got, step_s
+            if after_first is not None:
+                after_first()
+        elif got != tokens:
+            raise RuntimeError(f"run {i + 1} produced other token counts than the first")
+        runs.append(elapsed)
     return runs, tokens, steps
 
 
@@ -663,9 +694,12 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
                full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
-               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK, repeats: int = 1) -> None:
+               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK, repeats: int = 1,
+               turns: Turns | None = None) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
-    ``repeats`` times (:func:`timed_runs`; req/s from the median run), or serve it open-loop at
+    ``repeats`` times (:func:`timed_runs`; req/s from the median run; with ``turns``, each run when
+    the orchestrator says, the engine sharing the GPU with the other modes' through a KV cache of
+    :func:`interleaved_kv_cache_bytes`), or serve it open-loop at
     ``arrival_rate`` requests/s (Poisson). Slot statistics (:class:`SlotStats`), step times and the
     release counters of the first timed run go into the result beside the capacity model's
     prediction for it (:func:`predicted_slots`).
@@ -683,7 +717,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         lora_manager.install()
     t0 = time.time()
     opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
-                          max_loras, max_cpu_loras, rank)
+                          max_loras, max_cpu_loras, rank,
+                          interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None)
     llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
     stats = SlotStats.attach(llm)
@@ -726,6 +761,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     probe_before = host_probe_ms()
+    if turns is not None:
+        turns.ready()
     if stats is not None:
         stats.start()
     timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
@@ -735,7 +772,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                                                     arrival_times(n_requests, arrival_rate, seed))
         first_run_done()
     else:
-        runs, lengths, step_s = timed_runs(llm.llm_engine, prompts, params, loras, repeats, first_run_done)
+        runs, lengths, step_s = timed_runs(llm.llm_engine, prompts, params, loras, repeats, first_run_done, turns)
         elapsed = float(np.median(runs))
         timing = step_summary(step_s) | {"elapsed_runs_s": runs}
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
@@ -827,6 +864,43 @@ def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
     return out
 
 
+def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
+    """The notes' line of a finished engine: its runs, start-up, steps, host probe and release counters."""
+    runs_s = row.get("elapsed_runs_s", [])
+    c = row["counters"]
+    return (f"{label}: generate {row['elapsed_s']:.1f} s"
+            + (f" (median of {'/'.join(f'{r:.1f}' for r in runs_s)} s)" if len(runs_s) > 1 else "")
+            + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, subprocess {took_s:.0f} s"
+            + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f}/"
+               f"{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
+            + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
+               f"{row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
+            + ("" if c is None else
+               f"; {c['skipped_forwards']}/{c['decode_forwards']} decode forwards skipped (planned "
+               f"{row['planned_skip']:.3f}), {c['released_requests']} requests released, decision "
+               f"{c['decision_ms_mean']:.2f} ms/step"))
+
+
+def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
+    """Interleaved runs: each round's order and run times, then both's speed ratio to every other mode
+    round by round, with the median."""
+    seen = {e.mode: 0 for e in engines}
+    runs = {e.mode: e.runs for e in engines}
+    lines = []
+    for r, order in enumerate(orders):
+        parts = []
+        for m in order:
+            parts.append(f"{m} {runs[m][seen[m]]:.2f} s")
+            seen[m] += 1
+        lines.append(f"N={n} round {r + 1}: " + (", ".join(parts) or "no engine ran"))
+    if "both" in runs:
+        for other in runs:
+            if other != "both" and (ratios := interleave.round_ratios(engines, "both", other)):
+                lines.append(f"N={n} both/{other} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
+                             f"(median {float(np.median(ratios)):.3f})")
+    return lines
+
+
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
     traffic = "skewed 80/20" if r["skewed"] else "uniform"
     if r.get("pass", 0):
@@ -881,6 +955,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     out, work = args.out, args.work
     cfg = MODELS[args.model]
     needed = max(host_bytes_needed(cfg, args.rank, n, args.max_loras, args.max_cpu_loras) for n in args.adapters)
+    if args.interleave:  # every LoRA mode's engine alive at once
+        needed *= max(1, sum(m != "nolora" for m in args.modes))
     available = host_memory_available()
     if problem := host_memory_problem(needed, available):  # before anything is written
         print(f"bench: {problem}", file=sys.stderr)
@@ -922,7 +998,10 @@ def orchestrate(args: argparse.Namespace) -> int:
            "(TTFT from the scheduled arrival; TPOT = (finish - first token) / (tokens - 1))"
            if latency else "offline: all requests added at once, then LLMEngine.step() until done (LLM.generate's "
            "loop, with each step timed)" + (f"; {args.repeats} timed runs per engine, req/s from the median, steps "
-                                             "and slot statistics from the first" if args.repeats > 1 else "")),
+                                             "and slot statistics from the first" if args.repeats > 1 else "")
+           + ("; interleaved: every mode's engine alive at once (KV cache "
+              f"{interleaved_kv_cache_bytes(cfg) / 2**30:.1f} GiB each), the runs in rounds, one engine at a time, "
+              "every other round reversed" if args.interleave else "")),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
@@ -952,7 +1031,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     if args.append and (out / "bench.json").exists():  # one table from several calls
         earlier = json.loads((out / "bench.json").read_text())
         if earlier["preamble"][:3] != preamble[:3]:
-            print(f"{out}/bench.json holds another vLLM, model or workload: give another --out", file=sys.stderr)
+            print(f"{out}/bench.json holds another vLLM, model, workload or timing: give another --out", file=sys.stderr)
             prep.kill()
             prep_log.close()
             return 2
@@ -964,8 +1043,73 @@ def orchestrate(args: argparse.Namespace) -> int:
         (out / "bench.json").write_text(json.dumps({"preamble": preamble, "rows": rows, "notes": notes}, indent=1))
 
     flush()
+
+    def env_of(mode: str, n: int) -> dict[str, str]:
+        return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
+                        {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
+                        slots=not args.no_slot_release)
+
+    def record(n: int, mode: str, pass_: int, label: str, stem: Path, error: str | None, took_s: float) -> int:
+        """Add the row of the engine whose result is ``stem``.json (or an error row); 1 on error."""
+        result = stem.with_suffix(".json")
+        if error is None and not result.exists():
+            error = "wrote no result"
+        if error is None:
+            row = json.loads(result.read_text()) | {"pass": pass_}
+            print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
+                  f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
+                  f"{row['warmup_s']:.1f} s)", flush=True)
+            notes.append(run_note(label, row, took_s))
+        else:
+            row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_, "error": error}
+            print(f"{label}: {error}\n{stem.with_suffix('.log').read_text()[-3000:]}", flush=True)
+        rows.append(row)
+        flush()
+        return int(error is not None)
+
+    def interleaved(n: int) -> int:
+        """Every mode's engine alive at once, the timed runs in rounds (:mod:`benchmarks.serving.interleave`)."""
+        tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "")
+        left = args.budget_s - (time.time() - start)
+        try:
+            prep.wait(timeout=max(1.0, left))
+        except subprocess.TimeoutExpired:
+            notes.append(f"N={n}: adapters not written within the budget")
+            flush()
+            return 1
+        if prep.returncode != 0:
+            notes.append(f"preparation failed (rc {prep.returncode}), see prepare.log")
+            flush()
+            return 1
+        t = time.time()
+        print(f"[{t - start:5.0f} s] N={n}: starting {', '.join(args.modes)} together", flush=True)
+        engines, logs = [], []
+        for mode in args.modes:
+            stem = out / f"{tag}_{mode}"
+            stem.with_suffix(".json").unlink(missing_ok=True)
+            logs.append(open(stem.with_suffix(".log"), "w"))
+            engines.append(interleave.spawn(mode, me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
+                                                        "--result", str(stem.with_suffix(".json"))] + common,
+                                            env_of(mode, n), logs[-1]))
+        deadline = start + args.budget_s
+        interleave.await_ready(engines, deadline)
+        orders = interleave.run_rounds(engines, args.repeats, deadline)
+        codes = interleave.finish(engines, max(30.0, deadline - time.time()))
+        for log in logs:
+            log.close()
+        notes.extend(round_notes(n, engines, orders))
+        failed = 0
+        for e in engines:
+            code = codes[e.mode]
+            error = e.error or (None if code == 0 else "timed out" if code == "timeout" else f"failed (rc {code})")
+            failed |= record(n, e.mode, 0, f"N={n} {e.mode}", out / f"{tag}_{e.mode}", error, time.time() - t)
+        return failed
+
     rc = 0
     for n in args.adapters:
+        if args.interleave:
+            rc |= interleaved(n)
+            continue
         for pass_, mode in runs:
             tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "") + (
                 f"_p{pass_ + 1}" if pass_ else "")
@@ -986,10 +1130,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 notes.append(f"preparation failed (rc {prep.returncode}), see prepare.log")
                 flush()
                 return 1
-            env = mode_env(mode, dict(os.environ),
-                           bundle_dir(work, n, args.skewed, args.requests, args.seed),
-                           {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
-                           slots=not args.no_slot_release)
+            env = env_of(mode, n)
             result = out / f"{tag}_{mode}.json"
             result.unlink(missing_ok=True)
             t = time.time()
@@ -1001,33 +1142,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                                           env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
                 except subprocess.TimeoutExpired:
                     code = "timeout"
-            if code == 0 and result.exists():
-                row = json.loads(result.read_text()) | {"pass": pass_}
-                print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
-                      f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
-                      f"{row['warmup_s']:.1f} s)", flush=True)
-                runs_s = row.get("elapsed_runs_s", [])
-                notes.append(f"{label}: generate {row['elapsed_s']:.1f} s"
-                             + (f" (median of {'/'.join(f'{r:.1f}' for r in runs_s)} s)" if len(runs_s) > 1 else "")
-                             + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, "
-                             f"subprocess {time.time() - t:.0f} s"
-                             + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/"
-                                f"{row['step_ms_p90']:.1f}/{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
-                             + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms "
-                                f"before/after, load {row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
-                             + ("" if row["counters"] is None else
-                                f"; {row['counters']['skipped_forwards']}/{row['counters']['decode_forwards']} "
-                                f"decode forwards skipped (planned {row['planned_skip']:.3f}), "
-                                f"{row['counters']['released_requests']} requests released, decision "
-                                f"{row['counters']['decision_ms_mean']:.2f} ms/step"))
-            else:
-                rc = 1
-                row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_,
-                       "error": "timed out" if code == "timeout" else f"failed (rc {code})"}
-                tail = (out / f"{tag}_{mode}.log").read_text()[-3000:]
-                print(f"{label}: {row['error']}\n{tail}", flush=True)
-            rows.append(row)
-            flush()
+            rc |= record(n, mode, pass_, label, out / f"{tag}_{mode}", None if code == 0 else
+                         "timed out" if code == "timeout" else f"failed (rc {code})", time.time() - t)
     if prep.poll() is None:
         prep.kill()
     prep_log.close()
@@ -1054,6 +1170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="offline: time the workload R times in each engine, back to back, and report the "
                          "median run's req/s (steps, slot statistics and counters are the first run's); each "
                          "repeat costs one run, not an engine start")
+    ap.add_argument("--interleave", action="store_true",
+                    help="offline, with --repeats R ≥ 2: keep every mode's engine alive at once (each with a KV "
+                         "cache just large enough, so they share the GPU) and time the R runs in rounds, one "
+                         "engine at a time, every other round reversed: a drift of the machine falls on every "
+                         "mode alike; the notes give each round's ratios")
     ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
@@ -1100,9 +1221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--turns", help=argparse.SUPPRESS)  # R,W: the interleaving pipes (interleave.spawn)
     args = ap.parse_args(argv)
     if args.repeats < 1 or (args.repeats > 1 and args.arrival_rate):
         ap.error("--repeats takes a whole number ≥ 1, and times offline runs only (not with --arrival-rate)")
+    if args.interleave and (args.repeats < 2 or args.arrival_rate or args.passes > 1 or args.profile_steps):
+        ap.error("--interleave times offline runs in rounds: give --repeats R ≥ 2, and no --arrival-rate, --passes "
+                 "or --profile-steps")
     if args.profile_python and not args.profile_steps:
         ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
     if args.phase == "prepare":
@@ -1120,7 +1245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
                    args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank,
-                   args.repeats)
+                   args.repeats, Turns.from_arg(args.turns) if args.turns else None)
         return 0
     return orchestrate(args)
 

@@ -1,0 +1,164 @@
+"""Timed runs of several live engines, taken in turns, so that a drift of the machine falls on every mode alike.
+
+Engines started one after another see the host at different minutes: on one H200 the same engine's
+runs of the same workload moved by 5-8% from one minute to the next (benchmarks/README.md,
+§Without slot pressure), the size of the differences between modes. Interleaving keeps every
+mode's engine alive in its own subprocess and runs round r = 1..R, in each round every mode once,
+one engine at a time, every other round in the reverse order (as ``bench.schedule`` orders passes);
+a ratio taken within a round compares runs a minute apart at most.
+
+Semantics of the protocol, one line per message over two inherited pipes per engine: the engine
+says ``ready`` once warm; the orchestrator says ``run``; the engine answers ``done <seconds>``
+after the timed run. End of file on either side ends the exchange: the orchestrator closes its end
+after the last round, and the engine then writes its result and exits.
+"""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+
+class Turns:
+    """The engine's side: announce readiness, wait for each turn, report each run's time."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._in = os.fdopen(read_fd, "r")
+        self._out = os.fdopen(write_fd, "w")
+
+    @classmethod
+    def from_arg(cls, spec: str) -> Turns:
+        """``"R,W"``: the inherited descriptors to read turns from and to write answers to."""
+        read_fd, write_fd = (int(x) for x in spec.split(","))
+        return cls(read_fd, write_fd)
+
+    def _say(self, line: str) -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
+
+    def ready(self) -> None:
+        self._say("ready")
+
+    def wait(self) -> None:
+        """Block until the orchestrator gives this engine its turn."""
+        line = self._in.readline().strip()
+        if line != "run":
+            raise RuntimeError(f"expected a turn from the orchestrator, got {line or 'end of file'!r}")
+
+    def done(self, seconds: float) -> None:
+        self._say(f"done {seconds:.6f}")
+
+
+@dataclass
+class Engine:
+    """The orchestrator's side of one engine subprocess. ``error`` is set once it fails; it then
+    takes no further turn."""
+
+    mode: str
+    proc: subprocess.Popen
+    to_engine: IO[str]
+    from_engine: IO[str]
+    runs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def spawn(mode: str, argv: Sequence[str], env: dict[str, str], log: IO) -> Engine:
+    """Start ``argv`` + ``--turns R,W`` with stdout and stderr to ``log``; R and W are pipe ends the
+    child inherits."""
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    proc = subprocess.Popen([*argv, "--turns", f"{to_r},{from_w}"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, pass_fds=(to_r, from_w))
+    os.close(to_r)
+    os.close(from_w)
+    return Engine(mode, proc, os.fdopen(to_w, "w"), os.fdopen(from_r, "r"))
+
+
+def _read_line(engine: Engine, deadline: float) -> str | None:
+    """The engine's next line; ``""`` at end of file (the engine exited), None once ``deadline``
+    (time.time()) passes."""
+    left = deadline - time.time()
+    if left <= 0 or not select.select([engine.from_engine], [], [], left)[0]:
+        return None
+    return engine.from_engine.readline().strip()
+
+
+def _fail(engine: Engine, why: str) -> None:
+    engine.error = why
+    engine.proc.kill()
+
+
+def await_ready(engines: Sequence[Engine], deadline: float) -> None:
+    """Wait for every engine's ``ready``; one that exits or is not ready by ``deadline`` fails."""
+    for e in engines:
+        line = _read_line(e, deadline)
+        if line != "ready":
+            _fail(e, "exited before it was ready" if line == "" else
+                  "not ready within the budget" if line is None else f"said {line!r} instead of ready")
+
+
+def round_order(modes: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order (0-based): ``modes`` as given in even rounds, reversed in odd ones."""
+    return list(modes) if r % 2 == 0 else list(modes)[::-1]
+
+
+def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> list[list[str]]:
+    """``rounds`` rounds of one timed run per live engine, one engine at a time; each run's time
+    goes to its engine's ``runs``. An engine that does not answer by ``deadline`` or exits fails
+    and the others go on. Returns each round's order of the engines that ran in it."""
+    by_mode = {e.mode: e for e in engines}
+    orders = []
+    for r in range(rounds):
+        ran = []
+        for mode in round_order(list(by_mode), r):
+            e = by_mode[mode]
+            if e.error:
+                continue
+            try:
+                e.to_engine.write("run\n")
+                e.to_engine.flush()
+            except BrokenPipeError:
+                _fail(e, "exited before its turn")
+                continue
+            line = _read_line(e, deadline)
+            if not (line or "").startswith("done "):
+                _fail(e, f"no answer to its turn in round {r + 1}: " + (
+                    "it exited" if line == "" else "out of time" if line is None else f"it said {line!r}"))
+                continue
+            e.runs.append(float(line.split()[1]))
+            ran.append(mode)
+        orders.append(ran)
+    return orders
+
+
+def finish(engines: Sequence[Engine], timeout_s: float) -> dict[str, int | str]:
+    """Close every turn pipe, so each engine writes its result and exits; each engine's exit code,
+    or ``"timeout"`` for one still running after ``timeout_s`` (then killed)."""
+    for e in engines:
+        try:
+            e.to_engine.close()
+        except BrokenPipeError:
+            pass
+    codes: dict[str, int | str] = {}
+    end = time.time() + timeout_s
+    for e in engines:
+        try:
+            codes[e.mode] = e.proc.wait(timeout=max(1.0, end - time.time()))
+        except subprocess.TimeoutExpired:
+            e.proc.kill()
+            e.proc.wait()
+            codes[e.mode] = "timeout"
+        e.from_engine.close()
+    return codes
+
+
+def round_ratios(engines: Sequence[Engine], mode: str, other: str) -> list[float]:
+    """``other``'s run time over ``mode``'s, round by round (``mode``'s speed relative to ``other``'s),
+    for the rounds both ran."""
+    by_mode = {e.mode: e for e in engines}
+    a, b = by_mode[mode].runs, by_mode[other].runs
+    return [y / x for x, y in zip(a, b)]

@@ -1,0 +1,171 @@
+"""Interleaved timed runs: the turn-taking protocol between the orchestrator and live engine processes.
+
+The engines here are real child processes speaking the protocol through ``interleave.Turns``; each
+"timed run" sleeps briefly and logs its start and end, so the tests can see that runs never overlap
+and follow the round order."""
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serving import bench, interleave
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# argv: log path, mode, runs, then "die_before_ready" or "die_after:<k>" or "ok"
+CHILD = """
+import sys, time
+from benchmarks.serving.interleave import Turns
+log, mode, runs, how, spec = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[6]
+turns = Turns.from_arg(spec)
+if how == "die_before_ready":
+    sys.exit(3)
+turns.ready()
+for i in range(runs):
+    turns.wait()
+    if how == f"die_after:{i}":
+        sys.exit(4)
+    t0 = time.time()
+    time.sleep(0.03)
+    t1 = time.time()
+    with open(log, "a") as f:
+        f.write(f"{mode} {t0} {t1}\\n")
+    turns.done(t1 - t0)
+"""
+
+
+def _spawn(tmp_path: Path, mode: str, runs: int, how: str = "ok") -> interleave.Engine:
+    log = open(tmp_path / f"{mode}.out", "w")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return interleave.spawn(mode, [sys.executable, "-c", CHILD, str(tmp_path / "runs.log"), mode, str(runs), how],
+                            env, log)
+
+
+def _logged(tmp_path: Path) -> list[tuple[str, float, float]]:
+    lines = (tmp_path / "runs.log").read_text().split("\n")
+    return [(m, float(a), float(b)) for m, a, b in (line.split() for line in lines if line)]
+
+
+def test_rounds_take_turns_one_engine_at_a_time(tmp_path):
+    modes = ["both", "gridtrim", "nolora"]
+    engines = [_spawn(tmp_path, m, 4) for m in modes]
+    deadline = time.time() + 60
+    interleave.await_ready(engines, deadline)
+    orders = interleave.run_rounds(engines, 4, deadline)
+    codes = interleave.finish(engines, 30)
+    assert codes == {m: 0 for m in modes} and all(e.error is None for e in engines)
+    assert orders == [modes, modes[::-1], modes, modes[::-1]]
+    logged = _logged(tmp_path)
+    assert [m for m, _, _ in logged] == [m for order in orders for m in order]
+    assert all(b[1] >= a[2] for a, b in zip(logged, logged[1:]))  # each run starts after the one before ended
+    for e in engines:
+        assert len(e.runs) == 4 and all(0.02 < r < 5 for r in e.runs)
+    ratios = interleave.round_ratios(engines, "both", "gridtrim")
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+
+
+def test_an_engine_that_fails_drops_out_and_the_others_go_on(tmp_path):
+    engines = [_spawn(tmp_path, "both", 3), _spawn(tmp_path, "gridtrim", 3, "die_after:1"),
+               _spawn(tmp_path, "stock", 3, "die_before_ready")]
+    deadline = time.time() + 60
+    interleave.await_ready(engines, deadline)
+    assert engines[2].error == "exited before it was ready"
+    orders = interleave.run_rounds(engines, 3, deadline)
+    codes = interleave.finish(engines, 30)
+    assert orders == [["both", "gridtrim"], ["both"], ["both"]]  # round 2 reversed: gridtrim fails first
+    assert "no answer to its turn in round 2" in engines[1].error
+    assert codes["both"] == 0 and len(engines[0].runs) == 3 and len(engines[1].runs) == 1
+    assert len(interleave.round_ratios(engines, "both", "gridtrim")) == 1  # only the round both ran
+
+
+def test_an_engine_that_is_not_ready_by_the_deadline_fails(tmp_path):
+    slow = CHILD.replace("turns.ready()", "time.sleep(30); turns.ready()")
+    log = open(tmp_path / "slow.out", "w")
+    e = interleave.spawn("both", [sys.executable, "-c", slow, str(tmp_path / "runs.log"), "both", "1", "ok"],
+                         dict(os.environ, PYTHONPATH=str(ROOT)), log)
+    t = time.time()
+    interleave.await_ready([e], time.time() + 1.0)
+    assert e.error.startswith("not ready within the budget") and time.time() - t < 10
+    assert interleave.finish([e], 5)["both"] != 0  # killed
+
+
+def test_round_order_reverses_every_other_round():
+    assert [interleave.round_order("abc", r) for r in range(3)] == [list("abc"), list("cba"), list("abc")]
+
+
+def test_timed_runs_wait_for_their_turn_and_report_each_run():
+    from tests.benchmarks.test_serving_workload import _StepEngine
+
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    os.write(to_w, b"run\nrun\n")
+    turns = interleave.Turns(to_r, from_w)
+    prompts, params, loras = [[1, 2]] * 5, ["p"] * 5, [None] * 5
+    runs, tokens, _ = bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 2, None, turns)
+    answers = os.read(from_r, 1000).decode().split("\n")
+    assert [a.split()[0] for a in answers if a] == ["done", "done"]
+    assert [float(a.split()[1]) for a in answers if a] == pytest.approx(runs, abs=1e-5)
+    os.close(to_w)
+    with pytest.raises(RuntimeError, match="end of file"):  # no third turn: the orchestrator closed its end
+        bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 1, None, turns)
+
+
+def test_round_notes_give_each_round_and_boths_ratios():
+    def engine(mode, runs):
+        return interleave.Engine(mode, None, None, None, runs)
+
+    engines = [engine("both", [10.0, 11.0]), engine("gridtrim", [11.0, 11.0]), engine("nolora", [9.0])]
+    notes = bench.round_notes(128, engines, [["both", "gridtrim", "nolora"], ["gridtrim", "both"]])
+    assert notes == ["N=128 round 1: both 10.00 s, gridtrim 11.00 s, nolora 9.00 s",
+                     "N=128 round 2: gridtrim 11.00 s, both 11.00 s",
+                     "N=128 both/gridtrim round by round: 1.100, 1.000 (median 1.050)",
+                     "N=128 both/nolora round by round: 0.900 (median 0.900)"]
+
+
+def test_kv_cache_for_engines_sharing_the_gpu():
+    cfg = bench.LLAMA32_3B
+    per_token = 2 * 28 * 8 * 128 * 2
+    need = bench.MAX_NUM_SEQS * (bench.PROMPT_LEN[1] + bench.OUTPUT_LEN[1]) * per_token
+    got = bench.interleaved_kv_cache_bytes(cfg)
+    assert need < got < 1.5 * need and 13 * 2**30 < got < 16 * 2**30
+    assert bench.interleaved_kv_cache_bytes(bench.LLAMA31_8B) > got  # more layers
+    opts = bench.engine_options(128, mode="both", kv_cache_bytes=got)
+    assert opts["kv_cache_memory_bytes"] == got and opts["gpu_memory_utilization"] == 0.1
+    assert "kv_cache_memory_bytes" not in bench.engine_options(128, mode="both")
+
+
+@pytest.mark.parametrize("extra", [[], ["--repeats", "1"], ["--repeats", "3", "--passes", "2"],
+                                   ["--repeats", "3", "--profile-steps", "5"]])
+def test_interleave_needs_repeats_and_offline_runs(extra, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--interleave", "--out", "/nonexistent/out", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--interleave" in err.splitlines()[-1]
+
+
+def test_interleave_counts_every_lora_engine_in_host_memory(tmp_path, monkeypatch, capsys):
+    one = bench.host_bytes_needed(bench.LLAMA32_3B, 8, 128, None, None)
+    monkeypatch.setattr(bench, "host_memory_available", lambda: int(1.5 * one))  # one engine fits, two do not
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--adapters", "128",
+            "--modes", "both", "gridtrim", "nolora", "--repeats", "3", "--interleave"]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{2 * one / 2**30:.1f} GiB" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_interleaved_table_reports_engines_that_never_got_ready(tmp_path, capsys):
+    """Through bench.main: the prepare phase writes the adapters, the engines start together and, with no
+    GPU engine to start on this machine, each exits before it is ready; every mode gets an error row."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "2", "--requests", "8",
+            "--modes", "both", "gridtrim", "--repeats", "2", "--interleave", "--budget-s", "300"]
+    assert bench.main(argv) == 1
+    doc = bench.json.loads((out / "bench.json").read_text())
+    assert [(r["mode"], r["error"]) for r in doc["rows"]] == [("both", "exited before it was ready"),
+                                                              ("gridtrim", "exited before it was ready")]
+    assert "interleaved: every mode's engine alive at once" in doc["preamble"][2]
+    assert [n for n in doc["notes"] if "round" in n] == ["N=2 round 1: no engine ran", "N=2 round 2: no engine ran"]
+    assert (out / "n2_uniform_both.log").exists() and (out / "prepare.log").exists()

@@ -855,13 +855,9 @@ LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50
 def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
     """(pass, mode) in run order: pass 0 runs ``modes`` as given, and each later pass reverses
     the previous one's order, so a drift of the machine over the call (the host's load, the
-    GPU's clocks) falls on every mode alike once ratios are taken within each pass."""
-    order = list(modes)
-    out = []
-    for k in range(passes):
-        out += [(k, m) for m in order]
-        order = order[::-1]
-    return out
+    GPU's clocks) falls on every mode alike once ratios are taken within each pass
+    (:func:`benchmarks.serving.interleave.round_order`, the order of interleaved rounds too)."""
+    return [(k, m) for k in range(passes) for m in interleave.round_order(modes, k)]
 
 
 def run_note(label: str, row: dict[str, Any], took_s: float) -> str:

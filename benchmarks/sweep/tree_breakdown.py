@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,41 +22,40 @@ from predictors.sweep import RequestTree, load_trees
 
 @dataclass
 class Breakdown:
-    """One adapter's tree tokens: ``on`` (full-LoRA responses), ``profiled`` (branches at a profiled
-    k), ``learned_only`` (branches at any other r); ``by_r``: r → (tokens, branches)."""
+    """One adapter's tree tokens: ``on`` (full-LoRA responses) and ``by_r``: r → (tokens, branches)
+    of the OFF branches; ``profiled`` sums the branches at a profiled k (``ks``), ``learned_only``
+    the rest."""
 
     adapter: str
+    ks: frozenset[int]
     requests: int = 0
     on: int = 0
-    profiled: int = 0
-    learned_only: int = 0
     by_r: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def profiled(self) -> int:
+        return sum(tok for r, (tok, _) in self.by_r.items() if r in self.ks)
+
+    @property
+    def learned_only(self) -> int:
+        return sum(tok for r, (tok, _) in self.by_r.items() if r not in self.ks)
 
     def generations(self, tokens: int) -> float:
         return tokens / self.on if self.on else 0.0
 
 
 def breakdown(trees: Sequence[RequestTree], ks: Sequence[int]) -> list[Breakdown]:
-    """Per adapter, in order of first appearance."""
+    """Per adapter, in order of first appearance; ``by_r`` in increasing r."""
     out: dict[str, Breakdown] = {}
-    tokens: dict[str, Counter] = {}
-    count: dict[str, Counter] = {}
-    profiled = set(ks)
     for t in trees:
-        b = out.setdefault(t.adapter, Breakdown(t.adapter))
-        tok, cnt = tokens.setdefault(t.adapter, Counter()), count.setdefault(t.adapter, Counter())
+        b = out.setdefault(t.adapter, Breakdown(t.adapter, frozenset(ks)))
         b.requests += 1
         b.on += t.on_length
         for r, (_, length) in t.branches.items():
-            past = length - (r + 1)
-            tok[r] += past
-            cnt[r] += 1
-            if r in profiled:
-                b.profiled += past
-            else:
-                b.learned_only += past
-    for a, b in out.items():
-        b.by_r = {r: (tokens[a][r], count[a][r]) for r in sorted(tokens[a])}
+            tok, n = b.by_r.get(r, (0, 0))
+            b.by_r[r] = (tok + length - (r + 1), n + 1)
+    for b in out.values():
+        b.by_r = dict(sorted(b.by_r.items()))
     return list(out.values())
 
 

@@ -880,17 +880,11 @@ def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
 def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
     """Interleaved runs: each round's order and run times, then both's speed ratio to every other mode
     round by round, with the median."""
-    seen = {e.mode: 0 for e in engines}
-    runs = {e.mode: e.runs for e in engines}
-    lines = []
-    for r, order in enumerate(orders):
-        parts = []
-        for m in order:
-            parts.append(f"{m} {runs[m][seen[m]]:.2f} s")
-            seen[m] += 1
-        lines.append(f"N={n} round {r + 1}: " + (", ".join(parts) or "no engine ran"))
-    if "both" in runs:
-        for other in runs:
+    nth_run = {e.mode: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
+    lines = [f"N={n} round {r + 1}: " + (", ".join(f"{m} {next(nth_run[m]):.2f} s" for m in order) or "no engine ran")
+             for r, order in enumerate(orders)]
+    if "both" in nth_run:
+        for other in nth_run:
             if other != "both" and (ratios := interleave.round_ratios(engines, "both", other)):
                 lines.append(f"N={n} both/{other} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
                              f"(median {float(np.median(ratios)):.3f})")
@@ -1040,6 +1034,11 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     flush()
 
+    def stem_of(n: int, mode: str, pass_: int = 0) -> Path:
+        """Where the engine of (n, mode, pass) writes: its ``.json`` result and ``.log``, without suffix."""
+        return out / (_tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "")
+                      + (f"_p{pass_ + 1}" if pass_ else "") + f"_{mode}")
+
     def env_of(mode: str, n: int) -> dict[str, str]:
         return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
                         {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
@@ -1065,7 +1064,6 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     def interleaved(n: int) -> int:
         """Every mode's engine alive at once, the timed runs in rounds (:mod:`benchmarks.serving.interleave`)."""
-        tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "")
         left = args.budget_s - (time.time() - start)
         try:
             prep.wait(timeout=max(1.0, left))
@@ -1081,7 +1079,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"[{t - start:5.0f} s] N={n}: starting {', '.join(args.modes)} together", flush=True)
         engines, logs = [], []
         for mode in args.modes:
-            stem = out / f"{tag}_{mode}"
+            stem = stem_of(n, mode)
             stem.with_suffix(".json").unlink(missing_ok=True)
             logs.append(open(stem.with_suffix(".log"), "w"))
             engines.append(interleave.spawn(mode, me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
@@ -1098,7 +1096,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         for e in engines:
             code = codes[e.mode]
             error = e.error or (None if code == 0 else "timed out" if code == "timeout" else f"failed (rc {code})")
-            failed |= record(n, e.mode, 0, f"N={n} {e.mode}", out / f"{tag}_{e.mode}", error, time.time() - t)
+            failed |= record(n, e.mode, 0, f"N={n} {e.mode}", stem_of(n, e.mode), error, time.time() - t)
         return failed
 
     rc = 0
@@ -1107,8 +1105,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             rc |= interleaved(n)
             continue
         for pass_, mode in runs:
-            tag = _tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "") + (
-                f"_p{pass_ + 1}" if pass_ else "")
+            stem = stem_of(n, mode, pass_)
             label = f"N={n} {mode}" + (f" (pass {pass_ + 1})" if pass_ else "")
             left = args.budget_s - (time.time() - start)
             if left < args.min_run_s:
@@ -1127,18 +1124,18 @@ def orchestrate(args: argparse.Namespace) -> int:
                 flush()
                 return 1
             env = env_of(mode, n)
-            result = out / f"{tag}_{mode}.json"
+            result = stem.with_suffix(".json")
             result.unlink(missing_ok=True)
             t = time.time()
             print(f"[{time.time() - start:5.0f} s] {label}: starting ({left:.0f} s left)", flush=True)
-            with open(out / f"{tag}_{mode}.log", "w") as log:
+            with open(stem.with_suffix(".log"), "w") as log:
                 try:
                     code = subprocess.run(me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
                                                 "--result", str(result)] + common,
                                           env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
                 except subprocess.TimeoutExpired:
                     code = "timeout"
-            rc |= record(n, mode, pass_, label, out / f"{tag}_{mode}", None if code == 0 else
+            rc |= record(n, mode, pass_, label, stem, None if code == 0 else
                          "timed out" if code == "timeout" else f"failed (rc {code})", time.time() - t)
     if prep.poll() is None:
         prep.kill()

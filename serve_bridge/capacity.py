@@ -18,7 +18,12 @@ request is scheduled, as in the 512/32 table (docs/vllm_integration.md §11):
   position P + r (docs/design.md §2: the adapter runs at forwards t ≤ r); without release, always.
 
 Measured per step: running requests (admitted concurrency) and distinct adapters holding a slot
-(slot occupancy). KV-cache capacity is taken as ample (no preemption), and offline requests all
+(slot occupancy). Over the run: the share of token forwards that run an adapter (prefill chunks
+and decode steps before the release point), and slot loads, the adapter writes into a GPU slot
+under least-recently-used replacement of ``max_loras`` slots (vLLM's LRU adapter manager; the
+step's resident adapters are touched before a missing one evicts, so the count is a lower bound:
+vLLM touches them in its request set's order, and an eviction can hit one the same step uses).
+KV-cache capacity is taken as ample (no preemption), and offline requests all
 arrive at step 0; open loop (``--rate``) maps Poisson arrival times to steps with ``--step-ms``.
 
 Release points come from the bundle: ``stats['release_points']`` (validation release points of
@@ -34,7 +39,7 @@ import argparse
 import heapq
 import json
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,8 +87,9 @@ class Requests:
 @dataclass(frozen=True)
 class Result:
     """One simulation: steps to serve every request, requests per step, mean running requests
-    and mean slot occupancy over the steps with work, the largest occupancy, and the mean
-    wait from arrival to admission in steps."""
+    and mean slot occupancy over the steps with work, the largest occupancy, the mean wait
+    from arrival to admission in steps, the share of token forwards with an adapter, and the
+    slot loads (module doc)."""
 
     max_loras: int
     release: bool
@@ -93,6 +99,8 @@ class Result:
     mean_occupancy: float
     max_occupancy: int
     mean_wait_steps: float
+    lora_share: float
+    slot_loads: int
 
 
 def distributions_from_bundle(directory: str | Path) -> tuple[list[str], list[ReleaseDistribution], list[str]]:
@@ -164,7 +172,8 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
     order: deque[int] = deque()  # waiting requests in arrival order (admitted ones dropped lazily)
     queues: dict[int, deque[int]] = {}  # adapter → its waiting requests in arrival order
     nxt, done, step = 0, 0, 0
-    sum_running = sum_occupied = max_occupied = work_steps = 0
+    sum_running = sum_occupied = max_occupied = work_steps = tokens = lora_tokens = loads = 0
+    resident: OrderedDict[int, None] = OrderedDict()  # adapters in GPU slots, least recently used first
     while done < n:
         while nxt < n and arrival[nxt] <= step:
             order.append(nxt)
@@ -206,6 +215,19 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
             budget -= k
             holders.add(a)
             admitted_at[i] = step
+        used = {adapter[i]: None for i, k in scheduled if computed[i] < end[i]}  # step order, once each
+        missing = [a for a in used if a not in resident]
+        for a in used:
+            if a in resident:
+                resident.move_to_end(a)
+        for a in missing:
+            if len(resident) >= max_loras:
+                resident.popitem(last=False)
+            resident[a] = None
+        loads += len(missing)
+        for i, k in scheduled:
+            tokens += k
+            lora_tokens += min(k, max(0, end[i] - computed[i]))
         if scheduled:
             work_steps += 1
             sum_running += len(scheduled)
@@ -224,7 +246,8 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
         step += 1
     wait = np.asarray(admitted_at) - reqs.arrival
     return Result(max_loras, release, step, n / step, sum_running / max(1, work_steps),
-                  sum_occupied / max(1, work_steps), max_occupied, float(wait.mean()) if n else 0.0)
+                  sum_occupied / max(1, work_steps), max_occupied, float(wait.mean()) if n else 0.0,
+                  lora_tokens / max(1, tokens), loads)
 
 
 def sweep(reqs: Requests, candidates: Sequence[int], **engine: int) -> list[Result]:
@@ -330,11 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}")
     print("| max_loras | release | steps | req/step | mean running | mean slots held | max slots held | "
-          "mean wait (steps) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "mean wait (steps) | token forwards with adapter | slot loads |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r.max_loras, r.release)):
         print(f"| {r.max_loras} | {'yes' if r.release else 'no'} | {r.steps} | {r.requests_per_step:.3f} | "
-              f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} |")
+              f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} | "
+              f"{r.lora_share:.1%} | {r.slot_loads} |")
     for rel in (False, True):
         m = need[rel]
         print(f"max_loras needed {'with' if rel else 'without'} release (within {args.tolerance:.0%} of one slot "

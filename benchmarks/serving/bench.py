@@ -577,8 +577,9 @@ class SlotStats:
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
                     arrival_steps: Sequence[int] | None = None) -> dict[str, float]:
     """The capacity model (:func:`serve_bridge.capacity.simulate`) on exactly this workload:
-    its steps, mean running requests and mean slots held, under the engine's ``max_num_seqs``
-    and token budget; open loop with each arrival's step (``arrival_steps``)."""
+    its steps, mean running requests, mean slots held, slot loads and share of token forwards
+    with an adapter, under the engine's ``max_num_seqs`` and token budget; open loop with each
+    arrival's step (``arrival_steps``)."""
     from serve_bridge import capacity
 
     n = len(wl.adapter)
@@ -588,7 +589,8 @@ def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str,
     res = capacity.simulate(reqs, max_loras, release=release, max_num_seqs=opts["max_num_seqs"],
                             token_budget=opts["max_num_batched_tokens"])
     return {"model_steps": res.steps, "model_mean_running": res.mean_running,
-            "model_mean_slots_held": res.mean_occupancy}
+            "model_mean_slots_held": res.mean_occupancy, "model_slot_loads": res.slot_loads,
+            "model_lora_share": res.lora_share}
 
 
 def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
@@ -922,12 +924,14 @@ def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], la
 
 
 SLOT_HEADER = ("| adapters | traffic | mode | max_loras | req/s | steps | mean running | mean slots held | "
-               "model: steps | model: mean running | model: mean slots held |")
+               "model: steps | model: mean running | model: mean slots held | model: slot loads | "
+               "model: forwards with adapter |")
 
 
 def slot_table(rows: list[dict[str, Any]]) -> str:
     """Slot statistics of the rows that have them (:class:`SlotStats`) beside the capacity
-    model's prediction (:func:`predicted_slots`); empty when none has."""
+    model's prediction (:func:`predicted_slots`; rows measured before it counted slot loads show
+    —); empty when none has."""
     have = [r for r in rows if "slot_steps" in r]
     if not have:
         return ""
@@ -936,7 +940,9 @@ def slot_table(rows: list[dict[str, Any]]) -> str:
         traffic = "skewed 80/20" if r["skewed"] else "uniform"
         lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
                      f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
-                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} |")
+                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} | "
+                     f"{r.get('model_slot_loads', '—')} | "
+                     + (f"{r['model_lora_share']:.1%} |" if "model_lora_share" in r else "— |"))
     return "\n".join(lines) + "\n"
 
 

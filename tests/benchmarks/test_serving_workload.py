@@ -511,9 +511,13 @@ def test_slot_bound_options_env_and_table(tmp_path):
     row = {"mode": "both", "adapters": 512, "skewed": False, "req_per_s": 90.0, "max_loras": 32, "slot_steps": 600,
            "mean_running": 200.04, "mean_slots_held": 27.0, "model_steps": 582, "model_mean_running": 208.7,
            "model_mean_slots_held": 27.2}
-    table = bench.slot_table([row, {"mode": "stock", "adapters": 512, "skewed": False, "error": "timed out"}])
+    earlier = {**row, "mode": "gridtrim"}  # a row measured before the model counted slot loads
+    row |= {"model_slot_loads": 513, "model_lora_share": 0.8875}
+    table = bench.slot_table([row, earlier, {"mode": "stock", "adapters": 512, "skewed": False, "error": "timed out"}])
     assert table.splitlines()[1] == bench.SLOT_HEADER
-    assert table.splitlines()[3] == "| 512 | uniform | both | 32 | 90.0 | 600 | 200.0 | 27.0 | 582 | 208.7 | 27.2 |"
+    assert table.splitlines()[3] == ("| 512 | uniform | both | 32 | 90.0 | 600 | 200.0 | 27.0 | 582 | 208.7 | 27.2 | "
+                                     "513 | 88.8% |")
+    assert table.splitlines()[4].endswith("| 27.2 | — | — |")
     assert bench.slot_table([{"mode": "stock"}]) == ""
 
 
@@ -552,7 +556,8 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
                              np.asarray(wl.max_tokens), np.asarray(wl.releases()), np.zeros(96, np.int64))
     ref = capacity.simulate(reqs, 8, release=True, max_num_seqs=256, token_budget=2048)
     assert pred == {"model_steps": ref.steps, "model_mean_running": ref.mean_running,
-                    "model_mean_slots_held": ref.mean_occupancy}
+                    "model_mean_slots_held": ref.mean_occupancy, "model_slot_loads": ref.slot_loads,
+                    "model_lora_share": ref.lora_share}
     assert bench.predicted_slots(wl, 8, False, opts)["model_steps"] > pred["model_steps"]
 
 

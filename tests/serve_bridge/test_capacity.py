@@ -17,28 +17,45 @@ H = 8
 
 
 def brute_force(module, reqs: capacity.Requests, max_loras: int, release: bool, monkeypatch, bundle,
-                max_num_seqs: int, budget: int) -> tuple[int, float, float]:
-    """(steps, mean running, mean slots held) of serving ``reqs`` offline through the stand-in
-    scheduler, every request one at a time, releases forced through extra_args."""
+                max_num_seqs: int, budget: int) -> tuple[int, float, float, float, int]:
+    """(steps, mean running, mean slots held, share of token forwards with an adapter, slot loads)
+    of serving ``reqs`` offline through the stand-in scheduler, every request one at a time,
+    releases forced through extra_args; the slots a list in least-recently-used order."""
     monkeypatch.setenv("LORAZOR_BUNDLE", str(bundle))
     monkeypatch.setenv("LORAZOR_SLOTS", "1" if release else "0")
     s = module.ReleaseScheduler(vllm_config(max_loras), budget=budget, max_running=max_num_seqs)
+    end = {}
     for i, (a, p, o, r) in enumerate(zip(reqs.adapter, reqs.prompt, reqs.output, reqs.release)):
         extra = None if r == capacity.NEVER else {"lorazor": {"release_position": int(p + r)}}
         req = FakeRequest(f"r{i}", None, None, int(p), int(o), extra)
         req.lora_request = SimpleNamespace(lora_name=f"x{a}", lora_path="/nowhere", lora_int_id=int(a) + 1)
         s.add_request(req)
-    steps = work = running = held = 0
+        end[req.request_id] = int(p + r) if release and r != capacity.NEVER else 1 << 60
+    steps = work = running = held = tokens = lora_tokens = loads = 0
+    slots: list[int] = []
     while s.requests:
         holds = {r.request_id: s.holds_slot(r) for r in list(s.running) + list(s.waiting)}
+        before = {q: r.num_computed_tokens for q, r in s.requests.items()}
         so = s.schedule()
         steps += 1
         if so.num_scheduled_tokens:
             work += 1
             running += len(so.num_scheduled_tokens)
             held += len({s.requests[q].lora_request.lora_int_id for q in so.num_scheduled_tokens if holds[q]})
+        used = []
+        for q, n in so.num_scheduled_tokens.items():
+            tokens += n
+            lora_tokens += max(0, min(n, end[q] - before[q]))
+            a = s.requests[q].lora_request.lora_int_id
+            if before[q] < end[q] and a not in used:
+                used.append(a)
+        slots = [a for a in slots if a not in used] + [a for a in used if a in slots]
+        for a in (a for a in used if a not in slots):
+            slots = slots[1:] if len(slots) >= max_loras else slots
+            slots.append(a)
+            loads += 1
         s.update_from_output(so, None)
-    return steps, running / work, held / work
+    return steps, running / work, held / work, lora_tokens / tokens, loads
 
 
 @pytest.fixture
@@ -58,8 +75,10 @@ def test_model_matches_brute_force(sched, monkeypatch, bundle, max_loras, skew):
     assert (reqs.release != capacity.NEVER).any() and (reqs.release == capacity.NEVER).any()
     for release in (False, True):
         model = capacity.simulate(reqs, max_loras, release=release, max_num_seqs=24, token_budget=64)
-        steps, running, held = brute_force(sched, reqs, max_loras, release, monkeypatch, bundle, 24, 64)
-        assert model.steps == steps
+        steps, running, held, share, loads = brute_force(sched, reqs, max_loras, release, monkeypatch, bundle,
+                                                         24, 64)
+        assert model.steps == steps and model.slot_loads == loads
+        assert model.lora_share == pytest.approx(share, rel=1e-12)
         assert model.mean_running == pytest.approx(running, rel=1e-9)
         assert model.mean_occupancy == pytest.approx(held, rel=1e-9)
         assert model.max_occupancy <= max_loras
@@ -76,6 +95,27 @@ def test_release_admits_more_and_unlimited_slots_do_not_care():
     results = capacity.sweep(reqs, [2, 4, 8, 16, 32], max_num_seqs=64, token_budget=256)
     need = capacity.needed_max_loras(results + free, {False: free[0], True: free[1]}, 0.05)
     assert need[True] < need[False]
+
+
+def _three(release: int) -> capacity.Requests:
+    """Requests of adapters 0, 1, 0, prompts of 4 tokens, 3 tokens out, released at ``release``."""
+    return capacity.Requests(np.array([0, 1, 0]), np.full(3, 4), np.full(3, 3), np.full(3, release),
+                             np.zeros(3, np.int64))
+
+
+def test_slot_loads_and_adapter_share_by_hand():
+    # One slot: r0 and r2 (adapter 0) run together, r1 waits for the slot: 2 loads, 6 forwards each.
+    kept = capacity.simulate(_three(capacity.NEVER), 1, release=False, max_num_seqs=8, token_budget=64)
+    assert (kept.steps, kept.slot_loads, kept.lora_share) == (6, 2, 1.0)
+    # Released at r = 1: forwards 0 (the 4 prompt tokens) and 1 run the adapter, 5 of 6 tokens; the
+    # slot is handed on at step 2, so r1 starts a step earlier.
+    freed = capacity.simulate(_three(1), 1, release=True, max_num_seqs=8, token_budget=64)
+    assert (freed.steps, freed.slot_loads) == (5, 2) and freed.lora_share == pytest.approx(15 / 18)
+    # One request at a time: adapter 0 is written again after adapter 1 took the only slot, not
+    # when a second slot keeps it resident.
+    one_by_one = [capacity.simulate(_three(capacity.NEVER), m, release=False, max_num_seqs=1, token_budget=64)
+                  for m in (1, 2)]
+    assert [r.slot_loads for r in one_by_one] == [3, 2]
 
 
 def test_distributions_from_the_bundle(bundle):
@@ -100,6 +140,7 @@ def test_command(bundle, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(out.read_text())
     assert {r["max_loras"] for r in data["results"]} == {1, 2, 4, 8, 16, 32}
+    assert all(0 < r["lora_share"] <= 1 and r["slot_loads"] >= 1 for r in data["results"])
     assert capacity.main(["--bundle", str(bundle), "--adapters", "8", "--rate", "5", "--requests", "50",
                           "--step-ms", "20", "--prompt-len", "5", "9", "--output-len", "3", "9"]) == 0
     for argv, msg in ((["--adapters", "8", "--rate", "5"], "--rate needs"),

@@ -20,11 +20,11 @@ request is scheduled, as in the 512/32 table (docs/vllm_integration.md §11):
 Measured per step: running requests (admitted concurrency) and distinct adapters holding a slot
 (slot occupancy). Over the run: the share of token forwards that run an adapter (prefill chunks
 and decode steps before the release point), and slot loads, the adapter writes into a GPU slot
-under least-recently-used replacement of ``max_loras`` slots (vLLM's LRU adapter manager; the
-step's resident adapters are touched before a missing one evicts, so the count is a lower bound:
-vLLM touches them in its request set's order, and an eviction can hit one the same step uses).
-KV-cache capacity is taken as ample (no preemption), and offline requests all
-arrive at step 0; open loop (``--rate``) maps Poisson arrival times to steps with ``--step-ms``.
+under least-recently-used replacement of ``max_loras`` slots (vLLM's LRU adapter manager). The
+model touches a step's resident adapters before a missing one evicts; vLLM touches them in its
+request set's order, where an eviction can hit an adapter the same step uses and write it again.
+KV-cache capacity is taken as ample (no preemption), and offline requests all arrive at step 0;
+open loop (``--rate``) maps Poisson arrival times to steps with ``--step-ms``.
 
 Release points come from the bundle: ``stats['release_points']`` (validation release points of
 the exported policy, written by ``predictors.export``), else a profiled k as a point mass; an

@@ -3,7 +3,7 @@
 #   correctness check_slots: policy off token-identical to stock on 320 requests; profiled and learned
 #               policies with and without slot hand-back identical up to numerical near-ties
 #   uniform512  512 adapters, max_loras 32, uniform traffic, offline: both, gridtrim, stock, nolora
-#   skewed1024  1024 adapters, max_loras 64, skewed (80% of requests on 20% of adapters): stock, gridtrim, both
+#   skewed1024  1024 adapters, max_loras 64, skewed (80% of requests on 20% of adapters): both, gridtrim, stock, nolora
 #   full128     128 adapters, max_loras 128 (no slot pressure, the no-regression check): nolora, stock, gridtrim, both
 #   llama8b256  Llama-3.1-8B shape, rank 16 (about 84 MB per adapter), 256 adapters, max_loras 16: both, gridtrim,
 #               stock, nolora (likely more than one call: MODES="stock" ..., the same OUT_DIR)
@@ -73,7 +73,7 @@ for table in "$@"; do
     uniform512)
         bench "$table" "$start" --adapters 512 --max-loras 32 --modes both gridtrim stock nolora ;;
     skewed1024)
-        bench "$table" "$start" --adapters 1024 --max-loras 64 --skewed --modes both gridtrim stock ;;
+        bench "$table" "$start" --adapters 1024 --max-loras 64 --skewed --modes both gridtrim stock nolora ;;
     full128)
         bench "$table" "$start" --adapters 128 --modes both gridtrim stock nolora ;;
     llama8b256)

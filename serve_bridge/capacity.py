@@ -268,19 +268,20 @@ def needed_max_loras(results: Sequence[Result], unlimited: dict[bool, Result],
 
 
 def plot(results: Sequence[Result], path: str | Path, title: str) -> Path:
-    """Admitted concurrency and slot occupancy vs max_loras, with and without release (PNG)."""
+    """Admitted concurrency, slot occupancy and slot loads vs max_loras, with and without release (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_run, ax_occ = fig.subplots(1, 2)
-    for rel, style in ((False, "o--"), (True, "s-")):
-        rows = sorted((r for r in results if r.release == rel), key=lambda r: r.max_loras)
-        label = "with release" if rel else "without release"
-        ax_run.plot([r.max_loras for r in rows], [r.mean_running for r in rows], style, label=label)
-        ax_occ.plot([r.max_loras for r in rows], [r.mean_occupancy for r in rows], style, label=label)
-    for ax, what in ((ax_run, "mean running requests per step"), (ax_occ, "mean slots held per step")):
+    panels = (("mean running requests per step", lambda r: r.mean_running),
+              ("mean slots held per step", lambda r: r.mean_occupancy),
+              ("slot loads (adapter writes into a slot)", lambda r: r.slot_loads))
+    for ax, (what, value) in zip(fig.subplots(1, len(panels)), panels):
+        for rel, style in ((False, "o--"), (True, "s-")):
+            rows = sorted((r for r in results if r.release == rel), key=lambda r: r.max_loras)
+            ax.plot([r.max_loras for r in rows], [value(r) for r in rows], style,
+                    label="with release" if rel else "without release")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max_loras")
         ax.set_ylabel(what)
@@ -310,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.05,
                     help="needed max_loras: within this share of the throughput with one slot per adapter")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", type=Path, default=None, help="PNG of concurrency and occupancy vs max_loras")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of concurrency, occupancy and slot loads vs max_loras")
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
     problems = [msg for bad, msg in (

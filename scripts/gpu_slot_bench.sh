@@ -26,7 +26,9 @@
 # (with each mode's server log and each rate's vllm bench serve result and log under OUT_DIR/goodput512/<mode>/).
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
-# once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); MODES="stock nolora" runs only those
+# once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); ASYNC=1 (offline
+# tables: vLLM's async scheduling, 0.33's default, for every mode but steptrim and both, which the plugin runs without
+# it); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
@@ -54,7 +56,7 @@ bench() {  # table, then bench arguments
     python3 -m benchmarks.serving.bench --out "$out/$table" --work "/tmp/lorazor_bench_$table" --requests "$requests" \
         --full-graphs --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 \
         --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} \
-        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} || rc=1
+        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${ASYNC:+--async-scheduling} || rc=1
     python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
 table, path = sys.argv[1], sys.argv[2]

@@ -413,7 +413,7 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
                    tensor_parallel_size: int = 1, compiled: bool = False,
                    full_graphs: bool = False, max_loras: int | None = None,
                    max_cpu_loras: int | None = None, rank: int = RANK,
-                   kv_cache_bytes: int | None = None) -> dict[str, Any]:
+                   kv_cache_bytes: int | None = None, async_scheduling: bool = False) -> dict[str, Any]:
     """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
     workload), ``max_cpu_loras`` N (every adapter stays loaded in host memory after the warm-up
     request per adapter) or the given one, at least max_loras, and the decode CUDA graph sizes;
@@ -433,15 +433,17 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     (``v1/attention/backends/flash_attn.py:341-345``). ``nolora`` has the same options without
     any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU, :func:`interleaved_kv_cache_bytes`)
     the KV cache has that size and the engine asks only a tenth of the GPU free at start-up
-    (``kv_cache_memory_bytes``, docs/vllm_integration.md §13)."""
+    (``kv_cache_memory_bytes``, docs/vllm_integration.md §13). ``async_scheduling`` turns vLLM's async
+    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode but steptrim and
+    both, whose release the plugin refuses to run with it (``serve_bridge/vllm/settings.py``)."""
     if compiled and full_graphs:
         raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
     if not compiled:
         compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
-                compilation_config=compilation)
+                enable_prefix_caching=False, async_scheduling=async_scheduling and mode not in STEPTRIM_MODES,
+                dtype="bfloat16", compilation_config=compilation)
     if kv_cache_bytes:
         opts |= {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": int(kv_cache_bytes)}
     if mode == "nolora":
@@ -697,7 +699,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
                tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
                full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
                slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK, repeats: int = 1,
-               turns: Turns | None = None) -> None:
+               turns: Turns | None = None, async_scheduling: bool = False) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     ``repeats`` times (:func:`timed_runs`; req/s from the median run; with ``turns``, each run when
     the orchestrator says, the engine sharing the GPU with the other modes' through a KV cache of
@@ -720,7 +722,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     t0 = time.time()
     opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
                           max_loras, max_cpu_loras, rank,
-                          interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None)
+                          interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None, async_scheduling)
     llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
     stats = SlotStats.attach(llm)
@@ -806,6 +808,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
+           "async_scheduling": opts["async_scheduling"],
            "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
@@ -893,22 +896,27 @@ def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[S
     return lines
 
 
+def mode_label(r: dict[str, Any]) -> str:
+    """The row's mode as the table names it, with "async scheduling" where it ran with it."""
+    return MODE_LABEL[r["mode"]] + (" [async scheduling]" if r.get("async_scheduling") else "")
+
+
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
     traffic = "skewed 80/20" if r["skewed"] else "uniform"
     if r.get("pass", 0):
         traffic += f", pass {r['pass'] + 1}"
     width = 7 if latency else 3  # empty cells after the error
     if "error" in r:
-        return f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['error']} |" + " |" * width
+        return f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['error']} |" + " |" * width
     skip = "—" if r["counters"] is None else f"{r['counters']['realized_skip']:.3f}"
     ok = stock is not None and "error" not in stock
     if latency:
         ratio = "1.00" if r["mode"] == "stock" else (f"{stock['tpot_p50_ms'] / r['tpot_p50_ms']:.2f}" if ok else "—")
         lat = " | ".join(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"))
-        return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
+        return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
                 f"{r['output_tok_per_s']:.0f} | {lat} | {skip} | {ratio} |")
     ratio = "1.00" if r["mode"] == "stock" else (f"{r['req_per_s'] / stock['req_per_s']:.2f}" if ok else "—")
-    return (f"| {r['adapters']} | {traffic} | {MODE_LABEL[r['mode']]} | {r['req_per_s']:.1f} | "
+    return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
             f"{r['output_tok_per_s']:.0f} | {skip} | {ratio} |")
 
 
@@ -973,7 +981,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
         ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
         ["--no-slot-release"] if args.no_slot_release else []) + (
-        ["--repeats", str(args.repeats)] if args.repeats > 1 else [])
+        ["--repeats", str(args.repeats)] if args.repeats > 1 else []) + (
+        ["--async-scheduling"] if args.async_scheduling else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "benchmarks.serving.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -1005,7 +1014,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                                                compiled=args.compiled, full_graphs=args.full_graphs, rank=args.rank)
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
-                                   "specialize_active_lora": "per mode"}),
+                                   "specialize_active_lora": "per mode",
+                                   "async_scheduling": "on but for steptrim and both" if args.async_scheduling
+                                   else False}),
         f"host: one adapter {adapter_bytes(cfg, args.rank) / 2**20:.1f} MiB; a LoRA engine keeps up to "
         f"{needed / 2**30:.1f} GiB of adapters in host memory (loaded and a pinned slot image each)"
         + (f", {available / 2**30:.0f} GiB available at the start" if available else ""),
@@ -1200,6 +1211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-slot-release", action="store_true",
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="vLLM's async scheduling (vLLM 0.33's default) for stock, gridtrim, nolora and stockfix; "
+                         "steptrim and both keep it off, as the plugin requires: what a server gives up for release")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
@@ -1244,7 +1258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
                    args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
                    args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank,
-                   args.repeats, Turns.from_arg(args.turns) if args.turns else None)
+                   args.repeats, Turns.from_arg(args.turns) if args.turns else None, args.async_scheduling)
         return 0
     return orchestrate(args)
 

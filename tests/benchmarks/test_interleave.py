@@ -161,11 +161,14 @@ def test_interleaved_table_reports_engines_that_never_got_ready(tmp_path, capsys
     GPU engine to start on this machine, each exits before it is ready; every mode gets an error row."""
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "2", "--requests", "8",
-            "--modes", "both", "gridtrim", "--repeats", "2", "--interleave", "--budget-s", "300"]
+            "--modes", "both", "gridtrim", "--repeats", "2", "--interleave", "--budget-s", "300",
+            "--async-scheduling"]
     assert bench.main(argv) == 1
     doc = bench.json.loads((out / "bench.json").read_text())
     assert [(r["mode"], r["error"]) for r in doc["rows"]] == [("both", "exited before it was ready"),
                                                               ("gridtrim", "exited before it was ready")]
     assert "interleaved: every mode's engine alive at once" in doc["preamble"][2]
+    engine = next(line for line in doc["preamble"] if line.startswith("engine: "))
+    assert bench.json.loads(engine[len("engine: "):])["async_scheduling"] == "on but for steptrim and both"
     assert [n for n in doc["notes"] if "round" in n] == ["N=2 round 1: no engine ran", "N=2 round 2: no engine ran"]
     assert (out / "n2_uniform_both.log").exists() and (out / "prepare.log").exists()

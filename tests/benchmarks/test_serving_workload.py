@@ -126,6 +126,16 @@ def test_engine_options_follow_the_device_readme():
     assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
 
 
+def test_async_scheduling_is_for_the_modes_without_release():
+    on = {mode: bench.engine_options(128, mode=mode, async_scheduling=True)["async_scheduling"] for mode in bench.MODES}
+    assert on == {mode: mode not in bench.STEPTRIM_MODES for mode in bench.MODES}
+    assert not any(bench.engine_options(128, mode=mode)["async_scheduling"] for mode in bench.MODES)
+    row = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
+           "counters": None, "async_scheduling": True}
+    assert bench.format_row(row, row) == "| 4 | uniform | stock [async scheduling] | 10.0 | 600 | — | 1.00 |"
+    assert bench.mode_label(row | {"async_scheduling": False}) == "stock"
+
+
 def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
     mods = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     for mode in bench.MODES:

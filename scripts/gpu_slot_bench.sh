@@ -27,8 +27,8 @@
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
 # once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); ASYNC=1 (offline
-# tables: vLLM's async scheduling, 0.33's default, for every mode but steptrim and both, which the plugin runs without
-# it); MODES="stock nolora" runs only those
+# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode but steptrim and both, which the
+# plugin runs without it); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
@@ -94,7 +94,8 @@ PY
         REPEATS="" INTERLEAVE="" bench "$table" "$start" --adapters 512 --max-loras 32 --arrival-rate "$rate" --modes both gridtrim ;;  # open loop: one run
     goodput512)  # the server runs its own engine core process; goodput.py sets that for the server
         python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
-            --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} || rc=1 ;;
+            --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
+            ${ASYNC:+--async-scheduling} || rc=1 ;;
     *)
         echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512 or goodput512" >&2
         exit 2 ;;

@@ -252,11 +252,12 @@ def cli_flags(opts: dict[str, Any]) -> list[str]:
 
 
 def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int,
-                   capture_sizes: Sequence[int] = CAPTURE_SIZES) -> list[str]:
+                   capture_sizes: Sequence[int] = CAPTURE_SIZES, async_scheduling: bool = False) -> list[str]:
     """``vllm serve`` for a mode: bench.py's engine options with full CUDA graphs and the tokenizer
-    on, the adapters as ``--lora-modules`` (not for nolora), LoRazor's worker extension for
-    steptrim/both."""
-    opts = bench.engine_options(len(adapters), capture_sizes, mode, full_graphs=True, max_loras=max_loras)
+    on (async scheduling as :func:`bench.engine_options` gives it), the adapters as
+    ``--lora-modules`` (not for nolora), LoRazor's worker extension for steptrim/both."""
+    opts = bench.engine_options(len(adapters), capture_sizes, mode, full_graphs=True, max_loras=max_loras,
+                                async_scheduling=async_scheduling)
     cmd = [*VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--disable-uvicorn-access-log", *cli_flags(opts | {"skip_tokenizer_init": False})]
     if mode != "nolora":
@@ -540,8 +541,11 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     m = Mode(mode, f"http://127.0.0.1:{port}", work / "model", [] if mode == "nolora" else list(adapters),
              directory, deadline)
     log = directory / "server.log"
-    server = start_server(server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes),
-                          server_env(mode, dict(os.environ), bundle, adapters), log)
+    command = server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes,
+                             args.async_scheduling)
+    if "--async-scheduling" in command:
+        entry["facts"].append("async scheduling (vLLM 0.33's default)")
+    server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters), log)
     try:
         ready_s = wait_ready(m.base_url, server, log, min(args.ready_timeout_s, deadline - time.monotonic()), m.adapters)
         entry["facts"].append(f"server ready after {ready_s:.0f} s")
@@ -681,6 +685,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "over several calls")
     ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
     ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="servers of stock, gridtrim and nolora schedule asynchronously (vLLM 0.33's default); "
+                         "steptrim and both keep it off, as the plugin requires")
     ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
                     help="requests of bench.py's workload the bundle's k are profiled on")
     ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")

@@ -141,6 +141,9 @@ def test_server_command(mode):
         specialize = mode in ("stock", "steptrim")  # bench.SPECIALIZE
         assert ("--specialize-active-lora" in f) == specialize and ("--no-specialize-active-lora" in f) != specialize
     assert ("--worker-extension-cls" in f) == (mode in ("steptrim", "both"))
+    on = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, async_scheduling=True))
+    assert ("--async-scheduling" in on) == (mode not in bench.STEPTRIM_MODES)
+    assert ("--no-async-scheduling" in on) == (mode in bench.STEPTRIM_MODES)
 
 
 @pytest.mark.parametrize("mode", goodput.MODES)

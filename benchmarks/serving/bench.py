@@ -576,6 +576,14 @@ class SlotStats:
                 "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
 
 
+def expected_scheduler(slot_release: bool, async_scheduling: bool) -> str:
+    """The engine core's scheduler class for a run: LoRazor's with slot hand-back, else vLLM's
+    (``AsyncScheduler`` with async scheduling, ``config/scheduler.py:231-239``)."""
+    if slot_release:
+        return "ReleaseScheduler"
+    return "AsyncScheduler" if async_scheduling else "Scheduler"
+
+
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
                     arrival_steps: Sequence[int] | None = None) -> dict[str, float]:
     """The capacity model (:func:`serve_bridge.capacity.simulate`) on exactly this workload:
@@ -782,7 +790,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
-        want = "ReleaseScheduler" if slot_info["slot_release"] else "Scheduler"
+        want = expected_scheduler(slot_info["slot_release"], opts["async_scheduling"])
         if stats.scheduler_class != want:
             raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
         slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}

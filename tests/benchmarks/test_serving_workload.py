@@ -134,6 +134,8 @@ def test_async_scheduling_is_for_the_modes_without_release():
            "counters": None, "async_scheduling": True}
     assert bench.format_row(row, row) == "| 4 | uniform | stock [async scheduling] | 10.0 | 600 | — | 1.00 |"
     assert bench.mode_label(row | {"async_scheduling": False}) == "stock"
+    assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (False, True), (False, False))] == [
+        "ReleaseScheduler", "AsyncScheduler", "Scheduler"]
 
 
 def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():

@@ -46,7 +46,7 @@ import torch
 
 from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
 from serve_bridge.decision import DecisionLauncher
-from serve_bridge.steptrim import NO_SLOT, StepTrim
+from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.
 logger = logging.getLogger("vllm.lorazor")
@@ -141,6 +141,8 @@ class RequestState:
     uid: the request's calibration name (``extra_args``), if any.
     forced_release_position: a forced release (``extra_args``): positions ≥ it run without
     the adapter, and the request takes no decision.
+    profiled: its adapter's profiled policy, whose rule (:meth:`ProfiledPolicy.fires`) is applied
+    on the host when a forward is planned (no decision to launch or wait for).
     margins: t → s_t − τ of each learned decision after forward t, kept only while the runtime
     records them (:attr:`ReleaseRuntime.record_margins`).
     """
@@ -152,6 +154,7 @@ class RequestState:
     forwards: int = 0
     uid: str | None = None
     forced_release_position: int | None = None
+    profiled: ProfiledPolicy | None = None
     margins: dict[int, float] = field(default_factory=dict)
 
     def record(self, req_id: str) -> dict[str, Any]:
@@ -169,8 +172,10 @@ class RequestState:
 
     @property
     def decides(self) -> bool:
-        """Whether StepTrim still decides for this request after its next forward."""
-        return self.slot != NO_SLOT and self.release is None and self.forced_release_position is None
+        """Whether StepTrim's decision launch still decides for this request after its next
+        forward (a profiled policy is decided on the host)."""
+        return (self.slot != NO_SLOT and self.release is None and self.forced_release_position is None
+                and self.profiled is None)
 
 
 @dataclass
@@ -306,8 +311,10 @@ class ReleaseRuntime:
             self._warn_once(f"request-args:{err}", f"request {req_id}: {err}; the request runs without them.")
             uid, forced = None, None
         slot = NO_SLOT if adapter is None else self._slot(adapter, adapter_path)
+        policy = None if slot == NO_SLOT else self.steptrim.policies[slot]
         self.states[req_id] = RequestState(adapter=adapter, slot=slot, num_prompt_tokens=int(num_prompt_tokens),
-                                           uid=uid, forced_release_position=forced)
+                                           uid=uid, forced_release_position=forced,
+                                           profiled=policy if isinstance(policy, ProfiledPolicy) else None)
         if adapter is not None:
             self.adapters.setdefault(adapter, AdapterCounters()).requests += 1
 
@@ -374,6 +381,9 @@ class ReleaseRuntime:
                 plan.states.append(st)
                 plan.forwards.append(t)
                 plan.req_ids.append(req_ids[i])
+            elif (st.profiled is not None and st.release is None and st.forced_release_position is None
+                  and st.profiled.fires(t)):  # applies from the next step, as a decision would
+                self._release(st, t, req_ids[i])
         self.completed = completed
         self._plan = plan if plan.rows else None
         self.steps += 1
@@ -421,10 +431,7 @@ class ReleaseRuntime:
         for i in fired.nonzero()[0].tolist():
             st = p.states[i]
             if st.release is None:  # planned rows were unreleased; release stays one-way
-                st.release = p.forwards[i]
-                self.adapters[st.adapter].released += 1
-                if self.report_releases:
-                    self.new_releases[p.req_ids[i]] = st.release
+                self._release(st, p.forwards[i], p.req_ids[i])
         self.decision_steps += 1
         self.decided_rows += len(p.states)
         ms = p.host_ms if gpu_ms is None else gpu_ms
@@ -432,6 +439,13 @@ class ReleaseRuntime:
         self._lat_gpu.append(ms)
         self._lat_decide.append(p.host_ms)
         self._lat_resolve.append((time.perf_counter() - start) * 1e3)
+
+    def _release(self, st: RequestState, t: int, req_id: str) -> None:
+        """Release ``st`` after forward ``t``, counted and, with ``report_releases``, reported."""
+        st.release = t
+        self.adapters[st.adapter].released += 1
+        if self.report_releases:
+            self.new_releases[req_id] = t
 
     def take_releases(self) -> dict[str, int]:
         """req_id → release point r of every release decided since the last call (waits for the

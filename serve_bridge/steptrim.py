@@ -39,6 +39,10 @@ class ProfiledPolicy:
         if self.k < 0:
             raise ValueError(f"profiled k must be ≥ 0 (prefill is never released), got {self.k}")
 
+    def fires(self, t: int) -> bool:
+        """Whether the request is released after forward ``t`` (StepTrim's profiled rule, t ≥ k)."""
+        return t >= self.k
+
 
 @dataclass(frozen=True)
 class LearnedPolicy:

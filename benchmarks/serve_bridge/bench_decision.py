@@ -4,10 +4,10 @@ step at 256 requests with 128 learned heads). torch only, no vLLM.
     python -m benchmarks.serve_bridge.bench_decision --out DIR            # on the GPU
     python -m benchmarks.serve_bridge.bench_decision --out DIR --device cpu --steps 20
 
-For each policy (128 learned heads at hidden size 3072; 128 profiled adapters), each row
-count (32, 128, 256 tracked requests, all decided every step: the heads never fire, k is
-never reached) and each mode, it builds a :class:`serve_bridge.runtime.ReleaseRuntime` and
-simulates the engine for ``--steps`` steps after a warm-up:
+For 128 learned heads at hidden size 3072, each row count (32, 128, 256 tracked requests, all
+decided every step: the heads never fire) and each mode, it builds a
+:class:`serve_bridge.runtime.ReleaseRuntime` and simulates the engine for ``--steps`` steps
+after a warm-up:
 
     begin_step (vLLM: set_active_loras in _prepare_inputs) · enqueue a ~1 ms dummy GPU
     workload (the forward) · decide(hidden) · synchronize (vLLM's sampler sync) · resolve
@@ -19,7 +19,8 @@ Modes: ``graph`` (the runtime as shipped: StepTrim's kernel replayed as a CUDA g
 ``eager`` (the same buffers and kernel, launched directly) and ``old`` (the runtime before
 the launcher existed: per-step ``torch.tensor(...).pin_memory()`` metadata and the former
 ~20-op StepTrim).
-Without a learned policy the runtime decides on the host, so graph and eager coincide.
+Profiled policies launch no decision: ``begin_step`` applies k on the host as it plans a step, so
+their per-step cost is ``begin_step``'s (``benchmarks.serve_bridge.bench_step_host``).
 Columns: host time of the engine thread in decide() and in resolve() (perf_counter), their
 sum per step, and the GPU time between the decision's two CUDA events (off CUDA, and for
 host-side decisions, the host time of decide()), in µs over the timed steps.
@@ -52,18 +53,14 @@ PROMPT = 64
 MODES = ("graph", "eager", "old")
 
 
-def make_runtime(policy: str, heads: int, hidden: int, device: str, mode: str, max_rows: int,
-                 seed: int = 0) -> ReleaseRuntime:
-    """A runtime over an in-memory bundle of ``heads`` adapters that never fire."""
+def make_runtime(heads: int, hidden: int, device: str, mode: str, max_rows: int, seed: int = 0) -> ReleaseRuntime:
+    """A runtime over an in-memory bundle of ``heads`` learned adapters that never fire."""
     g = torch.Generator().manual_seed(seed)
     entries, policies = {}, {}
     for i in range(heads):
         name = f"a{i:03d}"
-        if policy == "learned":
-            w = torch.randn(hidden, generator=g) / hidden ** 0.5
-            entries[name] = AdapterEntry(name, "0" * 64, "learned", tau=-1e30, weight=w.numpy(), bias=0.1)
-        else:
-            entries[name] = AdapterEntry(name, "0" * 64, "profiled", k=1 << 20)
+        w = torch.randn(hidden, generator=g) / hidden ** 0.5
+        entries[name] = AdapterEntry(name, "0" * 64, "learned", tau=-1e30, weight=w.numpy(), bias=0.1)
         policies[name] = entries[name].to_policy()
     bundle = Bundle(Path("(in memory)"), 1, "bench", "bench", hidden, "0" * 64, entries, policies)
     names = sorted(entries)
@@ -172,8 +169,8 @@ def _calibrate_sleep(device: torch.device, forward_ms: float) -> int:
     return int(probe * forward_ms / max(a.elapsed_time(b), 1e-3))
 
 
-def run_case(policy: str, rows: int, mode: str, args, device: torch.device, cycles: int) -> dict:
-    rt = make_runtime(policy, args.heads, args.hidden, str(device), mode, max(args.rows))
+def run_case(rows: int, mode: str, args, device: torch.device, cycles: int) -> dict:
+    rt = make_runtime(args.heads, args.hidden, str(device), mode, max(args.rows))
     names = sorted(rt.slot_of)
     req_ids = [f"r{i}" for i in range(rows)]
     lora_ids = np.array([1 + i % len(names) for i in range(rows)])
@@ -203,7 +200,7 @@ def run_case(policy: str, rows: int, mode: str, args, device: torch.device, cycl
     assert c["decision_steps"] == total and c["decided_rows"] == total * rows, c  # every row, every step
     assert c["released_requests"] == 0
     us = {k: v * 1e3 for k, v in c.items() if k.endswith(("_p50", "_p95", "_p99", "_mean")) and "_ms_" in k}
-    return {"policy": policy, "rows": rows, "heads": args.heads, "hidden": args.hidden, "mode": mode,
+    return {"rows": rows, "heads": args.heads, "hidden": args.hidden, "mode": mode,
             "runs_on": rt._launcher.mode if mode != "old" else ("cuda-eager" if device.type == "cuda" else "cpu"),
             "steps": args.steps, "us": us, "mapping_ms_mean": c["mapping_ms_total"] / total}
 
@@ -253,12 +250,12 @@ def check_decisions(device: torch.device, args) -> list[str]:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| policy | rows | heads | mode | runs on | decide p50 | decide p95 | decide p99 | resolve p50 | "
+    head = ("| rows | heads | mode | runs on | decide p50 | decide p95 | decide p99 | resolve p50 | "
             "resolve p95 | decide+resolve p95 | GPU p50 | GPU p95 |")
-    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
     for r in results:
         u = r["us"]
-        lines.append(f"| {r['policy']} | {r['rows']} | {r['heads']} | {r['mode']} | {r['runs_on']} | "
+        lines.append(f"| {r['rows']} | {r['heads']} | {r['mode']} | {r['runs_on']} | "
                      f"{u['decide_host_ms_p50']:.1f} | {u['decide_host_ms_p95']:.1f} | {u['decide_host_ms_p99']:.1f} | "
                      f"{u['resolve_host_ms_p50']:.1f} | {u['resolve_host_ms_p95']:.1f} | "
                      f"{u['decision_host_ms_p95']:.1f} | {u['decision_gpu_ms_p50']:.1f} | "
@@ -275,7 +272,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 128, 256])
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--policies", nargs="+", default=["learned", "profiled"], choices=["learned", "profiled"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--forward-ms", type=float, default=1.0)
     args = ap.parse_args(argv)
@@ -285,17 +281,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     cycles = _calibrate_sleep(device, args.forward_ms)
     results = []
-    for policy in args.policies:
-        for rows in args.rows:
-            for mode in args.modes:
-                if mode == "eager" and (device.type != "cuda" or policy != "learned"):
-                    continue  # identical to graph there: the runtime does not use graphs
-                r = run_case(policy, rows, mode, args, device, cycles)
-                results.append(r)
-                u = r["us"]
-                print(f"{policy:8s} rows={rows:4d} {mode:5s}: decide p50/p95 {u['decide_host_ms_p50']:.1f}/"
-                      f"{u['decide_host_ms_p95']:.1f} µs, resolve p95 {u['resolve_host_ms_p95']:.1f} µs, "
-                      f"GPU p50/p95 {u['decision_gpu_ms_p50']:.1f}/{u['decision_gpu_ms_p95']:.1f} µs", flush=True)
+    for rows in args.rows:
+        for mode in args.modes:
+            if mode == "eager" and device.type != "cuda":
+                continue  # identical to graph there: the runtime does not use graphs
+            r = run_case(rows, mode, args, device, cycles)
+            results.append(r)
+            u = r["us"]
+            print(f"rows={rows:4d} {mode:5s}: decide p50/p95 {u['decide_host_ms_p50']:.1f}/"
+                  f"{u['decide_host_ms_p95']:.1f} µs, resolve p95 {u['resolve_host_ms_p95']:.1f} µs, "
+                  f"GPU p50/p95 {u['decision_gpu_ms_p50']:.1f}/{u['decision_gpu_ms_p95']:.1f} µs", flush=True)
     checks = check_decisions(device, args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     cmd = " ".join(argv if argv is not None else sys.argv[1:])

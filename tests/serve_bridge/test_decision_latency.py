@@ -16,22 +16,18 @@ def _step(rt, req_ids, computed, scheduled, lora):
     return rt.begin_step(req_ids, computed, scheduled, computed + scheduled, tokens, tuple(lora.tolist()))
 
 
-@pytest.mark.parametrize("policy", ["learned", "profiled"])
-def test_decisions_apply_from_the_next_step_and_latency_is_counted(policy):
-    rt = bench.make_runtime(policy, heads=3, hidden=8, device="cpu", mode="graph", max_rows=8)
+def test_decisions_apply_from_the_next_step_and_latency_is_counted():
+    rt = bench.make_runtime(heads=3, hidden=8, device="cpu", mode="graph", max_rows=8)
     names = sorted(rt.slot_of)
     rows = 5
     req_ids = [f"r{i}" for i in range(rows)]
     for i, r in enumerate(req_ids):
         rt.add(r, names[i % 3], f"/bench/{names[i % 3]}", 4)
-    # make request r1 fire after its second forward (t = 1): a profiled k, or a head that
-    # scores below τ on the hidden row we feed it at that step
+    # make request r1 fire after its second forward (t = 1): a head that scores below τ on the
+    # hidden row we feed it at that step
     slot = rt.states["r1"].slot
     table = rt._launcher.steptrim.table
-    if policy == "profiled":
-        table[slot, 0] = 1.0
-    else:
-        table[slot, 1] = 0.0  # τ = 0; score = h·w + b with the row's h chosen below
+    table[slot, 1] = 0.0  # τ = 0; score = h·w + b with the row's h chosen below
     lora = np.array([1 + i % 3 for i in range(rows)])
     computed, scheduled = np.zeros(rows, np.int64), np.full(rows, 4, np.int64)
     for step in range(4):
@@ -39,14 +35,13 @@ def test_decisions_apply_from_the_next_step_and_latency_is_counted(policy):
         sampled = np.asarray(m.sampled_mapping)
         assert sampled[1] == (0 if step >= 2 else lora[1])  # released after t = 1: off from forward 2 on
         hidden = torch.zeros(rows, 8)
-        if policy == "learned":
-            w = table[slot, 3:]
-            hidden[1] = -w * (10.0 if step == 1 else -10.0)  # s < 0 only at t = 1 (b is 0.1)
+        w = table[slot, 3:]
+        hidden[1] = -w * (10.0 if step == 1 else -10.0)  # s < 0 only at t = 1 (b is 0.1)
         rt.decide(hidden)
         computed, scheduled = computed + scheduled, np.ones(rows, np.int64)
     rt.resolve()
-    fired = {"r1", "r4"} if policy == "profiled" else {"r1"}  # r4 shares r1's adapter; its h gives s = b > 0
-    assert {r: rt.states[r].release for r in req_ids} == {r: 1 if r in fired else None for r in req_ids}
+    # r4 shares r1's adapter; its h gives s = b > 0
+    assert {r: rt.states[r].release for r in req_ids} == {r: 1 if r == "r1" else None for r in req_ids}
     c = rt.counters()
     assert c["decision_steps"] == 4 and c["latency_samples"] == 4 and c["decision_mode"] == "cpu"
     for key in ("decide_host", "resolve_host", "decision_host", "decision_gpu"):
@@ -61,7 +56,7 @@ def test_decisions_apply_from_the_next_step_and_latency_is_counted(policy):
 
 
 def test_latency_window_is_bounded():
-    rt = bench.make_runtime("profiled", heads=2, hidden=4, device="cpu", mode="graph", max_rows=8)
+    rt = bench.make_runtime(heads=2, hidden=4, device="cpu", mode="graph", max_rows=8)
     rt._lat_decide = type(rt._lat_decide)(maxlen=3)
     rt._lat_resolve = type(rt._lat_resolve)(maxlen=3)
     rt._lat_gpu = type(rt._lat_gpu)(maxlen=3)
@@ -79,13 +74,13 @@ def test_latency_window_is_bounded():
 def test_bench_decision_runs_on_cpu(tmp_path):
     results = bench.main(["--out", str(tmp_path), "--device", "cpu", "--steps", "3", "--warmup", "1",
                           "--rows", "4", "9", "--heads", "3", "--hidden", "16"])
-    got = {(r["policy"], r["rows"], r["mode"]) for r in results}
-    assert got == {(p, n, m) for p in ("learned", "profiled") for n in (4, 9) for m in ("graph", "old")}
+    got = {(r["rows"], r["mode"]) for r in results}
+    assert got == {(n, m) for n in (4, 9) for m in ("graph", "old")}
     md = (tmp_path / "bench_decision.md").read_text()
-    lines = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| policy")]
-    assert len(lines) == 8
-    assert all(len(ln.split("|")) == 15 for ln in lines)  # 13 columns
-    assert "| learned | 9 | 3 | graph | cpu |" in md and "| profiled | 4 | 3 | old | cpu |" in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| rows")]
+    assert len(lines) == 4
+    assert all(len(ln.split("|")) == 14 for ln in lines)  # 12 columns
+    assert "| 9 | 3 | graph | cpu |" in md and "| 4 | 3 | old | cpu |" in md
     assert "bit for bit, and on the CPU): cpu: same device ok, vs CPU ok" in md
     data = json.loads((tmp_path / "bench_decision.json").read_text())
-    assert len(data["results"]) == 8 and data["checks"] == ["cpu: same device ok, vs CPU ok"]
+    assert len(data["results"]) == 4 and data["checks"] == ["cpu: same device ok, vs CPU ok"]

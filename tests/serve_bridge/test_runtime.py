@@ -143,6 +143,29 @@ def test_partial_prefill_chunk_does_not_decide(tmp_path, served):
     assert list(m.token_mapping) == [0] and m.lora_groups == 0
 
 
+def test_profiled_k_is_applied_on_the_host(tmp_path, served):
+    """prof2 (k = 2) is released after its forward t = 2 with no decision launched: the next
+    step masks it, the counters and the step's reported releases say so, and only learned rows
+    are planned for a decision."""
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
+    rt.report_releases = True
+    rt.add("p", "prof2", str(served["prof2"]), 4)
+    rt.add("l", "learn", str(served["learn"]), 4)
+    computed, scheduled = np.array([0, 0]), np.array([4, 4])
+    for t in range(4):
+        m = rt.begin_step(["p", "l"], computed, scheduled, computed + scheduled,
+                          (2,) * int(scheduled[0]) + (3,) * int(scheduled[1]), (2, 3))
+        assert m.sampled_mapping[0] == (0 if t == 3 else 2)  # off from forward 3 on
+        assert rt.wants_hidden() and len(rt._plan.rows) == 1  # the learned row only
+        assert rt.take_releases() == ({"p": 2} if t == 2 else {})
+        rt._plan = None  # no hidden states here: the learned row is not decided
+        computed, scheduled = computed + scheduled, np.array([1, 1])
+    assert rt.states["p"].release == 2 and rt.states["p"].decides is False
+    c = rt.counters()
+    assert c["decision_steps"] == 0 and c["adapters"]["prof2"]["released"] == 1
+    assert c["adapters"]["prof2"]["skipped_forwards"] == 1
+
+
 def test_group_count_follows_masked_mapping(tmp_path, served):
     rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 4)
@@ -157,7 +180,7 @@ def test_group_count_follows_masked_mapping(tmp_path, served):
 
 def test_mismatched_hidden_rows_skip_the_decision(tmp_path, served, caplog):
     rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
-    rt.add("a", "prof0", str(served["prof0"]), 3)
+    rt.add("a", "learn", str(served["learn"]), 3)
     rt.begin_step(["a"], np.array([0]), np.array([3]), np.array([3]), (1,) * 3, (1,))
     with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
         rt.decide(torch.zeros(2, H))

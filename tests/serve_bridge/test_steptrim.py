@@ -69,6 +69,12 @@ def test_step_matches_per_row_reference(seed):
     assert got.dtype == torch.bool and got.tolist() == ref
     assert st.fires(slots, t, hidden).tolist() == _reference(policies, slots, t, torch.zeros(R, dtype=torch.bool),
                                                              hidden)
+    # the profiled rule the serving runtime applies on the host is the table's
+    host = [policies[i].fires(int(ti)) for i, ti in zip(slots.tolist(), t.tolist())
+            if i != NO_SLOT and isinstance(policies[i], ProfiledPolicy)]
+    table = [f for i, f in zip(slots.tolist(), st.fires(slots, t, hidden).tolist())
+             if i != NO_SLOT and isinstance(policies[i], ProfiledPolicy)]
+    assert host == table and any(host) and not all(host)
     # bf16 hidden (vLLM): the same decisions as on its exact float32 values
     hb = hidden.to(torch.bfloat16)
     assert st.step(slots, t, released, hb).tolist() == _reference(policies, slots, t, released, hb.float())

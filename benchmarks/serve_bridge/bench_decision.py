@@ -53,14 +53,19 @@ PROMPT = 64
 MODES = ("graph", "eager", "old")
 
 
-def make_runtime(heads: int, hidden: int, device: str, mode: str, max_rows: int, seed: int = 0) -> ReleaseRuntime:
-    """A runtime over an in-memory bundle of ``heads`` learned adapters that never fire."""
+def make_runtime(heads: int, hidden: int, device: str, mode: str, max_rows: int, seed: int = 0,
+                 policy: str = "learned") -> ReleaseRuntime:
+    """A runtime over an in-memory bundle of ``heads`` adapters that never fire: learned heads,
+    or with ``policy="profiled"`` a k no response reaches (``bench_step_host``'s serving case)."""
     g = torch.Generator().manual_seed(seed)
     entries, policies = {}, {}
     for i in range(heads):
         name = f"a{i:03d}"
-        w = torch.randn(hidden, generator=g) / hidden ** 0.5
-        entries[name] = AdapterEntry(name, "0" * 64, "learned", tau=-1e30, weight=w.numpy(), bias=0.1)
+        if policy == "learned":
+            w = torch.randn(hidden, generator=g) / hidden ** 0.5
+            entries[name] = AdapterEntry(name, "0" * 64, "learned", tau=-1e30, weight=w.numpy(), bias=0.1)
+        else:
+            entries[name] = AdapterEntry(name, "0" * 64, "profiled", k=1 << 20)
         policies[name] = entries[name].to_policy()
     bundle = Bundle(Path("(in memory)"), 1, "bench", "bench", hidden, "0" * 64, entries, policies)
     names = sorted(entries)

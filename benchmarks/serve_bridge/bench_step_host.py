@@ -42,7 +42,7 @@ POINTS = (0, 1, 2, 3, 7, 15, 31, 63)
 
 
 def serving(rows: int) -> tuple[ReleaseRuntime, list[str], list[int]]:
-    rt = make_runtime("profiled", 128, HIDDEN, "cpu", "eager", rows)
+    rt = make_runtime(128, HIDDEN, "cpu", "eager", rows, policy="profiled")
     names = sorted(rt.slot_of)
     ids = [f"s{i}" for i in range(rows)]
     for i, r in enumerate(ids):
@@ -77,12 +77,12 @@ def time_steps(rt: ReleaseRuntime, ids: list[str], lora: list[int], steps: int) 
     return np.array(out[10:]) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     results = []
     lines = ["| case | rows | median ms/step | p95 ms/step |", "|---|---|---|---|"]

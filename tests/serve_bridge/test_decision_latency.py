@@ -1,5 +1,5 @@
 """The runtime's decision path (decide → resolve through the launcher), its latency counters,
-and benchmarks/serve_bridge/bench_decision.py run on the CPU with tiny sizes."""
+and benchmarks/serve_bridge/bench_decision.py and bench_step_host.py run on the CPU with tiny sizes."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.serve_bridge import bench_decision as bench
+from benchmarks.serve_bridge import bench_step_host
 
 
 def _step(rt, req_ids, computed, scheduled, lora):
@@ -84,3 +85,11 @@ def test_bench_decision_runs_on_cpu(tmp_path):
     assert "bit for bit, and on the CPU): cpu: same device ok, vs CPU ok" in md
     data = json.loads((tmp_path / "bench_decision.json").read_text())
     assert len(data["results"]) == 4 and data["checks"] == ["cpu: same device ok, vs CPU ok"]
+
+
+def test_bench_step_host_runs_on_cpu(tmp_path):
+    bench_step_host.main(["--rows", "8", "--steps", "14", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "step_host.json").read_text())
+    assert [r["case"] for r in results] == ["serving", "calibration ON pass", "calibration sweep"]
+    assert all(r["rows"] == 8 and 0 < r["median_ms"] <= r["p95_ms"] for r in results)
+    assert "| serving | 8 |" in (tmp_path / "step_host.md").read_text()

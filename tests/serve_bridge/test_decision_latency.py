@@ -1,5 +1,5 @@
-"""The runtime's decision path (decide → resolve through the launcher), its latency counters,
-and benchmarks/serve_bridge/bench_decision.py and bench_step_host.py run on the CPU with tiny sizes."""
+"""The runtime's decision path (decide → resolve through the launcher), its latency counters, and
+benchmarks/serve_bridge/bench_decision.py and bench_step_host.py run on the CPU with tiny sizes."""
 from __future__ import annotations
 
 import json

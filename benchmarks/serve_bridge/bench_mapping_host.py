@@ -59,7 +59,7 @@ def downstream(token_mapping: tuple) -> tuple[float, float]:
 
 
 def run(version: str, rows: int, tokens: int, steps: int) -> dict[str, float]:
-    rt = make_runtime("profiled", ADAPTERS, HIDDEN, "cpu", "eager", rows)
+    rt = make_runtime(ADAPTERS, HIDDEN, "cpu", "eager", rows, policy="profiled")
     names = sorted(rt.slot_of)
     ids = [f"r{i}" for i in range(rows)]
     for i, r in enumerate(ids):

@@ -6,8 +6,8 @@ no GPU: this is the Python the runner executes on every step before the forward.
 
 Cases (each at every ``--rows``, all rows decode rows that complete a forward every step):
 - ``serving``: :class:`~serve_bridge.runtime.ReleaseRuntime` over 128 adapters with profiled
-  policies whose k is never reached (``bench_decision.make_runtime``) (every row is planned for a decision every step), half the
-  rows force-released so the mask has work;
+  policies whose k is never reached (``bench_decision.make_runtime``: every row's k is checked on
+  the host every step), half the rows force-released so the mask has work;
 - ``calibration ON pass``: :class:`~serve_bridge.calibration.CalibrationRuntime` with the label
   points' capture set and no scorer (the labeling pass);
 - ``calibration sweep``: the same with a learned scorer (s_t every step, the sweep pass).

@@ -1,5 +1,6 @@
 """The runtime's decision path (decide → resolve through the launcher), its latency counters, and
-benchmarks/serve_bridge/bench_decision.py and bench_step_host.py run on the CPU with tiny sizes."""
+benchmarks/serve_bridge/bench_decision.py, bench_step_host.py and bench_mapping_host.py run on the
+CPU with tiny sizes."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.serve_bridge import bench_decision as bench
-from benchmarks.serve_bridge import bench_step_host
+from benchmarks.serve_bridge import bench_mapping_host, bench_step_host
 
 
 def _step(rt, req_ids, computed, scheduled, lora):
@@ -93,3 +94,9 @@ def test_bench_step_host_runs_on_cpu(tmp_path):
     assert [r["case"] for r in results] == ["serving", "calibration ON pass", "calibration sweep"]
     assert all(r["rows"] == 8 and 0 < r["median_ms"] <= r["p95_ms"] for r in results)
     assert "| serving | 8 |" in (tmp_path / "step_host.md").read_text()
+
+
+@pytest.mark.parametrize("version", ["tuples", "numpy + ints"])
+def test_bench_mapping_host_runs_on_cpu(version):
+    times = bench_mapping_host.run(version, rows=8, tokens=32, steps=3)
+    assert set(times) == {"hand-over", "id loop", "torch.tensor"} and all(v > 0 for v in times.values())

@@ -171,11 +171,16 @@ class RequestState:
         return pos
 
     @property
+    def releasable(self) -> bool:
+        """Whether its policy may still release it: it has a StepTrim slot, is not released yet
+        and takes no forced release."""
+        return self.slot != NO_SLOT and self.release is None and self.forced_release_position is None
+
+    @property
     def decides(self) -> bool:
         """Whether StepTrim's decision launch still decides for this request after its next
-        forward (a profiled policy is decided on the host)."""
-        return (self.slot != NO_SLOT and self.release is None and self.forced_release_position is None
-                and self.profiled is None)
+        forward (a profiled policy is applied on the host)."""
+        return self.releasable and self.profiled is None
 
 
 @dataclass
@@ -381,9 +386,8 @@ class ReleaseRuntime:
                 plan.states.append(st)
                 plan.forwards.append(t)
                 plan.req_ids.append(req_ids[i])
-            elif (st.profiled is not None and st.release is None and st.forced_release_position is None
-                  and st.profiled.fires(t)):  # applies from the next step, as a decision would
-                self._release(st, t, req_ids[i])
+            elif st.releasable and st.profiled is not None and st.profiled.fires(t):
+                self._release(st, t, req_ids[i])  # from the next step on, as a decision's release
         self.completed = completed
         self._plan = plan if plan.rows else None
         self.steps += 1

@@ -71,7 +71,7 @@ class LoRazorGPUModelRunner(_BaseRunner):
     """vLLM's V2 GPU model runner with StepTrim release (module doc)."""
 
     def __init__(self, vllm_config: Any, device: Any) -> None:
-        runtime = start_runtime(vllm_config, device)
+        runtime = start_runtime(vllm_config, device, async_capable=True)
         super().__init__(vllm_config, device)
         self.lorazor: ReleaseRuntime = runtime
         self.lora_state = ReleaseLoraState(self.max_num_reqs, runtime)

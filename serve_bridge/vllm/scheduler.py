@@ -17,8 +17,10 @@ after forward r arrives with that step's output (:data:`RELEASES_ATTR`, set by
 :class:`ReleaseScheduler` hides, for the duration of ``schedule()``, the ``lora_request`` of running
 requests that hold no slot, reads learned releases from each step's output in
 ``update_from_output``, and keeps per-request state from ``add_request`` to ``_free_request``;
-:func:`install` makes it vLLM's default scheduler class. Which vLLM code this relies on, per line:
-docs/vllm_integration.md §11.
+:class:`ReleaseAsyncScheduler` is the same over vLLM's ``AsyncScheduler`` (``LORAZOR_ASYNC_SCHEDULING``,
+profiled bundles only: their release positions are known when a step is scheduled). :func:`install`
+makes them vLLM's default scheduler classes. Which vLLM code this relies on, per line:
+docs/vllm_integration.md §9, §11.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.v1.core.sched import async_scheduler as vllm_async_scheduler
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 
 from serve_bridge.bundle import Bundle
@@ -34,6 +37,7 @@ from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, release_point_profile
 from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeSettings, require_slot_engine
 
 _BaseScheduler = vllm_scheduler.Scheduler
+_BaseAsyncScheduler = vllm_async_scheduler.AsyncScheduler  # a subclass of _BaseScheduler
 
 
 class SlotTracker:
@@ -165,6 +169,12 @@ class ReleaseScheduler(_BaseScheduler):
         return super()._free_request(request, *args, **kwargs)
 
 
+class ReleaseAsyncScheduler(ReleaseScheduler, _BaseAsyncScheduler):
+    """:class:`ReleaseScheduler`'s accounting over vLLM's ``AsyncScheduler``, which counts each
+    scheduled decode's token in flight (``v1/core/sched/async_scheduler.py:24-56``), as vLLM's own
+    ``DiffusionAsyncScheduler`` combines its scheduler with it."""
+
+
 def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int, int]:
     """(requests scheduled in ``scheduler_output``, distinct adapters holding a slot among them,
     distinct adapters among them at all), for any vLLM 0.26 scheduler, right after its
@@ -185,5 +195,8 @@ def scheduled_occupancy(scheduler: Any, scheduler_output: Any) -> tuple[int, int
 
 
 def install() -> None:
-    """Make vLLM's default (synchronous) scheduler :class:`ReleaseScheduler` (idempotent)."""
+    """Make vLLM's default schedulers :class:`ReleaseScheduler` and, under async scheduling,
+    :class:`ReleaseAsyncScheduler` (``config/scheduler.py:231-239`` looks both up by module
+    attribute; idempotent)."""
     vllm_scheduler.Scheduler = ReleaseScheduler
+    vllm_async_scheduler.AsyncScheduler = ReleaseAsyncScheduler

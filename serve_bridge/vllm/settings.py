@@ -6,8 +6,10 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 (``name=path,...``) optionally declares the served adapters, checked against the bundle at start-up;
 ``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
 ``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
-``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_GRIDTRIM``
-switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
+``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_ASYNC_SCHEDULING``
+(off by default; experimental, not yet run on a GPU) accepts vLLM's async scheduling for a bundle
+whose policies are all profiled, on vLLM 0.33's V2 runner (docs/vllm_integration.md §9).
+``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
 agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
 so this is tested on CPU without vLLM.
 """
@@ -26,7 +28,9 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
 CALIBRATION_ENV = "LORAZOR_CALIBRATION"
 SLOTS_ENV = "LORAZOR_SLOTS"
+ASYNC_ENV = "LORAZOR_ASYNC_SCHEDULING"
 SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseScheduler"
+ASYNC_SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseAsyncScheduler"
 SLOT_EXECUTORS = ("uni", "mp")  # executors whose step output reaches the scheduler as the worker's object
 RELEASES_ATTR = "lorazor_releases"  # ModelRunnerOutput attribute: {req_id: r} decided in that step
 
@@ -45,6 +49,8 @@ class BridgeSettings:
     calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
         policies, scorer and capture set are set over ``collective_rpc``.
     slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
+    async_scheduling: vLLM's async scheduling accepted for profiled bundles
+        (``LORAZOR_ASYNC_SCHEDULING``; serving only).
     """
 
     bundle: Path | None
@@ -52,6 +58,7 @@ class BridgeSettings:
     log_interval_s: float = 60.0
     calibration: bool = False
     slots: bool = False
+    async_scheduling: bool = False
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
@@ -70,10 +77,14 @@ class BridgeSettings:
         if calibration and slots:
             raise BridgeError(f"{SLOTS_ENV} is on in calibration mode ({CALIBRATION_ENV}): slot hand-back "
                               f"serves a bundle's releases; unset {SLOTS_ENV}.")
+        async_scheduling = _switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling", env)
+        if calibration and async_scheduling:
+            raise BridgeError(f"{ASYNC_ENV} is on in calibration mode ({CALIBRATION_ENV}): calibration captures "
+                              f"every step's hidden states before the next; unset {ASYNC_ENV}.")
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
-                              calibration=calibration, slots=slots)
+                              calibration=calibration, slots=slots, async_scheduling=async_scheduling)
 
 
 def _switch(name: str, purpose: str, environ: Mapping[str, str] | None) -> bool:
@@ -128,7 +139,8 @@ def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
                    "vLLM's)", environ)
 
 
-def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False) -> None:
+def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False,
+                             async_allowed: bool = False) -> None:
     """Refuse engine settings under which release would be wrong or unobserved.
 
     - LoRA must be enabled (there is nothing to release otherwise), on a generative model
@@ -138,7 +150,9 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
       ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
       installed, whose passes with a release policy
       :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
-    - Async scheduling off: a decision must reach the next step's LoRA mapping.
+    - Async scheduling off: a decision must reach the next step's LoRA mapping. It may be on when
+      ``async_allowed`` (``LORAZOR_ASYNC_SCHEDULING`` on the V2 runner; the runner then refuses a
+      bundle with learned policies, ``serve_bridge.vllm.runner_setup.require_profiled_only``).
     - No speculative decoding and no pipeline parallelism: one sampled position per
       request per step, and final hidden states on this rank.
     """
@@ -151,9 +165,10 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
     if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
         fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
                      "blocks decoded after release would be cached under the adapter's name")
-    if vllm_config.scheduler_config.async_scheduling:
+    if vllm_config.scheduler_config.async_scheduling and not async_allowed:
         fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): a release "
-                     "decision must reach the next step's LoRA mapping")
+                     f"decision must reach the next step's LoRA mapping (experimental, vLLM 0.33 with a bundle of "
+                     f"profiled policies only: {ASYNC_ENV}=1)")
     if vllm_config.speculative_config is not None:
         fixes.append("disable speculative decoding (StepTrim decides once per generated token)")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -167,14 +182,15 @@ def require_slot_engine(vllm_config: Any) -> None:
     """Refuse engine settings under which slot hand-back cannot work (``LORAZOR_SLOTS`` on).
 
     - The scheduler must be LoRazor's (``scheduler_cls`` unset, which the plugin resolves to it,
-      or :data:`SCHEDULER_QUALNAME`): another one would keep counting released requests.
+      or :data:`SCHEDULER_QUALNAME`, or :data:`ASYNC_SCHEDULER_QUALNAME` under async scheduling):
+      another one would keep counting released requests.
     - The executor must be ``uni`` or ``mp``: the step output with learned releases
       then reaches the scheduler as the driver worker's object, or pickled with its attributes.
     """
     fixes = []
     cls = vllm_config.scheduler_config.scheduler_cls
     name = cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__qualname__}"
-    if name not in (None, SCHEDULER_QUALNAME):
+    if name not in (None, SCHEDULER_QUALNAME, ASYNC_SCHEDULER_QUALNAME):
         fixes.append(f"use LoRazor's scheduler (unset scheduler_cls, or scheduler_cls={SCHEDULER_QUALNAME!r}), "
                      f"not {name!r}")
     backend = vllm_config.parallel_config.distributed_executor_backend

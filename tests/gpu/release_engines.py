@@ -9,9 +9,12 @@ Each engine runs in its own process (``python -m tests.gpu.release_engines --pha
   (policy none, or absent from the bundle), ``-prof`` (profiled k) and ``-learn`` (random
   learned heads), and the request set runs once per name family.
 - ``badbundle``: start-up with a bundle of another hidden size must fail with one clear error.
+- ``stock-async`` and ``plugin-async``: the same with vLLM's async scheduling; the plugin serves
+  ``bundle_profiled`` (the ``-off`` and ``-prof`` names: learned policies are refused under async
+  scheduling) with ``LORAZOR_ASYNC_SCHEDULING=1`` (``test_release_async.py``).
 
-:func:`compare` turns their outputs into check rows (name, passed, detail): (a) policy off ≡
-stock token for token; (b) profiled k: release points, tokens up to the release step equal full
+:func:`compare` turns their outputs into check rows (name, passed, detail), the async pair's
+against each other: (a) policy off ≡ stock token for token; (b) profiled k: release points, tokens up to the release step equal full
 LoRA, realized skip (runtime counters) = steptrim.skip_fraction of the output lengths; (c)
 learned: decisions happen, tokens up to the release step equal full LoRA, every forward after
 release skips (one-way); (d) the wrong bundle's error; (e) at tensor parallelism N > 1, every
@@ -63,9 +66,10 @@ def model_for(tp: int) -> dict:
     return MODEL if fits else TP_MODEL
 
 
-def engine_options(tp: int = 1, fully_sharded: bool = False) -> dict:
-    """ENGINE, with ``tensor_parallel_size`` and vLLM's ``fully_sharded_loras`` when asked."""
-    opts = dict(ENGINE)
+def engine_options(tp: int = 1, fully_sharded: bool = False, async_scheduling: bool = False) -> dict:
+    """ENGINE, with ``tensor_parallel_size``, vLLM's ``fully_sharded_loras`` and async scheduling
+    when asked."""
+    opts = dict(ENGINE, async_scheduling=async_scheduling)
     if tp > 1:
         opts["tensor_parallel_size"] = tp
     if fully_sharded:
@@ -117,7 +121,9 @@ def prepare(work: Path, n_requests: int, model: dict = MODEL) -> None:
         bias = {"sign": 0.0, "always": -1e4, "never": 1e4}[learned_group(a)]
         entries.append(AdapterEntry(adapter_name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=bias))
     bad = [AdapterEntry(adapter_name(0, "prof"), fps[0], "profiled", k=1)]
-    for name, hidden, chosen in (("bundle", model["hidden_size"], entries), ("bundle_bad", 64, bad)):
+    profiled = [e for e in entries if e.policy != "learned"]
+    for name, hidden, chosen in (("bundle", model["hidden_size"], entries), ("bundle_bad", 64, bad),
+                                 ("bundle_profiled", model["hidden_size"], profiled)):
         if not (work / name).exists():
             write_bundle(work / name, backbone="smollm2-135m-shape-dummy", hidden_size=hidden,
                          config_fingerprint="0" * 64, adapters=chosen)
@@ -139,10 +145,16 @@ def prepare(work: Path, n_requests: int, model: dict = MODEL) -> None:
 
 # -- engines (one process each) -------------------------------------------------------------
 
-def _llm(work: Path, tp: int = 1, fully_sharded: bool = False):
+def _llm(work: Path, tp: int = 1, fully_sharded: bool = False, async_scheduling: bool = False):
     from vllm import LLM
 
-    return LLM(model=str(work / "model"), **engine_options(tp, fully_sharded))
+    return LLM(model=str(work / "model"), **engine_options(tp, fully_sharded, async_scheduling))
+
+
+def _scheduler_name(llm) -> str | None:
+    """The engine core's scheduler class, when the engine core runs in this process."""
+    scheduler = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+    return None if scheduler is None else type(scheduler).__name__
 
 
 def _runner_name(worker) -> str:
@@ -167,12 +179,14 @@ def _generate(llm, requests: list[dict], work: Path, family: str,
     return [list(o.outputs[0].token_ids) for o in outs], [o.request_id for o in outs]
 
 
-def serve(mode: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = False) -> None:
+def serve(phase: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = False) -> None:
+    """Run ``phase`` (``stock`` or ``plugin``, ``-async`` for async scheduling) into ``out/<phase>.json``."""
+    mode, async_scheduling = phase.removesuffix("-async"), phase.endswith("-async")
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    llm = _llm(work, tp, fully_sharded)
+    llm = _llm(work, tp, fully_sharded, async_scheduling)
     runners = llm.collective_rpc(_runner_name)  # one per rank
-    result = {"startup_s": time.time() - t0, "ranks": len(runners),
+    result = {"startup_s": time.time() - t0, "ranks": len(runners), "scheduler": _scheduler_name(llm),
               "runner": runners[0] if ranks_agree(runners) else f"ranks differ: {runners}"}
     if mode == "stock":
         for fam in ("full", "base"):
@@ -183,6 +197,8 @@ def serve(mode: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = F
         from serve_bridge.vllm.rpc import lorazor_counters, lorazor_requests
 
         for i, fam in enumerate(FAMILIES):
+            if async_scheduling and fam == "learn":  # refused under async scheduling
+                continue
             t = time.time()
             tokens, ext_ids = _generate(llm, requests, work, fam, (i + 1) * 1000)
             result[f"{fam}_s"] = time.time() - t
@@ -196,7 +212,7 @@ def serve(mode: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = F
             counters = llm.collective_rpc(lorazor_counters)
             result[fam] = {"tokens": tokens, "records": records, "counters": counters[0],
                            "ranks_agree": ranks_agree(per_rank) and ranks_agree(counters)}
-    (out / f"{mode}.json").write_text(json.dumps(result))
+    (out / f"{phase}.json").write_text(json.dumps(result))
 
 
 def bad_bundle(work: Path, out: Path) -> None:
@@ -211,11 +227,12 @@ def bad_bundle(work: Path, out: Path) -> None:
 
 # -- comparison -----------------------------------------------------------------------------
 
-def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
+def compare(work: Path, out: Path, suffix: str = "") -> list[tuple[str, bool, str]]:
+    """The check rows of ``stock<suffix>.json`` against ``plugin<suffix>.json`` (module doc)."""
     requests = json.loads((work / "requests.json").read_text())
     hidden = json.loads((work / "model" / "config.json").read_text())["hidden_size"]
-    stock = json.loads((out / "stock.json").read_text())
-    plug = json.loads((out / "plugin.json").read_text())
+    stock = json.loads((out / f"stock{suffix}.json").read_text())
+    plug = json.loads((out / f"plugin{suffix}.json").read_text())
     full, base = stock["full"], stock["base"]
     n = len(requests)
     lengths = [len(t) for t in full]
@@ -234,7 +251,13 @@ def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
     rows.append(("(a) policy off never releases", off_released == 0 and all(
         r is not None and r["release"] is None for r in off["records"]), f"{off_released} released"))
 
+    if suffix == "-async":
+        schedulers = (stock["scheduler"], plug["scheduler"])
+        rows.append(("async: the engine cores schedule asynchronously", schedulers == ("AsyncScheduler",
+                     "ReleaseAsyncScheduler"), f"stock {schedulers[0]}, plugin {schedulers[1]}"))
     for fam, release_of in (("prof", lambda i: profiled_k(requests[i]["adapter"])), ("learn", None)):
+        if fam not in plug:
+            continue
         part = plug[fam]
         recs, toks = part["records"], part["tokens"]
         tag = "(b) profiled k" if fam == "prof" else "(c) learned"
@@ -272,11 +295,11 @@ def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
             rows.append((f"{tag}: decision latency", lat["decision_steps"] > 0,
                          f"{lat['decision_ms_mean'] * 1e3:.0f} µs/step GPU, {lat['decided_rows']} rows"))
     if plug.get("ranks", 1) > 1:
-        agree = {fam: plug[fam].get("ranks_agree", False) for fam in FAMILIES}
+        agree = {fam: plug[fam].get("ranks_agree", False) for fam in FAMILIES if fam in plug}
         rows.append((f"(e) the {plug['ranks']} TP ranks agree (runner, release records, counters)",
                      all(agree.values()) and not str(plug["runner"]).startswith("ranks differ"),
                      ", ".join(f"{f}: {'same' if ok else 'DIFFER'}" for f, ok in agree.items())))
-    if (out / "badbundle.json").exists():
+    if not suffix and (out / "badbundle.json").exists():
         bad = json.loads((out / "badbundle.json").read_text())
         needle = f"'hidden_size' is 64 but the served model has {hidden}"
         rows.append(("(d) wrong bundle fails at start-up", bad["raised"] and needle in bad["message"],
@@ -286,12 +309,17 @@ def compare(work: Path, out: Path) -> list[tuple[str, bool, str]]:
 
 def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str]:
     """The environment of one engine process: ``base_env`` (no ``LORAZOR_*``) with the pinned shrink
-    config, plus, for ``plugin``, the bundle and its served adapters, for ``badbundle`` the bad bundle."""
+    config, plus, for ``plugin``, the bundle and its served adapters, for ``plugin-async`` the profiled
+    bundle, its served adapters and ``LORAZOR_ASYNC_SCHEDULING``, for ``badbundle`` the bad bundle."""
     env = {**base_env, "VLLM_TUNED_CONFIG_FOLDER": str(work / "lora_configs")}
-    if phase == "plugin":
+    if phase in ("plugin", "plugin-async"):
+        families = FAMILIES if phase == "plugin" else ("off", "prof")
         served = ",".join(f"{adapter_name(a, f)}={work / 'adapters' / adapter_name(a)}"
-                          for a in range(N_ADAPTERS) for f in FAMILIES)
-        env |= {"LORAZOR_BUNDLE": str(work / "bundle"), "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
+                          for a in range(N_ADAPTERS) for f in families)
+        env |= {"LORAZOR_BUNDLE": str(work / ("bundle" if phase == "plugin" else "bundle_profiled")),
+                "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
+        if phase == "plugin-async":
+            env["LORAZOR_ASYNC_SCHEDULING"] = "1"
     elif phase == "badbundle":
         env["LORAZOR_BUNDLE"] = str(work / "bundle_bad")
     return env
@@ -315,7 +343,7 @@ def engine_arguments(description: str, phases: list[str], **extra: type) -> argp
 
 def main() -> None:
     args = engine_arguments("one engine of the token-exactness test, in this process",
-                            ["stock", "plugin", "badbundle"])
+                            ["stock", "plugin", "badbundle", "stock-async", "plugin-async"])
     if args.phase == "badbundle":
         bad_bundle(args.work, args.out)
     else:

@@ -139,13 +139,42 @@ class FakeScheduler033(FakeScheduler):
     count_all_running = True
 
 
+def async_stand_in(base: type) -> type:
+    """vLLM's AsyncScheduler over ``base``, restated where it touches a request: each scheduled
+    decode's token in flight is a placeholder until its output arrives (async_scheduler.py:24-56)."""
+
+    class FakeAsyncScheduler(base):
+        placeholders = 0  # placeholders added over the run
+
+        def schedule(self):
+            so = super().schedule()
+            for rid in so.num_scheduled_tokens:
+                request = self.requests[rid]
+                if request.num_computed_tokens >= request.num_prompt_tokens:  # not a prefill chunk
+                    request.num_output_placeholders = getattr(request, "num_output_placeholders", 0) + 1
+                    self.placeholders += 1
+            return so
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            for rid in scheduler_output.num_scheduled_tokens:
+                request = self.requests[rid]
+                request.num_output_placeholders = max(0, getattr(request, "num_output_placeholders", 0) - 1)
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+    return FakeAsyncScheduler
+
+
 @pytest.fixture(params=[FakeScheduler, FakeScheduler033], ids=["vllm-0.26", "vllm-0.33"])
 def sched(monkeypatch, request):
-    """serve_bridge.vllm.scheduler imported over a stand-in vllm.v1.core.sched.scheduler of each line."""
-    names = ["vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler"]
+    """serve_bridge.vllm.scheduler imported over stand-ins of vllm.v1.core.sched.scheduler and
+    async_scheduler of each line."""
+    names = ["vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler",
+             "vllm.v1.core.sched.async_scheduler"]
     modules = {n: ModuleType(n) for n in names}
     modules["vllm.v1.core.sched.scheduler"].Scheduler = request.param
+    modules["vllm.v1.core.sched.async_scheduler"].AsyncScheduler = async_stand_in(request.param)
     modules["vllm.v1.core.sched"].scheduler = modules["vllm.v1.core.sched.scheduler"]
+    modules["vllm.v1.core.sched"].async_scheduler = modules["vllm.v1.core.sched.async_scheduler"]
     return import_over(monkeypatch, modules, "serve_bridge.vllm.scheduler")
 
 
@@ -352,6 +381,7 @@ def test_refusals(sched, tmp_path, served, monkeypatch):  # noqa: F811
     with pytest.raises(BridgeError, match=r"distributed_executor_backend 'mp' or 'uni' \(found 'ray'\)"):
         require_slot_engine(vllm_config(2, backend="ray"))
     require_slot_engine(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseScheduler", backend="uni"))
+    require_slot_engine(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseAsyncScheduler"))
     with pytest.raises(BridgeError, match="LORAZOR_SLOTS is on in calibration mode"):
         BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1", "LORAZOR_SLOTS": "1"})
     assert not BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1"}).slots
@@ -366,9 +396,32 @@ def test_refusals(sched, tmp_path, served, monkeypatch):  # noqa: F811
 
 def test_install_replaces_the_default_scheduler(sched):
     base = sys.modules["vllm.v1.core.sched.scheduler"]
+    base_async = sys.modules["vllm.v1.core.sched.async_scheduler"]
+    stand_in = base_async.AsyncScheduler
     sched.install()
     sched.install()
     assert base.Scheduler is sched.ReleaseScheduler and issubclass(sched.ReleaseScheduler.__mro__[1], FakeScheduler)
+    assert base_async.AsyncScheduler is sched.ReleaseAsyncScheduler
+    assert sched.ReleaseAsyncScheduler.__mro__[1:3] == (sched.ReleaseScheduler, stand_in)
+
+
+def test_async_scheduler_keeps_the_slot_accounting(sched, tmp_path, served):  # noqa: F811
+    """Profiled, forced-off and adapter-less requests (the bundles async scheduling accepts): the
+    same steps, slots held, worker mappings and releases as the synchronous scheduler, with the
+    async stand-in's placeholders counted on the way."""
+    specs = [spec for spec in _workload(36, seed=5) if spec[1] in ("prof0", "prof2", "off", None)]
+    sync = serve(sched, tmp_path / "sync", served, specs, env={})
+    placeholders = []
+
+    class Counting(sched.ReleaseAsyncScheduler):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            placeholders.append(self.placeholders)
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+    run = serve(sched, tmp_path / "async", served, specs, env={}, scheduler_cls=Counting)
+    assert (run.steps, run.held, run.seen, run.releases) == (sync.steps, sync.held, sync.seen, sync.releases)
+    assert any(not h for req in run.held.values() for _, h in req)  # some requests did hand their slot back
+    assert placeholders[-1] > 0
 
 
 def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, served, monkeypatch):  # noqa: F811

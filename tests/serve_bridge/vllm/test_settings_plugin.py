@@ -93,6 +93,19 @@ def test_engine_gate_refuses(over, match):
         require_supported_engine(_config(**over))
 
 
+def test_async_scheduling_only_where_allowed():
+    on = _config(scheduler_config=SimpleNamespace(async_scheduling=True))
+    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING=1"):
+        require_supported_engine(on)
+    require_supported_engine(on, async_allowed=True)
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).async_scheduling is False
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "1"}).async_scheduling
+    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING is on in calibration mode"):
+        BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1", "LORAZOR_ASYNC_SCHEDULING": "on"})
+    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING='yes'"):
+        BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "yes"})
+
+
 def test_engine_gate_lists_every_fix_at_once():
     with pytest.raises(BridgeError) as err:
         require_supported_engine(_config(cache_config=SimpleNamespace(enable_prefix_caching=True),

@@ -434,15 +434,15 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU, :func:`interleaved_kv_cache_bytes`)
     the KV cache has that size and the engine asks only a tenth of the GPU free at start-up
     (``kv_cache_memory_bytes``, docs/vllm_integration.md §13). ``async_scheduling`` turns vLLM's async
-    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode but steptrim and
-    both, whose release the plugin refuses to run with it (``serve_bridge/vllm/settings.py``)."""
+    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode; steptrim and
+    both then serve their profiled bundle with ``LORAZOR_ASYNC_SCHEDULING`` (:func:`mode_env`)."""
     if compiled and full_graphs:
         raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
     if not compiled:
         compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, async_scheduling=async_scheduling and mode not in STEPTRIM_MODES,
+                enable_prefix_caching=False, async_scheduling=async_scheduling,
                 dtype="bfloat16", compilation_config=compilation)
     if kv_cache_bytes:
         opts |= {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": int(kv_cache_bytes)}
@@ -470,10 +470,11 @@ def interleaved_kv_cache_bytes(cfg: dict[str, Any], block: int = 16, margin: flo
 
 
 def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
-             slots: bool = True) -> dict[str, str]:
+             slots: bool = True, async_scheduling: bool = False) -> dict[str, str]:
     """The subprocess environment of a mode: ``environ`` without any ``LORAZOR_*`` variable, plus
     ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both; without
-    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras)."""
+    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras); with
+    ``async_scheduling``, ``LORAZOR_ASYNC_SCHEDULING=1`` there (the bench's bundles are profiled)."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     if mode in GRIDTRIM_MODES:
         env["LORAZOR_GRIDTRIM"] = "1"
@@ -482,6 +483,8 @@ def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[st
                 "LORAZOR_LOG_INTERVAL_S": "0"}
         if not slots:
             env["LORAZOR_SLOTS"] = "0"
+        if async_scheduling:
+            env["LORAZOR_ASYNC_SCHEDULING"] = "1"
     return env
 
 
@@ -577,11 +580,10 @@ class SlotStats:
 
 
 def expected_scheduler(slot_release: bool, async_scheduling: bool) -> str:
-    """The engine core's scheduler class for a run: LoRazor's with slot hand-back, else vLLM's
-    (``AsyncScheduler`` with async scheduling, ``config/scheduler.py:231-239``)."""
-    if slot_release:
-        return "ReleaseScheduler"
-    return "AsyncScheduler" if async_scheduling else "Scheduler"
+    """The engine core's scheduler class for a run: LoRazor's with slot hand-back, else vLLM's;
+    their async variants with async scheduling (``config/scheduler.py:231-239``)."""
+    name = "AsyncScheduler" if async_scheduling else "Scheduler"
+    return "Release" + name if slot_release else name
 
 
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
@@ -1023,8 +1025,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
                                    "specialize_active_lora": "per mode",
-                                   "async_scheduling": "on but for steptrim and both" if args.async_scheduling
-                                   else False}),
+                                   "async_scheduling": args.async_scheduling}),
         f"host: one adapter {adapter_bytes(cfg, args.rank) / 2**20:.1f} MiB; a LoRA engine keeps up to "
         f"{needed / 2**30:.1f} GiB of adapters in host memory (loaded and a pinned slot image each)"
         + (f", {available / 2**30:.0f} GiB available at the start" if available else ""),
@@ -1067,7 +1068,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     def env_of(mode: str, n: int) -> dict[str, str]:
         return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
                         {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
-                        slots=not args.no_slot_release)
+                        slots=not args.no_slot_release, async_scheduling=args.async_scheduling)
 
     def record(n: int, mode: str, pass_: int, label: str, stem: Path, error: str | None, took_s: float) -> int:
         """Add the row of the engine whose result is ``stem``.json (or an error row); 1 on error."""
@@ -1220,8 +1221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="vLLM's async scheduling (vLLM 0.33's default) for stock, gridtrim, nolora and stockfix; "
-                         "steptrim and both keep it off, as the plugin requires: what a server gives up for release")
+                    help="vLLM's async scheduling (vLLM 0.33's default) for every mode; steptrim and both serve their "
+                         "profiled bundle with LORAZOR_ASYNC_SCHEDULING=1")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,

@@ -142,8 +142,7 @@ def test_server_command(mode):
         assert ("--specialize-active-lora" in f) == specialize and ("--no-specialize-active-lora" in f) != specialize
     assert ("--worker-extension-cls" in f) == (mode in ("steptrim", "both"))
     on = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, async_scheduling=True))
-    assert ("--async-scheduling" in on) == (mode not in bench.STEPTRIM_MODES)
-    assert ("--no-async-scheduling" in on) == (mode in bench.STEPTRIM_MODES)
+    assert "--async-scheduling" in on and "--no-async-scheduling" not in on
 
 
 @pytest.mark.parametrize("mode", goodput.MODES)
@@ -161,6 +160,9 @@ def test_server_environment(mode):
     assert lorazor == want  # stock and nolora: no LORAZOR_* variable; slot hand-back on (no LORAZOR_SLOTS)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1"
+    on = goodput.server_env(mode, environ, Path("/w/bundle"), ADAPTERS, async_scheduling=True)
+    assert {k: v for k, v in on.items() if k.startswith("LORAZOR_")} == want | (
+        {"LORAZOR_ASYNC_SCHEDULING": "1"} if mode in ("steptrim", "both") else {})
 
 
 def test_client_environment():

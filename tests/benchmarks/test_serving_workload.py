@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -126,16 +127,20 @@ def test_engine_options_follow_the_device_readme():
     assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
 
 
-def test_async_scheduling_is_for_the_modes_without_release():
-    on = {mode: bench.engine_options(128, mode=mode, async_scheduling=True)["async_scheduling"] for mode in bench.MODES}
-    assert on == {mode: mode not in bench.STEPTRIM_MODES for mode in bench.MODES}
+def test_async_scheduling_is_for_every_mode_and_release_modes_accept_it():
+    assert all(bench.engine_options(128, mode=mode, async_scheduling=True)["async_scheduling"] for mode in bench.MODES)
     assert not any(bench.engine_options(128, mode=mode)["async_scheduling"] for mode in bench.MODES)
+    for mode in bench.MODES:
+        env = bench.mode_env(mode, {"LORAZOR_ASYNC_SCHEDULING": "1"}, Path("/b"), {}, async_scheduling=True)
+        assert (env.get("LORAZOR_ASYNC_SCHEDULING") == "1") == (mode in bench.STEPTRIM_MODES)
+        assert "LORAZOR_ASYNC_SCHEDULING" not in bench.mode_env(mode, {"LORAZOR_ASYNC_SCHEDULING": "1"}, Path("/b"), {})
     row = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
            "counters": None, "async_scheduling": True}
     assert bench.format_row(row, row) == "| 4 | uniform | stock [async scheduling] | 10.0 | 600 | — | 1.00 |"
     assert bench.mode_label(row | {"async_scheduling": False}) == "stock"
-    assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (False, True), (False, False))] == [
-        "ReleaseScheduler", "AsyncScheduler", "Scheduler"]
+    assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (True, True), (False, True),
+                                                                (False, False))] == [
+        "ReleaseScheduler", "ReleaseAsyncScheduler", "AsyncScheduler", "Scheduler"]
 
 
 def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():

@@ -27,8 +27,7 @@
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
 # once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); ASYNC=1 (offline
-# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode; steptrim and both serve their
-# profiled bundle with LORAZOR_ASYNC_SCHEDULING=1); MODES="stock nolora" runs only those
+# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail

@@ -434,8 +434,8 @@ def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES
     any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU, :func:`interleaved_kv_cache_bytes`)
     the KV cache has that size and the engine asks only a tenth of the GPU free at start-up
     (``kv_cache_memory_bytes``, docs/vllm_integration.md §13). ``async_scheduling`` turns vLLM's async
-    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode; steptrim and
-    both then serve their profiled bundle with ``LORAZOR_ASYNC_SCHEDULING`` (:func:`mode_env`)."""
+    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode (steptrim and
+    both serve profiled bundles, which the plugin accepts under async scheduling)."""
     if compiled and full_graphs:
         raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
@@ -470,11 +470,11 @@ def interleaved_kv_cache_bytes(cfg: dict[str, Any], block: int = 16, margin: flo
 
 
 def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
-             slots: bool = True, async_scheduling: bool = False) -> dict[str, str]:
+             slots: bool = True) -> dict[str, str]:
     """The subprocess environment of a mode: ``environ`` without any ``LORAZOR_*`` variable, plus
     ``LORAZOR_GRIDTRIM=1`` for gridtrim/both and the bundle variables for steptrim/both; without
-    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras); with
-    ``async_scheduling``, ``LORAZOR_ASYNC_SCHEDULING=1`` there (the bench's bundles are profiled)."""
+    ``slots``, ``LORAZOR_SLOTS=0`` there (released requests keep counting against max_loras). The
+    plugin's default accepts async scheduling for the bench's profiled bundles."""
     env = {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")}
     if mode in GRIDTRIM_MODES:
         env["LORAZOR_GRIDTRIM"] = "1"
@@ -483,8 +483,6 @@ def mode_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[st
                 "LORAZOR_LOG_INTERVAL_S": "0"}
         if not slots:
             env["LORAZOR_SLOTS"] = "0"
-        if async_scheduling:
-            env["LORAZOR_ASYNC_SCHEDULING"] = "1"
     return env
 
 
@@ -1068,7 +1066,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     def env_of(mode: str, n: int) -> dict[str, str]:
         return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
                         {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
-                        slots=not args.no_slot_release, async_scheduling=args.async_scheduling)
+                        slots=not args.no_slot_release)
 
     def record(n: int, mode: str, pass_: int, label: str, stem: Path, error: str | None, took_s: float) -> int:
         """Add the row of the engine whose result is ``stem``.json (or an error row); 1 on error."""
@@ -1221,8 +1219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="vLLM's async scheduling (vLLM 0.33's default) for every mode; steptrim and both serve their "
-                         "profiled bundle with LORAZOR_ASYNC_SCHEDULING=1")
+                    help="vLLM's async scheduling (vLLM 0.33's default) for every mode")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,

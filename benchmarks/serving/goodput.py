@@ -267,12 +267,11 @@ def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_lo
     return cmd
 
 
-def server_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path],
-               async_scheduling: bool = False) -> dict[str, str]:
-    """The mode's environment (:func:`bench.mode_env`, with ``async_scheduling``) with vLLM's dev
-    routes on (``POST /collective_rpc``), the engine core in its own process, unbuffered output
-    (the log is read for the plugin's start-up lines) and no hub lookups."""
-    return bench.mode_env(mode, environ, bundle, adapters, async_scheduling=async_scheduling) | OFFLINE | {
+def server_env(mode: str, environ: dict[str, str], bundle: Path, adapters: dict[str, Path]) -> dict[str, str]:
+    """The mode's environment (:func:`bench.mode_env`) with vLLM's dev routes on (``POST
+    /collective_rpc``), the engine core in its own process, unbuffered output (the log is read
+    for the plugin's start-up lines) and no hub lookups."""
+    return bench.mode_env(mode, environ, bundle, adapters) | OFFLINE | {
         "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -546,7 +545,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
                              args.async_scheduling)
     if "--async-scheduling" in command:
         entry["facts"].append("async scheduling (vLLM 0.33's default)")
-    server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters, args.async_scheduling), log)
+    server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters), log)
     try:
         ready_s = wait_ready(m.base_url, server, log, min(args.ready_timeout_s, deadline - time.monotonic()), m.adapters)
         entry["facts"].append(f"server ready after {ready_s:.0f} s")
@@ -687,8 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
     ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="servers schedule asynchronously (vLLM 0.33's default); steptrim and both serve their "
-                         "profiled bundle with LORAZOR_ASYNC_SCHEDULING=1")
+                    help="every server schedules asynchronously (vLLM 0.33's default)")
     ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
                     help="requests of bench.py's workload the bundle's k are profiled on")
     ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")

@@ -19,16 +19,16 @@ def require_profiled_only(bundle: Bundle) -> None:
     ends (docs/vllm_integration.md §9)."""
     learned = sorted(name for name, policy in bundle.policies.items() if isinstance(policy, LearnedPolicy))
     if learned:
-        raise BridgeError(f"LoRazor with async scheduling ({ASYNC_ENV} is on) serves profiled policies only, but "
-                          f"the bundle has learned ones ({', '.join(learned)}): disable async scheduling "
-                          f"(--no-async-scheduling) or unset {ASYNC_ENV}.")
+        raise BridgeError(f"LoRazor serves profiled policies only under async scheduling ({ASYNC_ENV} is on, its "
+                          f"default), but the bundle has learned ones ({', '.join(learned)}): disable async scheduling "
+                          f"(async_scheduling=False / --no-async-scheduling).")
 
 
 def start_runtime(vllm_config: Any, device: Any, async_capable: bool = False) -> ReleaseRuntime:
     """The runtime of this worker: the bundle's (serving), or an empty calibration runtime whose
     policies come over ``collective_rpc``, told whether the engine caches prefixes (it then
     refuses release policies). ``async_capable``: the runner can serve profiled bundles under
-    async scheduling (vLLM 0.33's V2 runner), accepted with ``LORAZOR_ASYNC_SCHEDULING``.
+    async scheduling (vLLM 0.33's V2 runner), accepted unless ``LORAZOR_ASYNC_SCHEDULING=0``.
     Raises BridgeError, naming every fix, for unsupported settings."""
     settings = BridgeSettings.from_env()
     if settings is None:

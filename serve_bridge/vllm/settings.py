@@ -7,8 +7,9 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 ``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
 ``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
 ``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_ASYNC_SCHEDULING``
-(off by default; experimental, not yet run on a GPU) accepts vLLM's async scheduling for a bundle
-whose policies are all profiled, on vLLM 0.33's V2 runner (docs/vllm_integration.md §9).
+accepts vLLM's async scheduling on vLLM 0.33's V2 runner for a bundle whose policies are all
+profiled (on by default with a bundle, refused in calibration mode; 0 requires async scheduling off;
+docs/vllm_integration.md §9).
 ``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
 agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
 so this is tested on CPU without vLLM.
@@ -50,7 +51,7 @@ class BridgeSettings:
         policies, scorer and capture set are set over ``collective_rpc``.
     slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
     async_scheduling: vLLM's async scheduling accepted for profiled bundles
-        (``LORAZOR_ASYNC_SCHEDULING``; serving only).
+        (``LORAZOR_ASYNC_SCHEDULING``; on by default when serving, off in calibration).
     """
 
     bundle: Path | None
@@ -72,12 +73,12 @@ class BridgeSettings:
                               f"(its policies come over collective_rpc); unset one of them.")
         if not (bundle or calibration):
             return None
-        given = bool(env.get(SLOTS_ENV, "").strip())
-        slots = _switch(SLOTS_ENV, "for slot hand-back", env) if given else not calibration
+        slots = _switch(SLOTS_ENV, "for slot hand-back", env, default=not calibration)
         if calibration and slots:
             raise BridgeError(f"{SLOTS_ENV} is on in calibration mode ({CALIBRATION_ENV}): slot hand-back "
                               f"serves a bundle's releases; unset {SLOTS_ENV}.")
-        async_scheduling = _switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling", env)
+        async_scheduling = _switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling", env,
+                                   default=not calibration)
         if calibration and async_scheduling:
             raise BridgeError(f"{ASYNC_ENV} is on in calibration mode ({CALIBRATION_ENV}): calibration captures "
                               f"every step's hidden states before the next; unset {ASYNC_ENV}.")
@@ -87,13 +88,15 @@ class BridgeSettings:
                               calibration=calibration, slots=slots, async_scheduling=async_scheduling)
 
 
-def _switch(name: str, purpose: str, environ: Mapping[str, str] | None) -> bool:
-    """An on/off variable: unset, "", "0" or "off" → False, "1" or "on" → True (case and
-    surrounding whitespace ignored); anything else is refused, naming ``purpose``."""
+def _switch(name: str, purpose: str, environ: Mapping[str, str] | None, default: bool = False) -> bool:
+    """An on/off variable: unset or "" → ``default``, "0" or "off" → False, "1" or "on" → True
+    (case and surrounding whitespace ignored); anything else is refused, naming ``purpose``."""
     env = os.environ if environ is None else environ
     raw = env.get(name, "")
     value = raw.strip().lower()
-    if value in ("", "0", "off"):
+    if not value:
+        return default
+    if value in ("0", "off"):
         return False
     if value in ("1", "on"):
         return True
@@ -151,8 +154,9 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
       installed, whose passes with a release policy
       :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
     - Async scheduling off: a decision must reach the next step's LoRA mapping. It may be on when
-      ``async_allowed`` (``LORAZOR_ASYNC_SCHEDULING`` on the V2 runner; the runner then refuses a
-      bundle with learned policies, ``serve_bridge.vllm.runner_setup.require_profiled_only``).
+      ``async_allowed`` (serving on vLLM 0.33's V2 runner with ``LORAZOR_ASYNC_SCHEDULING`` on, its
+      default; the runner then refuses a bundle with learned policies,
+      ``serve_bridge.vllm.runner_setup.require_profiled_only``).
     - No speculative decoding and no pipeline parallelism: one sampled position per
       request per step, and final hidden states on this rank.
     """
@@ -167,8 +171,8 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
                      "blocks decoded after release would be cached under the adapter's name")
     if vllm_config.scheduler_config.async_scheduling and not async_allowed:
         fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): a release "
-                     f"decision must reach the next step's LoRA mapping (experimental, vLLM 0.33 with a bundle of "
-                     f"profiled policies only: {ASYNC_ENV}=1)")
+                     "decision must reach the next step's LoRA mapping (only vLLM 0.33's V2 runner serves a bundle "
+                     f"of profiled policies with it, unless {ASYNC_ENV}=0)")
     if vllm_config.speculative_config is not None:
         fixes.append("disable speculative decoding (StepTrim decides once per generated token)")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:

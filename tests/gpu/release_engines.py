@@ -11,7 +11,7 @@ Each engine runs in its own process (``python -m tests.gpu.release_engines --pha
 - ``badbundle``: start-up with a bundle of another hidden size must fail with one clear error.
 - ``stock-async`` and ``plugin-async``: the same with vLLM's async scheduling; the plugin serves
   ``bundle_profiled`` (the ``-off`` and ``-prof`` names: learned policies are refused under async
-  scheduling) with ``LORAZOR_ASYNC_SCHEDULING=1`` (``test_release_async.py``).
+  scheduling), the plugin's default (``LORAZOR_ASYNC_SCHEDULING`` unset; ``test_release_async.py``).
 
 :func:`compare` turns their outputs into check rows (name, passed, detail), the async pair's
 against each other: (a) policy off ≡ stock token for token; (b) profiled k: release points, tokens up to the release step equal full
@@ -310,7 +310,7 @@ def compare(work: Path, out: Path, suffix: str = "") -> list[tuple[str, bool, st
 def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str]:
     """The environment of one engine process: ``base_env`` (no ``LORAZOR_*``) with the pinned shrink
     config, plus, for ``plugin``, the bundle and its served adapters, for ``plugin-async`` the profiled
-    bundle, its served adapters and ``LORAZOR_ASYNC_SCHEDULING``, for ``badbundle`` the bad bundle."""
+    bundle and its served adapters, for ``badbundle`` the bad bundle."""
     env = {**base_env, "VLLM_TUNED_CONFIG_FOLDER": str(work / "lora_configs")}
     if phase in ("plugin", "plugin-async"):
         families = FAMILIES if phase == "plugin" else ("off", "prof")
@@ -318,8 +318,6 @@ def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str
                           for a in range(N_ADAPTERS) for f in families)
         env |= {"LORAZOR_BUNDLE": str(work / ("bundle" if phase == "plugin" else "bundle_profiled")),
                 "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
-        if phase == "plugin-async":
-            env["LORAZOR_ASYNC_SCHEDULING"] = "1"
     elif phase == "badbundle":
         env["LORAZOR_BUNDLE"] = str(work / "bundle_bad")
     return env

@@ -1,5 +1,5 @@
-"""Profiled release under vLLM's async scheduling (``LORAZOR_ASYNC_SCHEDULING=1``, vLLM 0.33.0's V2
-runner): stock vLLM and the plugin, both scheduling asynchronously, on the token-exactness test's
+"""Profiled release under vLLM's async scheduling (vLLM 0.33.0's V2 runner, the plugin's default:
+``LORAZOR_ASYNC_SCHEDULING`` unset): stock vLLM and the plugin, both scheduling asynchronously, on the token-exactness test's
 requests (engines and checks: ``tests/gpu/release_engines.py``). About 2 minutes on one H200."""
 from __future__ import annotations
 

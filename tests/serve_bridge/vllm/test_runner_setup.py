@@ -1,5 +1,5 @@
 """What LoRazor's runners check before vLLM's runner is built (serve_bridge/vllm/runner_setup.py):
-async scheduling only with the switch, on a runner that can serve it, for profiled bundles."""
+async scheduling unless switched off, on a runner that can serve it, for profiled bundles."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -28,21 +28,22 @@ def _profiled_bundle(tmp_path, served):  # noqa: F811
                         adapters=entries)
 
 
-def test_async_scheduling_serves_profiled_bundles_with_the_switch_on_v2(tmp_path, served, monkeypatch):  # noqa: F811
+def test_async_scheduling_serves_profiled_bundles_on_v2_unless_switched_off(tmp_path, served, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LORAZOR_BUNDLE", str(_profiled_bundle(tmp_path, served)))
-    with pytest.raises(BridgeError, match="disable async scheduling"):  # without the switch
-        start_runtime(_config(True), "cpu", async_capable=True)
-    monkeypatch.setenv("LORAZOR_ASYNC_SCHEDULING", "1")
+    monkeypatch.delenv("LORAZOR_ASYNC_SCHEDULING", raising=False)
+    runtime = start_runtime(_config(True), "cpu", async_capable=True)  # on by default
+    assert sorted(runtime.slot_of) == ["off", "prof2"]
     with pytest.raises(BridgeError, match="disable async scheduling"):  # vLLM 0.26's V1 runner
         start_runtime(_config(True), "cpu")
-    runtime = start_runtime(_config(True), "cpu", async_capable=True)
-    assert sorted(runtime.slot_of) == ["off", "prof2"]
+    monkeypatch.setenv("LORAZOR_ASYNC_SCHEDULING", "0")
+    with pytest.raises(BridgeError, match="disable async scheduling"):  # switched off
+        start_runtime(_config(True), "cpu", async_capable=True)
     start_runtime(_config(False), "cpu")  # the switch changes nothing without async scheduling
 
 
 def test_async_scheduling_refuses_learned_policies(tmp_path, served, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LORAZOR_BUNDLE", str(_bundle(tmp_path, served)))
-    monkeypatch.setenv("LORAZOR_ASYNC_SCHEDULING", "1")
-    with pytest.raises(BridgeError, match=r"profiled policies only, but the bundle has learned ones \(learn\)"):
+    monkeypatch.delenv("LORAZOR_ASYNC_SCHEDULING", raising=False)
+    with pytest.raises(BridgeError, match=r"but the bundle has learned ones \(learn\): disable async scheduling"):
         start_runtime(_config(True), "cpu", async_capable=True)
     start_runtime(_config(False), "cpu", async_capable=True)  # synchronous: learned policies are served

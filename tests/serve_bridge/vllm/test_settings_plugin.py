@@ -95,11 +95,13 @@ def test_engine_gate_refuses(over, match):
 
 def test_async_scheduling_only_where_allowed():
     on = _config(scheduler_config=SimpleNamespace(async_scheduling=True))
-    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING=1"):
+    with pytest.raises(BridgeError, match="profiled policies with it, unless LORAZOR_ASYNC_SCHEDULING=0"):
         require_supported_engine(on)
     require_supported_engine(on, async_allowed=True)
-    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).async_scheduling is False
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).async_scheduling is True  # serving: on by default
     assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "1"}).async_scheduling
+    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "off"}).async_scheduling is False
+    assert BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1"}).async_scheduling is False
     with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING is on in calibration mode"):
         BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1", "LORAZOR_ASYNC_SCHEDULING": "on"})
     with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING='yes'"):

@@ -47,9 +47,10 @@ def start_runtime(vllm_config: Any, device: Any, async_capable: bool = False) ->
                     hidden_size)
     else:
         runtime = build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s)
-        if vllm_config.scheduler_config.async_scheduling:
+        scheduling = "async" if vllm_config.scheduler_config.async_scheduling else "synchronous"
+        if scheduling == "async":
             require_profiled_only(runtime.bundle)
-        logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d).",
-                    settings.bundle, len(runtime.slot_of), hidden_size)
+        logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d, %s scheduling).",
+                    settings.bundle, len(runtime.slot_of), hidden_size, scheduling)
     runtime.report_releases = settings.slots
     return runtime

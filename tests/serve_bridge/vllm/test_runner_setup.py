@@ -2,6 +2,7 @@
 async scheduling unless switched off, on a runner that can serve it, for profiled bundles."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -28,11 +29,14 @@ def _profiled_bundle(tmp_path, served):  # noqa: F811
                         adapters=entries)
 
 
-def test_async_scheduling_serves_profiled_bundles_on_v2_unless_switched_off(tmp_path, served, monkeypatch):  # noqa: F811
+def test_async_scheduling_serves_profiled_bundles_on_v2_unless_switched_off(tmp_path, served, monkeypatch,  # noqa: F811
+                                                                            caplog):
     monkeypatch.setenv("LORAZOR_BUNDLE", str(_profiled_bundle(tmp_path, served)))
     monkeypatch.delenv("LORAZOR_ASYNC_SCHEDULING", raising=False)
-    runtime = start_runtime(_config(True), "cpu", async_capable=True)  # on by default
+    with caplog.at_level(logging.INFO, logger="vllm.lorazor"):
+        runtime = start_runtime(_config(True), "cpu", async_capable=True)  # on by default
     assert sorted(runtime.slot_of) == ["off", "prof2"]
+    assert f"hidden size {H}, async scheduling)" in caplog.text  # the start-up line says so
     with pytest.raises(BridgeError, match="disable async scheduling"):  # vLLM 0.26's V1 runner
         start_runtime(_config(True), "cpu")
     monkeypatch.setenv("LORAZOR_ASYNC_SCHEDULING", "0")

@@ -56,7 +56,7 @@ bench() {  # table, then bench arguments
         --full-graphs --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 \
         --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} \
         ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${ASYNC:+--async-scheduling} || rc=1
-    python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
+    python3 - "$table${ASYNC:+ [async scheduling]}" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
 table, path = sys.argv[1], sys.argv[2]
 rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}

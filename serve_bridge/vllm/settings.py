@@ -73,15 +73,11 @@ class BridgeSettings:
                               f"(its policies come over collective_rpc); unset one of them.")
         if not (bundle or calibration):
             return None
-        slots = _switch(SLOTS_ENV, "for slot hand-back", env, default=not calibration)
-        if calibration and slots:
-            raise BridgeError(f"{SLOTS_ENV} is on in calibration mode ({CALIBRATION_ENV}): slot hand-back "
-                              f"serves a bundle's releases; unset {SLOTS_ENV}.")
-        async_scheduling = _switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling", env,
-                                   default=not calibration)
-        if calibration and async_scheduling:
-            raise BridgeError(f"{ASYNC_ENV} is on in calibration mode ({CALIBRATION_ENV}): calibration captures "
-                              f"every step's hidden states before the next; unset {ASYNC_ENV}.")
+        slots = _serving_switch(SLOTS_ENV, "for slot hand-back", "slot hand-back serves a bundle's releases",
+                                env, calibration)
+        async_scheduling = _serving_switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling",
+                                           "calibration captures every step's hidden states before the next",
+                                           env, calibration)
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
@@ -101,6 +97,17 @@ def _switch(name: str, purpose: str, environ: Mapping[str, str] | None, default:
     if value in ("1", "on"):
         return True
     raise BridgeError(f"{name}={raw!r}: use 1 or on {purpose}, or 0, off or unset.")
+
+
+def _serving_switch(name: str, purpose: str, why_not_calibrating: str, environ: Mapping[str, str],
+                    calibration: bool) -> bool:
+    """A switch of serving (:func:`_switch`): on by default with a bundle, off in calibration mode,
+    where turning it on is refused, saying ``why_not_calibrating``."""
+    on = _switch(name, purpose, environ, default=not calibration)
+    if calibration and on:
+        raise BridgeError(f"{name} is on in calibration mode ({CALIBRATION_ENV}): {why_not_calibrating}; "
+                          f"unset {name}.")
+    return on
 
 
 def calibration_from_env(environ: Mapping[str, str] | None = None) -> bool:

@@ -543,7 +543,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     log = directory / "server.log"
     command = server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes,
                              args.async_scheduling)
-    if "--async-scheduling" in command:
+    if args.async_scheduling:
         entry["facts"].append("async scheduling (vLLM 0.33's default)")
     server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters), log)
     try:

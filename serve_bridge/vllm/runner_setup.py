@@ -47,10 +47,10 @@ def start_runtime(vllm_config: Any, device: Any, async_capable: bool = False) ->
                     hidden_size)
     else:
         runtime = build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s)
-        scheduling = "async" if vllm_config.scheduler_config.async_scheduling else "synchronous"
-        if scheduling == "async":
+        async_scheduling = vllm_config.scheduler_config.async_scheduling
+        if async_scheduling:
             require_profiled_only(runtime.bundle)
         logger.info("LoRazor StepTrim active: bundle %s (%d adapters with policies, hidden size %d, %s scheduling).",
-                    settings.bundle, len(runtime.slot_of), hidden_size, scheduling)
+                    settings.bundle, len(runtime.slot_of), hidden_size, "async" if async_scheduling else "synchronous")
     runtime.report_releases = settings.slots
     return runtime

@@ -584,7 +584,7 @@ def identity() -> str:
 def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int], planned: float) -> list[str]:
     """The report's opening lines; the first three identify a table that ``--append`` may extend."""
     server = bench.engine_options(args.adapters, args.capture_sizes, "stock", full_graphs=True,
-                                  max_loras=args.max_loras)
+                                  max_loras=args.max_loras, async_scheduling=args.async_scheduling)
     first = (f"from {args.start_rate:g} req/s" if args.start_rate is not None else
              f"a probe of {args.probe_prompts} requests at once, then from {args.start_fraction:g} x its req/s")
     return [
@@ -649,7 +649,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     bundle, ks, planned = prepare_files(args.work, args.adapters, args.requests, args.seed)
     doc = load_table(args.out / "goodput.json", preamble(args, version, slo, ks, planned), args.append)
     if doc is None:
-        print(f"{args.out}/goodput.json holds another vLLM, model, workload or SLO: give another --out", file=sys.stderr)
+        print(f"{args.out}/goodput.json holds another vLLM, model, server configuration (e.g. "
+              "async scheduling), workload or SLO: give another --out", file=sys.stderr)
         return 2
     doc["notes"].append(f"{identity()}: modes {' '.join(args.modes)}")
 

@@ -478,8 +478,13 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     common = ["--out", str(out), "--work", str(work), "--adapters", "5", "--max-loras", "2"]
     assert goodput.main(common + ["--modes", "both", "gridtrim"]) == 0
     assert goodput.main(common + ["--modes", "stock", "--append"]) == 0
+    table = (out / "goodput.json").read_text()
+    # a table of synchronous servers is not extended by an asynchronous one: one line, exit 2, table unchanged
+    assert goodput.main(common + ["--modes", "nolora", "--append", "--async-scheduling"]) == 2
+    assert (out / "goodput.json").read_text() == table
 
-    doc = json.loads((out / "goodput.json").read_text())
+    doc = json.loads(table)
+    assert '"async_scheduling": false' in doc["preamble"][1]
     assert list(doc["modes"]) == ["both", "gridtrim", "stock"] and len(doc["notes"]) == 2
     for mode, limit in (("both", 30.0), ("gridtrim", 20.0), ("stock", 10.0)):
         entry = doc["modes"][mode]

@@ -9,9 +9,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The mode is fixed when triton.language is
+# first imported, and a test module of any package may import it first (the benchmarks' tests import the
+# kernels too), so it is chosen here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_ADAPTER = ROOT / "labeling" / "data" / "adapters" / "arith-a"

@@ -1,17 +1,11 @@
 """Shared helpers for the kernels tests: random batches and vLLM-style compacted metadata."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from lora_kernels.metadata import LoRABatchMeta
-
-# Without a GPU the Triton kernels run in Triton's interpreter. The mode is fixed when
-# triton.language is first imported, so it is chosen here, before any test module imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def mapping_from_groups(groups: dict[int, int], generator: torch.Generator) -> torch.Tensor:

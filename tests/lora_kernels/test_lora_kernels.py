@@ -4,7 +4,7 @@ The designs: GridTrim and the work list (shrink → partials → expand, two lau
 fused work-list launch (shrink in registers, then expand, one launch; no partials).
 
 Runs on the GPU when there is one, else in Triton's interpreter (TRITON_INTERPRET=1, set by
-conftest.py before Triton is imported). The interpreter multiplies bf16 tiles as raw uint16 bits
+tests/conftest.py before Triton is imported). The interpreter multiplies bf16 tiles as raw uint16 bits
 (triton/runtime/interpreter.py, `create_dot`), so on CPU only fp16 is checked; bf16 is covered
 by tests/gpu/test_lora_ops.py on the GPU.
 

@@ -25,11 +25,6 @@ from serve_bridge.bundle import HEADS_FILE, MANIFEST, AdapterEntry, BundleError,
 from serve_bridge.steptrim import K_LIMIT, StepTrim
 from tests.robustness.helpers import make_database
 
-# As tests/lora_kernels/conftest.py: without a GPU, Triton (imported by the launch checks below, which
-# raise before any launch) runs in its interpreter; the mode is fixed at its first import.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under ``root`` (links not followed): a file's sha256, a link's target, else its kind."""

@@ -11,20 +11,15 @@ import bisect
 import importlib
 import importlib.util
 import logging
-import os
 import sys
 from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-# Fixed when triton.language is first imported: choose the interpreter before anything imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from lora_kernels.reference import expand_reference, shrink_reference  # noqa: E402
-from lora_kernels.worklist import RowTileWorklist  # noqa: E402
-from serve_bridge import gridtrim  # noqa: E402
+from lora_kernels.reference import expand_reference, shrink_reference
+from lora_kernels.worklist import RowTileWorklist
+from serve_bridge import gridtrim
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16

@@ -15,19 +15,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 
 import pytest
 import torch
 
-# Fixed when triton.language is first imported: choose the interpreter before anything imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from lora_kernels.reference import expand_reference, shrink_reference  # noqa: E402
-from lora_kernels.worklist import RowTileWorklist  # noqa: E402
-from serve_bridge import gridtrim  # noqa: E402
-from tests.serve_bridge.test_gridtrim import (MAX_LORAS, MAX_TOKENS, PROGRAMS, VllmKernelMeta,  # noqa: E402
+from lora_kernels.reference import expand_reference, shrink_reference
+from lora_kernels.worklist import RowTileWorklist
+from serve_bridge import gridtrim
+from tests.serve_bridge.test_gridtrim import (MAX_LORAS, MAX_TOKENS, PROGRAMS, VllmKernelMeta,
                                               _stub_vllm, _wrapper, vllm_mapping)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

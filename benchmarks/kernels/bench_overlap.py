@@ -26,8 +26,7 @@ from collections.abc import Callable
 
 import torch
 import triton
-from benchmarks.kernels.bench_lora_ops import (DEVICE, DTYPE, MAX_TOKENS, OPS, Layer, StaticMeta, capture,
-                                               replay_us)
+from benchmarks.kernels.bench_lora_ops import DEVICE, DTYPE, MAX_LORAS, MAX_TOKENS, OPS, Bench, capture, replay_us
 from benchmarks.kernels.lora_shapes import mapping_from_groups, update_rel_err
 
 from lora_kernels.expand import launch_expand
@@ -35,9 +34,8 @@ from lora_kernels.linear import LinearConfig, LinearKnobs, linear_config
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.shrink import launch_shrink
-from lora_kernels.worklist import RowTileWorklist, persistent_programs
+from lora_kernels.worklist import persistent_programs
 
-MAX_SLOTS = 128
 VARIANTS = ("base", "in order", "shrink beside", "shrink beside, 4/SM", "vLLM dual stream")
 
 
@@ -61,22 +59,21 @@ def batches(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 class Overlap:
-    """The layer's tensors and base weights, the static metadata and work list, and each variant's step."""
+    """The kernel benchmark's layer, metadata and work list (:class:`Bench`, without vLLM), the base
+    weights, and each variant's step."""
 
     def __init__(self, gen: torch.Generator) -> None:
-        self.layer = Layer(gen)
+        self.bench = Bench(gen, with_vllm=False)
+        self.layer, self.worklist = self.bench.layer, self.bench.worklist
         self.weights = [(torch.randn(sum(op.widths), op.hidden, device=DEVICE, generator=gen)
                          * op.hidden ** -0.5).to(DTYPE) for op in OPS]
-        self.meta_buffers = StaticMeta()
-        self.worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_SLOTS + 1, DEVICE)
         self.aux = torch.cuda.Stream()
         self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in OPS]
         self.delta = [torch.empty(MAX_TOKENS, sum(op.widths), dtype=DTYPE, device=DEVICE) for op in OPS]
 
     def load(self, mapping: torch.Tensor) -> LoRABatchMeta:
-        meta = self.meta_buffers.load(mapping)
-        self.worklist.update(meta)
-        return meta
+        """The batch's metadata in the static buffers, the work list refreshed (:meth:`Bench.load`)."""
+        return self.bench.load(mapping)[1]
 
     def step(self, variant: str, meta: LoRABatchMeta, m: int) -> Callable[[], None]:
         """One replayable layer of `variant` for the first m rows."""
@@ -149,13 +146,14 @@ def main() -> None:
     with torch.inference_mode():
         bench = Overlap(torch.Generator(device=DEVICE).manual_seed(0))
         emit(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-             f"{datetime.date.today().isoformat()} | Llama-3.2-3B layer, rank 8, {MAX_SLOTS} slots, bf16")
+             f"{datetime.date.today().isoformat()} | Llama-3.2-3B layer, rank 8, {MAX_LORAS} slots, bf16")
         emit()
         emit("µs per layer (graph replay, mean of 100); LoRA = variant − base; saved = 1 − LoRA / in-order LoRA.")
         emit()
-        emit("| batch | " + " | ".join(f"{v} µs" for v in VARIANTS) + " | LoRA in order | "
-             + " | ".join(f"LoRA {v} (saved)" for v in VARIANTS[2:]) + " | max err vs reference | same bits as in order |")
-        emit("|---|" + "---|" * (len(VARIANTS) + 1 + len(VARIANTS) - 2 + 2))
+        columns = ["batch", *(f"{v} µs" for v in VARIANTS), "LoRA in order",
+                   *(f"LoRA {v} (saved)" for v in VARIANTS[2:]), "max err vs reference", "same bits as in order"]
+        emit("| " + " | ".join(columns) + " |")
+        emit("|" + "---|" * len(columns))
         for name, mapping in batches(torch.Generator().manual_seed(0)).items():
             m = mapping.numel()
             meta = bench.load(mapping)

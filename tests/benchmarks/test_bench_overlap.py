@@ -4,7 +4,7 @@ import re
 import torch
 
 from benchmarks.kernels import bench_overlap
-from benchmarks.kernels.bench_lora_ops import MAX_TOKENS
+from benchmarks.kernels.bench_lora_ops import MAX_LORAS, MAX_TOKENS
 
 
 def test_label_counts_groups_by_size():
@@ -20,7 +20,7 @@ def test_batches_match_their_labels():
         rows = int(re.search(r"(\d+) rows", name).group(1))
         assert mapping.numel() == rows <= MAX_TOKENS
         ids, counts = torch.unique(mapping[mapping >= 0], return_counts=True)
-        assert int(ids.max()) < bench_overlap.MAX_SLOTS
+        assert int(ids.max()) < MAX_LORAS
         want = []
         for term in name.split(", ", 1)[1].split(" + "):
             n, _, size = term.partition(" x ")

@@ -1019,11 +1019,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
         "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
                                                tensor_parallel_size=args.tensor_parallel_size,
-                                               compiled=args.compiled, full_graphs=args.full_graphs, rank=args.rank)
+                                               compiled=args.compiled, full_graphs=args.full_graphs, rank=args.rank,
+                                               async_scheduling=args.async_scheduling)
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
-                                   "specialize_active_lora": "per mode",
-                                   "async_scheduling": args.async_scheduling}),
+                                   "specialize_active_lora": "per mode"}),
         f"host: one adapter {adapter_bytes(cfg, args.rank) / 2**20:.1f} MiB; a LoRA engine keeps up to "
         f"{needed / 2**30:.1f} GiB of adapters in host memory (loaded and a pinned slot image each)"
         + (f", {available / 2**30:.0f} GiB available at the start" if available else ""),

@@ -15,8 +15,10 @@ vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the tensor-parallel p
 communicate in between (docs/vllm_integration.md §5).
 
 Under torch.compile the launches go through the custom ops ``torch.ops.lorazor.gridtrim_lora_linear``,
-``gridtrim_shrink`` and ``gridtrim_expand`` (opaque to the compiler, with fake kernels); in eager
-mode the same implementations are called directly, with each layer's launch arguments built once.
+``gridtrim_shrink`` and ``gridtrim_expand``, registered when this module is imported (never while a
+forward is traced): opaque to the compiler, each declares that it mutates ``y`` and has a fake kernel.
+In eager mode the same implementations are called directly. Either way each layer's launch
+arguments are built once.
 
 Eligibility (:func:`ineligible_reason`): x, y and every A/B in fp16 or bf16, all of one dtype;
 1–3 slices; rank ≤ 64; all A slices of one shape and strides; B slices of that rank with shared
@@ -52,6 +54,7 @@ _warned: set[tuple[str, str]] = set()
 # of its stacked-weight tuples (vLLM builds them once per layer) and the activation's dtype, widths and strides; each value
 # keeps the tuples alive, so an id is never reused while its entry exists.
 _eligibility: dict[tuple, tuple[tuple[object, ...], Any]] = {}
+_CACHE_LIMIT = 4096  # entries; a model has ~100 LoRA layers of a few layouts each, so only churn reaches it
 
 
 def _slices_reason(n: int) -> str | None:
@@ -210,6 +213,8 @@ def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], _T]) 
     full = (*map(id, weights), *key)
     hit = _eligibility.get(full)
     if hit is None or any(a is not b for a, b in zip(hit[0], weights)):
+        if len(_eligibility) >= _CACHE_LIMIT:  # weights that are new objects every call: stay bounded
+            _eligibility.clear()
         hit = (weights, compute())
         _eligibility[full] = hit
     return hit[1]
@@ -267,10 +272,10 @@ def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: R
     development CPU, for ~113 calls per eager step)."""
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
     if torch.compiler.is_compiling():
-        _op(name)(*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
-                  meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
-                  worklist.tile_tokens, worklist.num_tiles, worklist.positions,
-                  worklist.block_m, *tail)
+        _OPS[name](*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
+                   meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
+                   worklist.tile_tokens, worklist.num_tiles, worklist.positions,
+                   worklist.block_m, *tail)
     else:
         _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
 
@@ -360,11 +365,11 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
 
 # -- the custom ops -----------------------------------------------------------------------------
 
-_LIB: torch.library.Library | None = None
-_OPS: dict[str, object] = {}
 _META = ("Tensor token_lora_mapping, Tensor token_indices_sorted, Tensor num_tokens_per_slot, Tensor slot_start_loc, "
          "Tensor slot_lora_ids, Tensor tile_lora, Tensor tile_tokens, Tensor num_tiles, "
          "Tensor positions, int block_m")
+# Each op mutates y in place (``Tensor(a!)``) and returns nothing, so torch.compile functionalizes
+# the call and keeps it opaque; the fake kernel (:func:`_fake`) has nothing to allocate.
 _SCHEMAS = {
     OP_NAME: (f"{OP_NAME}(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, {_META}, float scale, "
               "int offset_start, bool add_inputs, int num_programs) -> ()"),
@@ -372,7 +377,6 @@ _SCHEMAS = {
     EXPAND_OP: (f"{EXPAND_OP}(Tensor(a!) y, Tensor x, Tensor[] lora_b, {_META}, int offset_start, bool add_inputs, "
                 "int num_programs) -> ()"),
 }
-
 
 def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
             meta: LoRABatchMeta, worklist: RowTileWorklist, scale: float, offset_start: int, add_inputs: bool,
@@ -427,37 +431,53 @@ _N_META = 9  # metadata and work-list tensors in each schema, then block_m
 
 def _op_impl(name: str) -> Callable[..., None]:
     """The registered kernel of op ``name``: rebuilds the metadata and work list from the schema's
-    flat arguments and calls the implementation."""
+    flat arguments and calls the implementation (the linear op with its layer's cached launch
+    config, as the eager path)."""
     impl, n_head = _DIRECT[name]
 
     def run(*args: object) -> None:
         tensors = args[n_head:n_head + _N_META]
         block_m = args[n_head + _N_META]
         meta, worklist = LoRABatchMeta(*tensors[:5]), RowTileWorklist(block_m, *tensors[5:])
-        impl(*args[:n_head], meta, worklist, *args[n_head + _N_META + 1:])
+        tail = args[n_head + _N_META + 1:]
+        extra = {"config": _op_linear_config(*args[:4], tail[1])} if name == OP_NAME else {}
+        impl(*args[:n_head], meta, worklist, *tail, **extra)
 
     return run
 
 
+def _op_linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
+                      lora_b: Sequence[torch.Tensor], offset_start: int) -> Any:
+    """The launch config of a compiled graph's ``gridtrim_lora_linear`` call, once per layer and
+    x/y layout: the graph passes the layer's own weight tensors, so they key it by identity."""
+    from lora_kernels.linear import linear_config
+
+    key = ("op-linear", x.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), offset_start, x.device)
+    return _cached((*lora_a, *lora_b), key, lambda: linear_config(y, x, lora_a, lora_b, offset_start=offset_start))
+
+
 def _fake(*args: object) -> None:
-    """Shape function for torch.compile: the ops only mutate ``y`` in place."""
+    """The fake (meta) kernel for torch.compile: the ops only mutate ``y`` in place."""
     return None
 
 
-def _op(name: str = OP_NAME):
-    """``torch.ops.lorazor.<name>``; the three ops are registered together, once per process."""
+def _register() -> dict[str, Any]:
+    """Define ``torch.ops.lorazor.<name>`` for the three ops (CPU and CUDA kernels, fake kernels).
+
+    Runs when this module is imported, so that nothing is registered while torch.compile traces a
+    forward (Dynamo refuses to trace ``torch.library.Library``). An op already defined in this
+    process (the module imported again under another name) is kept."""
     global _LIB
-    op = _OPS.get(name)
-    if op is None:
-        if not all(hasattr(torch.ops.lorazor, n) for n in _SCHEMAS):
-            lib = torch.library.Library("lorazor", "FRAGMENT")  # the ops live as long as this object
-            for op_name, schema in _SCHEMAS.items():
-                if hasattr(torch.ops.lorazor, op_name):
-                    continue
-                lib.define(schema)
-                for key in ("CPU", "CUDA"):
-                    lib.impl(op_name, _op_impl(op_name), key)
-                lib._register_fake(op_name, _fake)
-            _LIB = lib
-        op = _OPS[name] = getattr(torch.ops.lorazor, name)
-    return op
+    missing = [n for n in _SCHEMAS if not hasattr(torch.ops.lorazor, n)]
+    if missing:
+        _LIB = torch.library.Library("lorazor", "FRAGMENT")  # the ops live as long as this object
+        for name in missing:
+            _LIB.define(_SCHEMAS[name])
+            for key in ("CPU", "CUDA"):
+                _LIB.impl(name, _op_impl(name), key)
+            torch.library.register_fake(f"lorazor::{name}", _fake, lib=_LIB)
+    return {name: getattr(torch.ops.lorazor, name) for name in _SCHEMAS}
+
+
+_LIB: torch.library.Library | None = None
+_OPS = _register()

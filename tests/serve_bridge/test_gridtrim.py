@@ -249,8 +249,8 @@ def test_traced_path_runs_the_same_launches(monkeypatch):
     y0 = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
     buf0 = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
     used = []
-    real_op = gridtrim._op
-    monkeypatch.setattr(gridtrim, "_op", lambda name=gridtrim.OP_NAME: used.append(name) or real_op(name))
+    spies = {name: (lambda *args, name=name, op=op: used.append(name) or op(*args)) for name, op in gridtrim._OPS.items()}
+    monkeypatch.setattr(gridtrim, "_OPS", spies)
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y, buf, y_expand = y0.clone(), torch.full_like(buf0, float("nan")), y0.clone()
@@ -269,6 +269,54 @@ def test_traced_path_runs_the_same_launches(monkeypatch):
 
     assert all(torch.equal(bits(e), bits(t)) for e, t in zip(eager, traced))
     _check(eager[0], y0, x, a, b, mapping, 0.5, True)
+
+
+class _CompiledLoRALayer(torch.nn.Module):
+    """A LoRA layer as vLLM's forward reaches GridTrim: stacked weights held by the module, the
+    step's metadata and work list in static buffers outside it, add_lora_linear then the
+    fully-sharded paths' shrink and expand."""
+
+    def __init__(self, a: list[torch.Tensor], b: list[torch.Tensor], meta: VllmKernelMeta,
+                 wl: RowTileWorklist) -> None:
+        super().__init__()
+        self.a, self.b, self.meta, self.wl = tuple(a), tuple(b), meta, wl
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor,
+                y_expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        args = self.meta.meta_args(x.size(0))
+        gridtrim.add_lora_linear(y, x, self.a, self.b, 0.5, WIDTHS, args, self.wl, num_programs=PROGRAMS)
+        gridtrim.shrink(buf, x, self.a, 0.5, args, self.wl, num_programs=PROGRAMS)
+        gridtrim.expand(y_expand, buf.clone(), self.b, WIDTHS, args, self.wl, num_programs=PROGRAMS)
+        return y + 0, buf * 1, y_expand + 0  # compiled work around the opaque ops, as in a model
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_forward_matches_reference(backend):
+    """Under a real ``torch.compile(fullgraph=True)`` (vLLM compiles the forward with Inductor) the
+    ops are traced without a graph break, functionalized and run: successive steps with other
+    batch sizes and adapter mixes through the same compiled graph match the torch reference, and
+    rows without an adapter keep their bits."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(13)
+    a, b = _weights(gen)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    layer = torch.compile(_CompiledLoRALayer(a, b, meta, wl), fullgraph=True, backend=backend, dynamic=True)
+    for groups, rows in [({-1: 5, 0: 3, 2: 19, 3: 1}, 32), ({1: 2, -1: 1, 3: 4}, 8), ({-1: 6, 2: 11}, 24)]:
+        mapping = _mapping(groups, gen)
+        meta.prepare(mapping)
+        gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
+        x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
+        y0 = _poisoned_output(rows, mapping, True, gen)
+        buf = torch.full((len(WIDTHS), rows, RANK), float("nan"), device=DEVICE)
+        y, buf_out, y_expand = layer(y0.clone(), x, buf, y0.clone())
+        _check(y, y0, x, a, b, mapping, 0.5, True)
+        full = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+        full[: mapping.numel()] = mapping
+        shrunk = shrink_reference(x, a, full, 0.5)
+        torch.testing.assert_close(buf_out, shrunk, rtol=1e-3, atol=1e-4)
+        _check(y_expand, y0, x, a, b, mapping, 0.5, True)  # expand of the shrink: add_lora_linear's result
 
 
 def _stub_vllm(monkeypatch) -> type:

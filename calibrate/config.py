@@ -29,6 +29,7 @@ from labeling.options import CheckedOptions, OptionError, check_value
 from labeling.tasks import REGISTRY, SplitSizes, task_class
 from labeling.tasks.mix import MixOptions, MixTask
 from predictors.frontier import POLICIES, parse_rule, resolve_rule
+from serve_bridge.steptrim import MAX_LAG
 
 
 @dataclass
@@ -104,9 +105,13 @@ class PredictorConfig(CheckedOptions):
 @dataclass
 class SweepConfig(CheckedOptions):
     """The exact one-pass sweep (predictors/sweep.py): τ quantiles per head, τ at target training
-    skip levels, profiled ks, and the confidence of each candidate's loss upper bound."""
+    skip levels, profiled ks, the confidence of each candidate's loss upper bound, and the learned
+    policies' decision lag: a decision on forward t releases from forward t + 1 + decision_lag on
+    (1, the default, lets vLLM's default async scheduling serve the bundle without waiting for
+    decisions; 0 releases a forward earlier and makes an async server wait; docs/design.md §2)."""
 
-    rules = {"n_tau": "positive_int", "ks": "points", "confidence": "probability", "skip_levels": "fractions"}
+    rules = {"n_tau": "positive_int", "ks": "points", "confidence": "probability", "skip_levels": "fractions",
+             "decision_lag": "non_negative_int"}
 
     n_tau: int = 32
     skip_levels: list[float] = field(default_factory=lambda: [
@@ -114,6 +119,12 @@ class SweepConfig(CheckedOptions):
         0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0])
     ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64, 128])
     confidence: float = 0.95
+    decision_lag: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decision_lag > MAX_LAG:
+            raise OptionError("decision_lag", self.decision_lag, f"use 0 or 1 (at most {MAX_LAG})")
 
 
 @dataclass

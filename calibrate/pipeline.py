@@ -110,7 +110,7 @@ def stage_heads(ctx: Context) -> dict:
     save_heads(ctx.run.out("heads", "heads.safetensors"), heads)
     sw = ctx.section("sweep")
     cands = build_candidates(heads, points, feats, n_quantiles=int(sw["n_tau"]), ks=sw["ks"],
-                             skip_levels=sw["skip_levels"])
+                             skip_levels=sw["skip_levels"], lag=int(sw["decision_lag"]))
     cands.save(ctx.run.out("heads", "candidates.json"))
     for h in heads.values():
         _say(f"head {h.adapter}: {h.status}, {h.n_requests} requests, {h.n_points} points, "
@@ -125,7 +125,7 @@ def stage_sweep(ctx: Context) -> dict:
     scorer = StepTrim([heads[a].policy(0.0) if a in heads else None for a in ctx.adapter_names],
                       ctx.engine.hidden_size)
     tp = run_trees(ctx.engine, ctx.task, ctx.task.load_split("validation"), ctx.adapter_names, scorer,
-                   ForkPlanner(cands.taus, cands.ks), ctx.adapter_parts)
+                   ForkPlanner(cands.taus, cands.ks, cands.lag), ctx.adapter_parts)
     save_trees(ctx.run.out("sweep", "trees.parquet"), tp.trees)
     priced = price(tp.trees, cands, confidence=float(ctx.section("sweep")["confidence"]))
     tables = {"candidates": priced, "frontier": pareto(priced), "k_table": k_table(priced)}
@@ -153,9 +153,10 @@ def stage_export(ctx: Context) -> dict:
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
     trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
+    lag = Candidates.load(ctx.run.path("heads", "candidates.json")).lag  # the lag the sweep priced
     entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads,
                             config={s: ctx.section(s) for s in CONFIG_SECTIONS},
-                            adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
+                            adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees, lag=lag)
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, list(dict.fromkeys([*DEFAULT_RULES, rule, f"budget={ex['budget']:g}"])))
     budget = parse_rule(rule).max_loss
@@ -164,7 +165,7 @@ def stage_export(ctx: Context) -> dict:
     for a in ctx.adapter_names:
         e = next(e for e in entries if e.name == a)
         param = e.tau if e.policy == "learned" else e.k
-        releases = release_points(trees, a, e.policy, param) if e.policy != "none" else []
+        releases = release_points(trees, a, e.policy, param, lag) if e.policy != "none" else []
         why[a] = explain(priced, a, rule, ex["policy"], releases)
         plot_frontier(priced, front, sel, a, ctx.run.out("plots", f"frontier_{a}.png"), rule=rule, budget=budget,
                       note=why[a])

@@ -31,13 +31,14 @@ def release_distribution(releases: Sequence[int | None]) -> dict[str, Any]:
 
 def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier: pd.DataFrame, rule: str,
                    policy: str, adapter_weights: Mapping[str, str | Path],
-                   trees: Sequence[RequestTree] | None = None) -> list[AdapterEntry]:
+                   trees: Sequence[RequestTree] | None = None, lag: int = 0) -> list[AdapterEntry]:
     """One :class:`AdapterEntry` per adapter of ``adapter_weights`` (name → safetensors file or peft dir).
 
     selection: :func:`predictors.frontier.select` output holding ``rule``; frontier:
     :func:`predictors.frontier.pareto` output; policy: ``learned`` or ``profiled``; trees: the
     validation request trees, whose release points under the chosen candidate go into
-    ``stats['release_points']`` (:func:`release_distribution`).
+    ``stats['release_points']`` (:func:`release_distribution`); lag: the learned policies'
+    decision lag the candidates were priced with (recorded in each learned entry).
     """
     if policy not in POLICIES:
         raise ValueError(f"export policy {policy!r}: use one of {POLICIES} (conf export.policy).")
@@ -62,10 +63,10 @@ def bundle_entries(heads: Mapping[str, Head], selection: pd.DataFrame, frontier:
         else:
             if trees is not None:
                 stats["release_points"] = release_distribution(
-                    release_points(trees, adapter, policy, float(row["param"])))
+                    release_points(trees, adapter, policy, float(row["param"]), lag))
             if policy == "learned":
                 entries.append(AdapterEntry(adapter, fp, "learned", tau=float(row["param"]), weight=head.weight,
-                                            bias=head.bias, stats=stats))
+                                            bias=head.bias, lag=lag, stats=stats))
             else:
                 entries.append(AdapterEntry(adapter, fp, "profiled", k=int(row["param"]), stats=stats))
     return entries
@@ -76,18 +77,19 @@ CONFIG_SECTIONS = ("task", "backbone", "adapter", "labeling", "predictor", "swee
 
 def export_bundle(out_dir: str | Path, *, priced: pd.DataFrame, heads: Mapping[str, Head],
                   config: Mapping[str, Mapping], adapter_weights: Mapping[str, str | Path],
-                  trees: Sequence[RequestTree] | None = None) -> list:
+                  trees: Sequence[RequestTree] | None = None, lag: int = 0) -> list:
     """Select the operating point of ``config['export']`` (rule, budget, policy) from the priced
     candidates and write the bundle to ``out_dir`` (an existing bundle there is replaced).
 
     ``config`` holds the run's config sections (:data:`CONFIG_SECTIONS`); their fingerprint
-    goes into the manifest; ``trees`` adds each adapter's validation release points to its stats.
+    goes into the manifest; ``trees`` adds each adapter's validation release points to its stats;
+    ``lag``: the decision lag the candidates were priced with.
     Returns the written :class:`AdapterEntry` list.
     """
     ex = config["export"]
     rule = resolve_rule(ex["rule"], ex["budget"])
     selection = select(priced, [*DEFAULT_RULES, rule])
-    entries = bundle_entries(heads, selection, pareto(priced), rule, ex["policy"], adapter_weights, trees)
+    entries = bundle_entries(heads, selection, pareto(priced), rule, ex["policy"], adapter_weights, trees, lag)
     out = Path(out_dir)
     if (out / MANIFEST).is_file():
         shutil.rmtree(out)

@@ -73,9 +73,10 @@ class Head:
         """s = hᵀw + b for features [n, H], computed in float32 like the runtime; float32 [n]."""
         return (np.asarray(features, np.float32) @ self.weight + np.float32(self.bias)).astype(np.float32)
 
-    def policy(self, tau: float) -> LearnedPolicy | None:
-        """The StepTrim policy releasing at s_t < tau; None (never release) unless status is ok."""
-        return LearnedPolicy(torch.from_numpy(self.weight.copy()), self.bias, float(tau)) if self.ok else None
+    def policy(self, tau: float, lag: int = 0) -> LearnedPolicy | None:
+        """The StepTrim policy releasing ``lag`` forwards after the first s_t < tau; None (never
+        release) unless status is ok."""
+        return LearnedPolicy(torch.from_numpy(self.weight.copy()), self.bias, float(tau), lag) if self.ok else None
 
 
 def fit_head(adapter: str, features: np.ndarray, labels: np.ndarray, request_ids: Sequence[str],

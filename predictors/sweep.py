@@ -113,8 +113,9 @@ def load_trees(path: str | Path) -> list[RequestTree]:
             for (a, u), row in on.items()]
 
 
-def release_point(tree: RequestTree, policy: str, param: float) -> int | None:
-    """r of a candidate on a request (steptrim semantics); None = never released."""
+def release_point(tree: RequestTree, policy: str, param: float, lag: int = 0) -> int | None:
+    """r of a candidate on a request (steptrim semantics; ``lag``: the learned policies'
+    decision lag, :attr:`predictors.candidates.Candidates.lag`); None = never released."""
     if policy == "profiled":
         return release_point_profiled(int(param))
     if policy != "learned":
@@ -122,7 +123,7 @@ def release_point(tree: RequestTree, policy: str, param: float) -> int | None:
     if tree.scores.size == 0:
         raise SweepError(f"request '{tree.uid}' (adapter '{tree.adapter}') has no scores but a τ candidate "
                          f"exists: run the sweep pass with the adapter's head loaded.")
-    return release_point_learned(tree.scores, param)
+    return release_point_learned(tree.scores, param, lag)
 
 
 def outcome(tree: RequestTree, r: int | None) -> tuple[int, int, int | None]:
@@ -160,7 +161,7 @@ def price(trees: Sequence[RequestTree], candidates: Candidates, confidence: floa
     for adapter, group in _by_adapter(trees).items():
         n, full = len(group), sum(t.on_correct for t in group)
         for policy, param in candidates.for_adapter(adapter):
-            outs = [outcome(t, release_point(t, policy, param)) for t in group]
+            outs = [outcome(t, release_point(t, policy, param, candidates.lag)) for t in group]
             correct = sum(q for q, _, _ in outs)
             broken = sum(t.on_correct and not q for t, (q, _, _) in zip(group, outs))
             fixed = sum(q and not t.on_correct for t, (q, _, _) in zip(group, outs))
@@ -173,9 +174,10 @@ def price(trees: Sequence[RequestTree], candidates: Candidates, confidence: floa
     return pd.DataFrame(rows, columns=list(PRICE_COLUMNS))
 
 
-def release_points(trees: Sequence[RequestTree], adapter: str, policy: str, param: float) -> list[int | None]:
+def release_points(trees: Sequence[RequestTree], adapter: str, policy: str, param: float,
+                   lag: int = 0) -> list[int | None]:
     """Per-request release point r of one candidate on ``adapter``'s requests (None = never)."""
-    return [release_point(t, policy, param) for t in trees if t.adapter == adapter]
+    return [release_point(t, policy, param, lag) for t in trees if t.adapter == adapter]
 
 
 class SweepCost(NamedTuple):
@@ -192,31 +194,35 @@ def sweep_cost(trees: Sequence[RequestTree], candidates: Candidates) -> SweepCos
     naive = sum(t.on_length for t in trees)
     for adapter, group in _by_adapter(trees).items():
         for policy, param in candidates.for_adapter(adapter):
-            naive += sum(outcome(t, release_point(t, policy, param))[1] for t in group)
+            naive += sum(outcome(t, release_point(t, policy, param, candidates.lag))[1] for t in group)
     return SweepCost(tree_tokens, naive)
 
 
 @dataclass
 class ForkState:
-    """Per-request planner state: the minimum score over forwards seen so far, and the next t."""
+    """Per-request planner state: the minimum score over forwards seen so far, the next t, and
+    whether some τ first fired at each of the last ``lag`` forwards (oldest first)."""
 
     min_score: float = math.inf
     next_t: int = 0
+    fired: list[bool] = field(default_factory=list)
 
 
 class ForkPlanner:
     """Online fork decisions for the single full-LoRA pass.
 
     ``should_fork`` is True at forward t iff t is the release point of at least one
-    candidate: t ∈ ks, or some τ of the adapter has s_t < τ ≤ min_{t'<t} s_{t'} (the first
-    score below τ; min over no forwards = +inf). NaN scores never release (as in steptrim).
-    The engine forks only while the ON response continues past t (r ≥ L−1 is priced as ON).
+    candidate: t ∈ ks, or some τ of the adapter has s_u < τ ≤ min_{t'<u} s_{t'} at u = t − lag
+    (the first score below τ, plus the learned policies' decision lag; min over no forwards =
+    +inf). NaN scores never release (as in steptrim). The engine forks only while the ON response
+    continues past t (r ≥ L−1 is priced as ON).
     """
 
-    def __init__(self, taus: Mapping[str, np.ndarray], ks: Sequence[int]) -> None:
+    def __init__(self, taus: Mapping[str, np.ndarray], ks: Sequence[int], lag: int = 0) -> None:
         # float32 τ held in float64: exact, and comparisons with float(s_t) match steptrim's.
         self._taus = {a: np.unique(np.asarray(v, np.float32)).astype(np.float64) for a, v in taus.items()}
         self._ks = frozenset(int(k) for k in ks)
+        self._lag = int(lag)
 
     def new_state(self) -> ForkState:
         return ForkState()
@@ -230,14 +236,16 @@ class ForkPlanner:
         if t != state.next_t:
             raise ValueError(f"should_fork got t={t}, expected t={state.next_t}: call it once per forward, in order.")
         state.next_t += 1
-        fire = t in self._ks
+        learned = False
         taus = self._taus.get(adapter)
         if taus is not None and taus.size:
             if s_t is None:
                 raise ValueError(f"adapter '{adapter}' has τ candidates: pass its head score s_t at t={t}.")
             s = float(np.float32(s_t))  # the value the tree stores and the sweep prices
             i = int(np.searchsorted(taus, s, side="right"))  # first τ > s
-            fire = fire or (i < taus.size and taus[i] <= state.min_score)
+            learned = i < taus.size and taus[i] <= state.min_score
             if s < state.min_score:  # NaN never lowers the minimum
                 state.min_score = s
-        return fire
+        state.fired.append(learned)
+        fired = state.fired.pop(0) if len(state.fired) > self._lag else False  # some τ first fired at t − lag
+        return t in self._ks or fired

@@ -6,8 +6,10 @@ A bundle is a directory holding exactly:
   ``backbone`` id, ``hidden_size``, ``config_fingerprint``; ``adapters``: one object per
   adapter with ``name``, ``weights_sha256`` (sha256 of its safetensors file, see
   :func:`adapter_fingerprint`), ``policy`` (``learned`` | ``profiled`` | ``none``), ``tau``
-  (learned only), ``k`` (profiled only), ``head`` (``{"weight": name, "bias": name}`` tensor
-  names in the heads file, learned only) and ``stats`` (calibration numbers, JSON);
+  and ``lag`` (learned only: the decision lag calibration priced, see
+  :class:`serve_bridge.steptrim.LearnedPolicy`), ``k`` (profiled only), ``head``
+  (``{"weight": name, "bias": name}`` tensor names in the heads file, learned only) and
+  ``stats`` (calibration numbers, JSON);
   ``files``: ``{file name: sha256}`` for every other file of the bundle.
 - ``heads.safetensors``: ``<adapter>.weight`` [H] float32 and ``<adapter>.bias`` [] float32
   for each learned adapter.
@@ -49,10 +51,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load, save_file
 
-from serve_bridge.steptrim import K_LIMIT, LearnedPolicy, Policy, ProfiledPolicy
+from serve_bridge.steptrim import K_LIMIT, MAX_LAG, LearnedPolicy, Policy, ProfiledPolicy
 from serve_bridge.strict_json import MAX_JSON_DEPTH, StrictJSONError, loads_strict, short_repr  # noqa: F401 (MAX_JSON_DEPTH: part of this API)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: learned entries record their decision lag; a schema 1 bundle's learned policies have lag 0
+SCHEMA_VERSIONS = (1, 2)  # read
 TOOLKIT_VERSION = "0.1.0"
 MANIFEST = "manifest.json"
 HEADS_FILE = "heads.safetensors"
@@ -81,6 +84,7 @@ class AdapterEntry:
     weights_sha256: sha256 of the adapter's safetensors file (:func:`adapter_fingerprint`).
     policy: ``learned`` (head + tau), ``profiled`` (k) or ``none`` (never released).
     tau: release threshold of a learned policy (s_t < tau ⇒ release), else None.
+    lag: a learned policy's decision lag (release at the first t with s_t < tau, plus lag), else None.
     k: release point of a profiled policy, else None.
     weight, bias: the learned head, float32 [H] and a float (learned only, else None).
     stats: calibration numbers (validation skip, loss, rule, frontier summary); JSON only.
@@ -94,12 +98,13 @@ class AdapterEntry:
     weight: np.ndarray | None = None
     bias: float | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    lag: int | None = None
 
     def to_policy(self) -> Policy:
         """The StepTrim policy object (None for ``none``: never released)."""
         if self.policy == "learned":
             return LearnedPolicy(torch.from_numpy(np.asarray(self.weight, np.float32)), float(self.bias),
-                                 float(self.tau))
+                                 float(self.tau), int(self.lag or 0))
         if self.policy == "profiled":
             return ProfiledPolicy(int(self.k))
         return None
@@ -186,8 +191,11 @@ def _check_entry(e: AdapterEntry, hidden_size: int, where: str) -> None:
         if w.dtype.kind not in "fiu" or b.dtype.kind not in "fiu" or not _finite_float32(b.item()) \
                 or not (np.isfinite(w).all() and (np.abs(w) <= _FLOAT32_MAX).all()):
             raise BundleError(f"{where}: head tensors must hold finite float32 values; re-fit the head.")
-    elif e.tau is not None or e.weight is not None or e.bias is not None:
-        raise BundleError(f"{where}: 'tau' and head tensors belong to learned policies only "
+        if e.lag is not None and (not isinstance(e.lag, int) or isinstance(e.lag, bool) or not 0 <= e.lag <= MAX_LAG):
+            raise BundleError(f"{where}: 'lag' must be an integer in 0…{MAX_LAG} (the decision lag calibration "
+                              f"priced), got {short_repr(e.lag)}; re-export the bundle.")
+    elif e.tau is not None or e.weight is not None or e.bias is not None or e.lag is not None:
+        raise BundleError(f"{where}: 'tau', 'lag' and head tensors belong to learned policies only "
                           f"(policy is {e.policy!r}).")
     if e.policy == "profiled":
         if not isinstance(e.k, int) or isinstance(e.k, bool) or not 0 <= e.k < K_LIMIT:
@@ -230,7 +238,8 @@ def write_bundle(directory: str | Path, *, backbone: str, hidden_size: int, conf
             tensors[b_name] = np.array(e.bias, dtype=np.float32)
             head = {"weight": w_name, "bias": b_name}
         records.append({"name": e.name, "weights_sha256": e.weights_sha256, "policy": e.policy,
-                        "tau": None if e.tau is None else float(e.tau), "k": e.k, "head": head,
+                        "tau": None if e.tau is None else float(e.tau),
+                        "lag": int(e.lag or 0) if e.policy == "learned" else None, "k": e.k, "head": head,
                         "stats": e.stats})
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -307,8 +316,8 @@ def _read_files(root: Path, files: Mapping[str, Any]) -> dict[str, bytes]:
             raise BundleError(f"{where}: 'files' lists {short_repr(name)}; a bundle holds only plain "
                               f".safetensors file names. Re-export the bundle.")
         if name != HEADS_FILE:  # every file a bundle may hold is parsed as what it is: schema 1 has one
-            raise BundleError(f"{where}: 'files' lists {short_repr(name)}; a schema {SCHEMA_VERSION} bundle holds "
-                              f"only {HEADS_FILE} besides the manifest. Remove it and re-export the bundle.")
+            raise BundleError(f"{where}: 'files' lists {short_repr(name)}; a bundle holds only {HEADS_FILE} "
+                              f"besides the manifest. Remove it and re-export the bundle.")
         if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
             raise BundleError(f"{where}: 'files' gives {short_repr(digest)} for {name}; expected a 64-hex sha256. "
                               f"Re-export the bundle.")
@@ -351,7 +360,8 @@ def _load_heads(data: bytes, path: Path) -> dict[str, np.ndarray]:
         raise BundleError(f"{path} is not a valid safetensors file ({str(err)[:200]}); re-export.") from None
 
 
-def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, root: Path) -> AdapterEntry:
+def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, root: Path,
+           version: int) -> AdapterEntry:
     where = f"{root / MANIFEST} adapters[{i}]"
     if not isinstance(rec, dict):
         raise BundleError(f"{where}: expected an object; re-export the bundle.")
@@ -375,9 +385,16 @@ def _entry(rec: Any, i: int, heads: Mapping[str, np.ndarray], hidden_size: int, 
             if heads[n].dtype != np.float32:
                 raise BundleError(f"{root / HEADS_FILE}: tensor {n!r} is {heads[n].dtype}, expected float32.")
         weight, bias = heads[names[0]], heads[names[1]]
+    lag = rec.get("lag")
+    if version == 1 and lag is not None:
+        raise BundleError(f"{where}: 'lag' appears in a schema 1 manifest, which has none; re-export the bundle.")
+    if version > 1 and policy == "learned" and lag is None:
+        raise BundleError(f"{where}: a learned policy of a schema {version} manifest needs its 'lag'; re-export the "
+                          f"bundle.")
     entry = AdapterEntry(name=name, weights_sha256=_field(rec, "weights_sha256", str, where), policy=policy,
                          tau=rec.get("tau"), k=rec.get("k"), weight=weight, bias=bias,
-                         stats=_field(rec, "stats", dict, where))
+                         stats=_field(rec, "stats", dict, where),
+                         lag=0 if version == 1 and policy == "learned" else lag)
     _check_entry(entry, hidden_size, where)
     return entry if bias is None else replace(entry, bias=float(bias))
 
@@ -404,10 +421,10 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     version = _field(manifest, "schema_version", int, where)
     if version > SCHEMA_VERSION:
         raise BundleError(f"{where}: 'schema_version' {short_repr(version)} was written by a newer LoRazor (this "
-                          f"one reads {SCHEMA_VERSION}); upgrade LoRazor on the server.")
-    if version != SCHEMA_VERSION:
+                          f"one reads {' and '.join(map(str, SCHEMA_VERSIONS))}); upgrade LoRazor on the server.")
+    if version not in SCHEMA_VERSIONS:
         raise BundleError(f"{where}: 'schema_version' {short_repr(version)} is unknown (this LoRazor reads "
-                          f"{SCHEMA_VERSION}); re-export the bundle.")
+                          f"{' and '.join(map(str, SCHEMA_VERSIONS))}); re-export the bundle.")
     files = _field(manifest, "files", dict, where)
     data = _read_files(root, files)
     hidden_size = _field(manifest, "hidden_size", int, where)
@@ -425,7 +442,7 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     records = _field(manifest, "adapters", list, where)
     adapters: dict[str, AdapterEntry] = {}
     for i, rec in enumerate(records):
-        e = _entry(rec, i, heads, hidden_size, root)
+        e = _entry(rec, i, heads, hidden_size, root, version)
         if e.name in adapters:
             raise BundleError(f"{where}: adapter '{e.name}' appears twice in 'adapters'; re-export.")
         adapters[e.name] = e

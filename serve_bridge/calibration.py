@@ -46,7 +46,7 @@ def policy_to_data(p: Policy) -> dict[str, Any] | None:
     if isinstance(p, LearnedPolicy):
         w = p.weight.detach().float().cpu()
         return {"kind": "learned", "weight": w.tolist(), "bias": float(np.float32(p.bias)),
-                "tau": float(np.float32(p.tau))}
+                "tau": float(np.float32(p.tau)), "lag": int(p.lag)}
     raise TypeError(f"unsupported policy {type(p).__name__}")
 
 
@@ -56,7 +56,8 @@ def policy_from_data(d: Mapping[str, Any] | None) -> Policy:
     if d.get("kind") == "profiled":
         return ProfiledPolicy(int(d["k"]))
     if d.get("kind") == "learned":
-        return LearnedPolicy(torch.tensor(d["weight"], dtype=torch.float32), float(d["bias"]), float(d["tau"]))
+        return LearnedPolicy(torch.tensor(d["weight"], dtype=torch.float32), float(d["bias"]), float(d["tau"]),
+                             int(d.get("lag", 0)))
     raise ValueError(f"unknown policy data {dict(d)!r}: kind must be 'profiled' or 'learned'")
 
 

@@ -7,8 +7,11 @@ the first generated token); decode forward t ≥ 1 consumes token t and produces
 is one-way and prefill is never released, so r ≥ 0.
 
 - Profiled policy (k): r = k (k = 0 means prefill only).
-- Learned policy (w, b, τ): after forward t, s_t = wᵀh_t + b with h_t the final-norm hidden
-  state at the position that produced token t+1; r = the first t with s_t < τ.
+- Learned policy (w, b, τ, lag): after forward t, s_t = wᵀh_t + b with h_t the final-norm hidden
+  state at the position that produced token t+1; the decision *fires* at the first t with s_t < τ,
+  and r = that t + lag. With lag 0 the next forward runs without the adapter; with lag 1 it still
+  runs with it, so a server may plan forward t+1 before the decision on forward t is read (vLLM's
+  async scheduling). Calibration prices the lag its bundle records, so both rules are exact.
 - No policy (adapter absent from the bundle): never released (full LoRA, the safe default).
 
 Skip fraction: decode forwards (t ≥ 1) that run without the adapter, over all decode
@@ -44,13 +47,23 @@ class ProfiledPolicy:
         return t >= self.k
 
 
+MAX_LAG = 8  # forwards a learned release may trail its decision (a server needs 0 or 1)
+
+
 @dataclass(frozen=True)
 class LearnedPolicy:
-    """Release after the first forward t whose score wᵀh_t + b falls below ``tau``."""
+    """Release after forward t + ``lag``, t the first forward whose score wᵀh_t + b falls below
+    ``tau`` (0 ≤ lag ≤ :data:`MAX_LAG`)."""
 
     weight: torch.Tensor  # [H]
     bias: float
     tau: float
+    lag: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or not 0 <= self.lag <= MAX_LAG:
+            raise ValueError(f"a learned policy's lag must be an int in 0…{MAX_LAG} (forwards between its decision "
+                             f"and the release), got {self.lag!r}")
 
     def score(self, h: torch.Tensor) -> torch.Tensor:
         """s = hᵀw + b for h of shape [..., H], computed in float32."""
@@ -94,6 +107,10 @@ class StepTrim:
         self.policies = tuple(policies)
         self.hidden_size = int(hidden_size)
         self.needs_hidden = any(isinstance(p, LearnedPolicy) for p in self.policies)
+        # per slot, forwards between a firing decision and the release (learned slots' lag, else 0)
+        self.lags = tuple(p.lag if isinstance(p, LearnedPolicy) else 0 for p in self.policies)
+        learned_lags = [p.lag for p in self.policies if isinstance(p, LearnedPolicy)]
+        self.min_lag = min(learned_lags, default=0)
         n = len(self.policies)
         table = torch.zeros(n + 1, _W + (self.hidden_size if self.needs_hidden else 0), dtype=torch.float32)
         table[:, _K] = float("inf")
@@ -114,6 +131,10 @@ class StepTrim:
         self.device = torch.device(device)
         self.table = table.to(self.device)  # [n_slots + 1, 3 (+ H)]; the last row serves NO_SLOT
         self.kernel = self.device.type == "cuda" if kernel is None else bool(kernel)
+
+    def release_point(self, slot: int, t: int) -> int:
+        """r of a row of ``slot`` whose decision fired after forward ``t`` (t plus the slot's lag)."""
+        return t + self.lags[slot]
 
     def to(self, device: torch.device | str) -> StepTrim:
         """The same policies on another device (self if already there), on that device's path."""
@@ -194,16 +215,17 @@ class StepTrim:
         self.fires_into(meta, src, dtype, score, fire)
         return score, fire
 
-    def step(self, slots: torch.Tensor, t: torch.Tensor, released: torch.Tensor,
+    def step(self, slots: torch.Tensor, t: torch.Tensor, decided: torch.Tensor,
              hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Decide after forward ``t`` (per row) which rows are released from forward t+1 on.
+        """Decide after forward ``t`` (per row) which rows have a release decided: each such row
+        runs without its adapter from forward :meth:`release_point` + 1 on.
 
         slots [R] long (:data:`NO_SLOT` = −1 for rows without adapter; no other negative
-        value), t [R] long, released [R] bool (state before this decision), hidden [R, H]
+        value), t [R] long, decided [R] bool (state before this decision), hidden [R, H]
         final-norm hidden states of this forward (needed iff a learned policy is present).
-        Returns the new released mask; release never reverts.
+        Returns the new decided mask; a decision never reverts.
         """
-        return released | self.fires(slots, t, hidden)
+        return decided | self.fires(slots, t, hidden)
 
 
 def release_point_profiled(k: int) -> int:
@@ -211,11 +233,11 @@ def release_point_profiled(k: int) -> int:
     return ProfiledPolicy(k).k
 
 
-def release_point_learned(scores: Iterable[float], tau: float) -> int | None:
-    """r for a learned policy: the first t with s_t < τ, or None if it never fires."""
+def release_point_learned(scores: Iterable[float], tau: float, lag: int = 0) -> int | None:
+    """r for a learned policy: the first t with s_t < τ, plus ``lag``; None if it never fires."""
     for t, s in enumerate(scores):
         if s < tau:
-            return t
+            return t + lag
     return None
 
 

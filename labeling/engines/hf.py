@@ -102,7 +102,7 @@ class HFOptions(CheckedOptions):
 class _Row:
     req: int  # index into the batch's requests
     branch: int | None  # None = main row, else the fork's release point r
-    released: bool
+    release: int | None  # r once decided: forwards after r run without the adapter
     tokens: list[int]
 
 
@@ -264,10 +264,10 @@ class HFEngine(ChatIO):
                         values[j, :, head - shared[j]:] = per_slot[r.slot][1][0]
                 cache.update(keys, values, layer)
             results = [GenResult(uid=r.uid, slot=r.slot) for r in reqs]
-            rows = [_Row(req=j, branch=None, released=False, tokens=[]) for j in range(len(reqs))]
+            rows = [_Row(req=j, branch=None, release=None, tokens=[]) for j in range(len(reqs))]
             t, generated = 0, 0
             while rows:
-                names = [BASE if (row.released or reqs[row.req].slot == NO_SLOT)
+                names = [BASE if ((row.release is not None and t > row.release) or reqs[row.req].slot == NO_SLOT)
                          else self.adapters[reqs[row.req].slot].name for row in rows]
                 out = self.forward(names, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                    logits_to_keep=1, **{self._cache_kw: cache})
@@ -277,8 +277,8 @@ class HFEngine(ChatIO):
                 slots = torch.tensor([reqs[row.req].slot for row in rows], device=dev)
                 tt = torch.full_like(slots, t)
                 scores = scorer.scores(slots, h).tolist() if scorer is not None else None
-                new_released = (steptrim.step(slots, tt, torch.tensor([row.released for row in rows], device=dev), h)
-                                if steptrim is not None else None)
+                decided = (steptrim.step(slots, tt, torch.tensor([row.release is not None for row in rows], device=dev),
+                                         h) if steptrim is not None else None)
                 keep, forks = [], []
                 for j, row in enumerate(rows):
                     tok = int(next_tok[j])
@@ -293,10 +293,11 @@ class HFEngine(ChatIO):
                             res.scores.append(s)
                         if capture is not None and capture(t):
                             res.hidden[t] = h[j].cpu().clone()
-                        if new_released is not None and bool(new_released[j]) and not row.released:
-                            row.released, res.release = True, t
-                        if fork is not None and forks_at(fork, res, t, s, released=row.released, last=done):
-                            forks.append((j, _Row(req=row.req, branch=t, released=True, tokens=list(row.tokens))))
+                        if decided is not None and bool(decided[j]) and row.release is None:
+                            row.release = res.release = steptrim.release_point(reqs[row.req].slot, t)
+                        released = row.release is not None and row.release <= t
+                        if fork is not None and forks_at(fork, res, t, s, released=released, last=done):
+                            forks.append((j, _Row(req=row.req, branch=t, release=t, tokens=list(row.tokens))))
                     if done:
                         if row.branch is None:
                             res.tokens = row.tokens

@@ -4,6 +4,7 @@ policy active through StepTrim."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from labeling.labels import build_requests
@@ -16,7 +17,10 @@ from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim, skip_
 MAX_NEW = 20
 
 
-def test_tree_pricing_equals_naive_regeneration(engine_auto) -> None:
+@pytest.mark.parametrize("lag", [1, 0])
+def test_tree_pricing_equals_naive_regeneration(engine_auto, lag) -> None:
+    """For the default decision lag (1: a learned decision on forward t releases from t+2) and for
+    lag 0, as old bundles hold."""
     task = build_task("arith", sizes={"validation": 4}, max_new_tokens=MAX_NEW)
     examples = task.load_split("validation")
     names = [a.name for a in engine_auto.adapters]
@@ -26,22 +30,22 @@ def test_tree_pricing_equals_naive_regeneration(engine_auto) -> None:
     # τ candidates from the heads' own scores along a plain full-LoRA pass.
     probe = run_trees(engine_auto, task, examples, names, scorer, ForkPlanner({}, ()))
     taus = {a: tau_candidates(np.concatenate([t.scores for t in probe.trees if t.adapter == a]), 6) for a in names}
-    cands = Candidates(taus=taus, ks=(0, 3, 8))
-    tp = run_trees(engine_auto, task, examples, names, scorer, ForkPlanner(cands.taus, cands.ks))
+    cands = Candidates(taus=taus, ks=(0, 3, 8), lag=lag)
+    tp = run_trees(engine_auto, task, examples, names, scorer, ForkPlanner(cands.taus, cands.ks, cands.lag))
     checked = 0
     for a_idx, a in enumerate(names):
         trees = [t for t in tp.trees if t.adapter == a]
         priced_here = cands.for_adapter(a)[::3]  # 2 of the 6 τ and 1 of the 3 k
         assert {p for p, _ in priced_here} == {"learned", "profiled"}
         for policy, param in priced_here:
-            pol = (LearnedPolicy(heads[a_idx].weight, heads[a_idx].bias, float(param)) if policy == "learned"
+            pol = (LearnedPolicy(heads[a_idx].weight, heads[a_idx].bias, float(param), lag) if policy == "learned"
                    else ProfiledPolicy(int(param)))
             slots = [None] * len(names)
             slots[a_idx] = pol
             naive = engine_auto.generate(
                 [r for r in _requests(engine_auto, task, examples, a_idx)], MAX_NEW,
                 steptrim=StepTrim(slots, engine_auto.hidden_size))
-            priced = [outcome(t, release_point(t, policy, param)) for t in trees]
+            priced = [outcome(t, release_point(t, policy, param, lag)) for t in trees]
             for (correct, length, rel), res, ex in zip(priced, naive, examples):
                 assert length == len(res.tokens)
                 assert correct == task.score(ex, engine_auto.decode(res.tokens))

@@ -17,8 +17,11 @@ def _fired(planner: ForkPlanner, adapter: str, scores) -> set[int]:
     return {t for t, s in enumerate(scores) if planner.should_fork(state, adapter, t, s)}
 
 
-def test_fork_planner_fires_exactly_at_candidate_release_points():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_fork_planner_fires_exactly_at_candidate_release_points(lag):
+    """Forks land exactly on the candidates' release points: each k, and each τ's first firing
+    forward plus the decision lag."""
+    rng = np.random.default_rng(lag)
     for trial in range(300):
         L = int(rng.integers(1, 40))
         # few distinct values → many ties between scores and τ; occasional NaN / -inf
@@ -27,8 +30,8 @@ def test_fork_planner_fires_exactly_at_candidate_release_points():
         scores[rng.random(L) < 0.02] = -np.inf
         taus = np.unique(rng.integers(-5, 6, size=int(rng.integers(0, 8))).astype(np.float32) / 2)
         ks = tuple(int(k) for k in rng.choice([0, 1, 2, 4, 8, 16, 32, 64], size=int(rng.integers(0, 4))))
-        planner = ForkPlanner({"a": taus}, ks)
-        expected = {release_point_learned(scores, float(tau)) for tau in taus} | set(ks)
+        planner = ForkPlanner({"a": taus}, ks, lag)
+        expected = {release_point_learned(scores, float(tau), lag) for tau in taus} | set(ks)
         assert _fired(planner, "a", scores) == {r for r in expected if r is not None and r < L}, trial
 
 

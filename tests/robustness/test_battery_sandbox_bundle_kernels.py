@@ -349,7 +349,7 @@ BUNDLE_FAULTS = [
     (_heads(struct.pack("<Q", 2) + b"[]"), "header is not an object"),
     (_heads(struct.pack("<Q", 60) + b'{"a.weight":{"dtype":"F32","shape":[8],"data_offsets":[0,999]}}'[:60]),
      "not valid JSON|not a valid safetensors"),
-    (_replace_in_manifest('"schema_version": 1', '"schema_version": 1, "schema_version": 1'), "duplicate key"),
+    (_replace_in_manifest('"schema_version": 2', '"schema_version": 2, "schema_version": 2'), "duplicate key"),
     (_raw_manifest(b"\xff\xfe{}"), "not valid JSON"),
     (_raw_manifest("[]"), "expected a JSON object"),
     (_raw_manifest(""), "not valid JSON"),
@@ -374,8 +374,8 @@ BUNDLE_FAULTS = [
     (_edit_adapter(2, tau=0.5), "belong to learned policies only"),
     (_not_a_dir, "not a policy bundle"),
     # every listed file is parsed as what it is; schema 1 lists only the heads file
-    (_listed_extra(pickle.dumps(_Unpickled())), "'files' lists 'extra.safetensors'; a schema 1 bundle holds only"),
-    (_listed_extra(bytes(range(256)) * 4), "'files' lists 'extra.safetensors'; a schema 1 bundle holds only"),
+    (_listed_extra(pickle.dumps(_Unpickled())), "'files' lists 'extra.safetensors'; a bundle holds only"),
+    (_listed_extra(bytes(range(256)) * 4), "'files' lists 'extra.safetensors'; a bundle holds only"),
     (_listed_extra(save({"x": np.arange(H, dtype=np.int64)})), "'files' lists 'extra.safetensors'"),
     (_listed_extra(save({"x": W})), "'files' lists 'extra.safetensors'"),
     # records the runtime would misread

@@ -21,7 +21,7 @@ SHA = "ab" * 32
 
 def _entries() -> list[AdapterEntry]:
     w = np.linspace(-1, 1, H, dtype=np.float32)
-    return [AdapterEntry("arith-a", SHA, "learned", tau=0.25, weight=w, bias=-0.5,
+    return [AdapterEntry("arith-a", SHA, "learned", tau=0.25, weight=w, bias=-0.5, lag=1,
                          stats={"val_skip": 0.4, "rule": "P50", "frontier": [{"param": 0.25, "skip": 0.4}]}),
             AdapterEntry("arith-b", SHA, "profiled", k=8, stats={"val_skip": 0.7}),
             AdapterEntry("arith-c", SHA, "none")]
@@ -46,9 +46,9 @@ def test_round_trip(tmp_path):
     learned, profiled = b.policies["arith-a"], b.policies["arith-b"]
     assert isinstance(learned, LearnedPolicy) and isinstance(profiled, ProfiledPolicy)
     assert torch.equal(learned.weight, torch.from_numpy(_entries()[0].weight))
-    assert (learned.bias, learned.tau, profiled.k, b.policies["arith-c"]) == (-0.5, 0.25, 8, None)
+    assert (learned.bias, learned.tau, learned.lag, profiled.k, b.policies["arith-c"]) == (-0.5, 0.25, 1, 8, None)
     assert b.adapters["arith-a"].stats["frontier"] == [{"param": 0.25, "skip": 0.4}]
-    assert (b.schema_version, b.hidden_size, b.backbone) == (1, H, "smollm2")
+    assert (b.schema_version, b.hidden_size, b.backbone) == (2, H, "smollm2")
     assert b.config_fingerprint == config_fingerprint({"seed": 0, "task": "arith"})  # key order ignored
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["files"] == {HEADS_FILE: file_sha256(path / HEADS_FILE)}
@@ -82,11 +82,48 @@ def test_known_adapter_missing_from_bundle_runs_full_lora(tmp_path):
 
 def test_future_and_unknown_schema(tmp_path):
     path = _write(tmp_path)
-    _edit_manifest(path, schema_version=2)
-    with pytest.raises(BundleError, match="'schema_version' 2 was written by a newer LoRazor"):
+    _edit_manifest(path, schema_version=3)
+    with pytest.raises(BundleError, match="'schema_version' 3 was written by a newer LoRazor"):
         load_bundle(path)
     _edit_manifest(path, schema_version="1")
     with pytest.raises(BundleError, match="field 'schema_version' has type str"):
+        load_bundle(path)
+
+
+def _set_lag(path: Path, lag, version: int) -> None:
+    m = json.loads((path / MANIFEST).read_text())
+    m["schema_version"] = version
+    for rec in m["adapters"]:
+        if rec["policy"] == "learned":
+            if lag is None:
+                rec.pop("lag")
+            else:
+                rec["lag"] = lag
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+def test_schema_1_bundle_is_served_as_calibrated(tmp_path):
+    """A bundle written before learned entries recorded their decision lag (schema 1, no 'lag') was
+    priced with lag 0, and loads as lag 0; a schema 2 learned entry must name its lag."""
+    path = _write(tmp_path)
+    _set_lag(path, None, 1)
+    assert load_bundle(path).policies["arith-a"].lag == 0
+    _set_lag(path, 1, 1)
+    with pytest.raises(BundleError, match="'lag' appears in a schema 1 manifest"):
+        load_bundle(path)
+    _set_lag(path, None, 2)
+    with pytest.raises(BundleError, match="needs its 'lag'"):
+        load_bundle(path)
+    for bad in (-1, 9, 1.5, True, "1"):
+        _set_lag(path, bad, 2)
+        with pytest.raises(BundleError, match="'lag' must be an integer in 0…8"):
+            load_bundle(path)
+    m = json.loads((path / MANIFEST).read_text())
+    m["adapters"][1]["lag"] = 1  # a profiled entry
+    _set_lag(path, 0, 2)
+    (path / MANIFEST).write_text(json.dumps({**m, "adapters": [json.loads((path / MANIFEST).read_text())["adapters"][0],
+                                                               m["adapters"][1], m["adapters"][2]]}))
+    with pytest.raises(BundleError, match="'tau', 'lag' and head tensors belong to learned policies only"):
         load_bundle(path)
 
 

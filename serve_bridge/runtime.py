@@ -259,13 +259,15 @@ class ReleaseRuntime:
         self.calibrated = CalibratedAdapters(bundle, verified, self._warn_once)
         self.states: dict[str, RequestState] = {}
         self.adapters: dict[str, AdapterCounters] = {}
-        self.finished_log: deque[dict[str, Any]] = deque(maxlen=finished_capacity)
+        # (req_id, state) of finished requests, oldest first; read as records after resolve(), so
+        # that decisions read after a request finished are in its record
+        self.finished_log: deque[tuple[str, RequestState]] = deque(maxlen=finished_capacity)
         self.steps = self.decision_steps = self.decided_rows = 0
         self.decision_ms = self.mapping_ms = 0.0
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
         self._plan: _Plan | None = None
-        self._pending: _Pending | None = None
+        self._pending: deque[_Pending] = deque()  # launched decisions, oldest first
         # (batch row, state, t) of the rows of the last begun step that completed forward t
         self.completed: list[tuple[int, RequestState, int]] = []
         # with report_releases (slot hand-back): req_id → r of the releases decided since the
@@ -275,7 +277,7 @@ class ReleaseRuntime:
         # decisions: preallocated buffers for up to max_rows rows (more on demand), optionally
         # replayed as CUDA graphs; latency samples (ms) of the last latency_window decisions.
         self._launcher_args = {"max_rows": max_rows, "cuda_graphs": cuda_graphs}
-        self._launcher = DecisionLauncher(steptrim, **self._launcher_args)
+        self._launcher = self._new_launcher(steptrim)
         self._lat_decide: deque[float] = deque(maxlen=latency_window)  # host, in decide()
         self._lat_resolve: deque[float] = deque(maxlen=latency_window)  # host, in resolve()
         self._lat_gpu: deque[float] = deque(maxlen=latency_window)  # GPU events (host decide off CUDA)
@@ -287,8 +289,21 @@ class ReleaseRuntime:
         self.steptrim = steptrim
         self.slot_of = {name: i for i, name in enumerate(slot_names)}
         record = self.record_margins
-        self._launcher = DecisionLauncher(steptrim, **self._launcher_args)
+        self._launcher = self._new_launcher(steptrim)
         self.record_margins = record
+
+    def _new_launcher(self, steptrim: StepTrim) -> DecisionLauncher:
+        """The launcher for ``steptrim``: :attr:`hold` + 1 decisions may be in flight."""
+        return DecisionLauncher(steptrim, depth=steptrim.min_lag + 1, **self._launcher_args)
+
+    @property
+    def hold(self) -> int:
+        """Launched decisions that may stay unread when a step is planned or its releases are
+        reported: the smallest decision lag of the learned policies. A decision after forward t
+        releases at r = t + lag, so with lag ≥ 1 the next forward runs with the adapter whatever it
+        decided, and reading it can wait a step (under async scheduling, until the GPU has long
+        finished it) without changing any release."""
+        return self.steptrim.min_lag
 
     @property
     def record_margins(self) -> bool:
@@ -324,11 +339,11 @@ class ReleaseRuntime:
             self.adapters.setdefault(adapter, AdapterCounters()).requests += 1
 
     def finish(self, req_id: str) -> None:
-        """Drop a finished (or aborted) request, keeping a record in :attr:`finished_log`."""
-        self.resolve()
+        """Drop a finished (or aborted) request, keeping its state in :attr:`finished_log`; its
+        decisions still in flight are read later, as if it were still tracked."""
         st = self.states.pop(req_id, None)
         if st is not None:
-            self.finished_log.append(st.record(req_id))
+            self.finished_log.append((req_id, st))
 
     def _slot(self, adapter: str, path: str | None) -> int:
         """The adapter's StepTrim slot, or NO_SLOT (full LoRA, with one warning) when unusable."""
@@ -350,7 +365,7 @@ class ReleaseRuntime:
         token_mapping [Σn] / sampled_mapping [R]: the engine's LoRA ids (0 = no adapter).
         """
         start = time.perf_counter()
-        self.resolve()
+        self.resolve(self.hold)
         n_rows = len(req_ids)
         states = [self.states.get(r) for r in req_ids]
         release_pos = np.array([NEVER if s is None else s.release_position for s in states], dtype=np.int64)
@@ -387,7 +402,7 @@ class ReleaseRuntime:
                 plan.forwards.append(t)
                 plan.req_ids.append(req_ids[i])
             elif st.releasable and st.profiled is not None and st.profiled.fires(t):
-                self._release(st, t, req_ids[i])  # from the next step on, as a decision's release
+                self._release(st, t, req_ids[i])  # r = t: from the next forward on, as a lag-0 decision
         self.completed = completed
         self._plan = plan if plan.rows else None
         self.steps += 1
@@ -401,15 +416,16 @@ class ReleaseRuntime:
 
     def decide(self, hidden: torch.Tensor) -> None:
         """Launch this step's decisions on ``hidden`` [R, H], the final-norm hidden states of
-        the sampled positions in batch order; they take effect from the next step on."""
+        the sampled positions in batch order; a row that fires after forward t is released at
+        r = t + its policy's lag (:meth:`StepTrim.release_point`), so its adapter runs through
+        forward r."""
         plan, self._plan = self._plan, None
         if not rows_match(plan, hidden, "StepTrim"):
             return
-        if self._pending is not None:
-            self.resolve()  # one decision in flight at a time (begin_step has normally resolved it)
+        self.resolve(self._launcher.depth - 1)  # room for this launch (begin_step has normally made it)
         start = time.perf_counter()
         self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
-        self._pending = _Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3)
+        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3))
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Compile and capture the decision launcher's work for hidden states like ``hidden``
@@ -419,11 +435,14 @@ class ReleaseRuntime:
             logger.info("LoRazor StepTrim decisions warmed up: %d row buckets, %s, %.2f s.", n, self._launcher.mode,
                         time.perf_counter() - start)
 
-    def resolve(self) -> None:
-        """Apply the last launched decision (waits for it); idempotent."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return
+    def resolve(self, keep: int = 0) -> None:
+        """Apply launched decisions, oldest first, until at most ``keep`` are unread (waits for
+        each one it reads); idempotent."""
+        while len(self._pending) > keep:
+            self._apply(self._pending.popleft())
+
+    def _apply(self, p: _Pending) -> None:
+        """Read one launched decision and release its fired rows (those still tracked)."""
         start = time.perf_counter()
         fired, gpu_ms = self._launcher.result()
         if self.record_margins:
@@ -433,9 +452,9 @@ class ReleaseRuntime:
                 if math.isfinite(m):
                     st.margins[t] = m
         for i in fired.nonzero()[0].tolist():
-            st = p.states[i]
-            if st.release is None:  # planned rows were unreleased; release stays one-way
-                self._release(st, p.forwards[i], p.req_ids[i])
+            st, req_id = p.states[i], p.req_ids[i]
+            if st.release is None:  # the earliest firing decision wins: release is one-way
+                self._release(st, self.steptrim.release_point(st.slot, p.forwards[i]), req_id)
         self.decision_steps += 1
         self.decided_rows += len(p.states)
         ms = p.host_ms if gpu_ms is None else gpu_ms
@@ -444,17 +463,21 @@ class ReleaseRuntime:
         self._lat_decide.append(p.host_ms)
         self._lat_resolve.append((time.perf_counter() - start) * 1e3)
 
-    def _release(self, st: RequestState, t: int, req_id: str) -> None:
-        """Release ``st`` after forward ``t``, counted and, with ``report_releases``, reported."""
-        st.release = t
+    def _release(self, st: RequestState, r: int, req_id: str) -> None:
+        """Release ``st`` at r (its adapter runs through forward r), counted and, with
+        ``report_releases``, reported."""
+        st.release = r
         self.adapters[st.adapter].released += 1
         if self.report_releases:
-            self.new_releases[req_id] = t
+            self.new_releases[req_id] = r
 
     def take_releases(self) -> dict[str, int]:
-        """req_id → release point r of every release decided since the last call (waits for the
-        pending decision): what the step output brings to the scheduler (slot hand-back)."""
-        self.resolve()
+        """req_id → release point r of every release read since the last call, after reading the
+        decisions older than the :attr:`hold` newest: what the step output brings to the scheduler
+        (slot hand-back, prefix-cache keys). A decision after forward t with lag L is thus reported
+        with forward t + L's output, before the scheduler appends that forward's token (the first
+        one whose KV runs without the adapter)."""
+        self.resolve(self.hold)
         out, self.new_releases = self.new_releases, {}
         return out
 

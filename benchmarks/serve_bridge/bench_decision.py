@@ -38,6 +38,7 @@ import json
 import platform
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,7 @@ class OldRuntime(ReleaseRuntime):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._old = _OldStepTrim(self.steptrim)
-        self._old_launch = None
+        self._old_launches: deque = deque()  # (fired, events) of each unread launch, oldest first
 
     def decide(self, hidden: torch.Tensor) -> None:
         plan, self._plan = self._plan, None
@@ -129,15 +130,12 @@ class OldRuntime(ReleaseRuntime):
         fired = self._old.step(meta[1], meta[2], released, rows_hidden).to("cpu", non_blocking=True)
         if events is not None:
             events[1].record()
-        self._old_launch = (fired, events)
-        self._pending = _Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3)
+        self._old_launches.append((fired, events))
+        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3))
 
-    def resolve(self) -> None:
-        p, self._pending = self._pending, None
-        if p is None:
-            return
+    def _apply(self, p: _Pending) -> None:
         start = time.perf_counter()
-        (fired, events), self._old_launch = self._old_launch, None
+        fired, events = self._old_launches.popleft()
         if events is not None:
             events[1].synchronize()
             ms = events[0].elapsed_time(events[1])

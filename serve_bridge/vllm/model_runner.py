@@ -36,7 +36,6 @@ class LoRazorGPUModelRunner(_BaseRunner):
 
     def _update_states(self, scheduler_output: Any) -> Any:
         rt = self.lorazor
-        rt.resolve()
         for req_id in scheduler_output.finished_req_ids:
             rt.finish(req_id)
         out = super()._update_states(scheduler_output)

@@ -78,7 +78,6 @@ class LoRazorGPUModelRunner(_BaseRunner):
 
     def finish_requests(self, scheduler_output: Any) -> None:
         rt = self.lorazor
-        rt.resolve()
         for req_id in scheduler_output.finished_req_ids:  # not preempted_req_ids: those come back
             rt.finish(req_id)
         super().finish_requests(scheduler_output)

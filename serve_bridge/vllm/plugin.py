@@ -1,8 +1,8 @@
 """The ``vllm.general_plugins`` entry point (``lorazor = serve_bridge.vllm.plugin:register``).
 
 vLLM calls :func:`register` in every process it starts. It does nothing unless a LoRazor switch
-is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim, with a bundle also the release-aware
-scheduler unless ``LORAZOR_SLOTS=0``; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
+is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim and the prefix-cache keys, with a
+bundle also the release-aware scheduler; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
 vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
 the hooks, the runner's from the installed vLLM's seam (:mod:`serve_bridge.vllm.versions`;
 docs/vllm_integration.md §0-1). vLLM swallows import errors of plugin modules, so this
@@ -40,11 +40,11 @@ def register() -> None:
         install_gridtrim()
     if steptrim:
         seam.install_runner()
-    if settings is not None and settings.slots:
+    if settings is not None and not settings.calibration:
         from serve_bridge.vllm import scheduler
 
         scheduler.install()
-    if settings is not None and settings.calibration:
+    if settings is not None:
         from serve_bridge.vllm import prefix_cache
 
         prefix_cache.install()

@@ -22,6 +22,7 @@ from typing import Any
 
 from serve_bridge.calibration import CalibrationRuntime
 from serve_bridge.runtime import ReleaseRuntime
+from serve_bridge.vllm import prefix_cache
 from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV
 
 
@@ -50,11 +51,19 @@ def lorazor_requests(worker: Any, clear: bool = False) -> list[dict[str, Any]]:
     """
     runtime = _runtime(worker)
     runtime.resolve()
-    records = [{**rec, "finished": True} for rec in runtime.finished_log]
+    records = [{**st.record(req_id), "finished": True} for req_id, st in runtime.finished_log]
     records += [{**st.record(req_id), "finished": False} for req_id, st in runtime.states.items()]
     if clear:
         runtime.finished_log.clear()
     return records
+
+
+def lorazor_prefix_cache(worker: Any) -> dict[str, int] | None:
+    """The release-aware scheduler's prefix-cache hits (:class:`serve_bridge.vllm.prefix_cache.HitStats`),
+    read in the worker's process: the engine core's with one GPU (``uni`` executor); None in a
+    tensor-parallel worker process, or without prefix caching."""
+    _runtime(worker)
+    return prefix_cache.hit_stats()
 
 
 def lorazor_record_margins(worker: Any, on: bool = True) -> None:
@@ -96,6 +105,10 @@ class LoRazorWorkerExtension:
     def lorazor_counters(self) -> dict[str, Any]:
         """:func:`lorazor_counters` of this worker."""
         return lorazor_counters(self)
+
+    def lorazor_prefix_cache(self) -> dict[str, int] | None:
+        """:func:`lorazor_prefix_cache` of this worker."""
+        return lorazor_prefix_cache(self)
 
     def lorazor_requests(self, clear: bool | str = False) -> list[dict[str, Any]]:
         """:func:`lorazor_requests` of this worker; ``clear`` may arrive as the string "true"."""

@@ -6,10 +6,7 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 (``name=path,...``) optionally declares the served adapters, checked against the bundle at start-up;
 ``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
 ``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
-``max_loras``; on by default with a bundle, refused in calibration mode). ``LORAZOR_ASYNC_SCHEDULING``
-accepts vLLM's async scheduling on vLLM 0.33's V2 runner for a bundle whose policies are all
-profiled (on by default with a bundle, refused in calibration mode; 0 requires async scheduling off;
-docs/vllm_integration.md §9).
+``max_loras``; on by default with a bundle, refused in calibration mode).
 ``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
 agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
 so this is tested on CPU without vLLM.
@@ -29,7 +26,6 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
 CALIBRATION_ENV = "LORAZOR_CALIBRATION"
 SLOTS_ENV = "LORAZOR_SLOTS"
-ASYNC_ENV = "LORAZOR_ASYNC_SCHEDULING"
 SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseScheduler"
 ASYNC_SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseAsyncScheduler"
 SLOT_EXECUTORS = ("uni", "mp")  # executors whose step output reaches the scheduler as the worker's object
@@ -50,8 +46,6 @@ class BridgeSettings:
     calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
         policies, scorer and capture set are set over ``collective_rpc``.
     slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
-    async_scheduling: vLLM's async scheduling accepted for profiled bundles
-        (``LORAZOR_ASYNC_SCHEDULING``; on by default when serving, off in calibration).
     """
 
     bundle: Path | None
@@ -59,7 +53,6 @@ class BridgeSettings:
     log_interval_s: float = 60.0
     calibration: bool = False
     slots: bool = False
-    async_scheduling: bool = False
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
@@ -75,13 +68,10 @@ class BridgeSettings:
             return None
         slots = _serving_switch(SLOTS_ENV, "for slot hand-back", "slot hand-back serves a bundle's releases",
                                 env, calibration)
-        async_scheduling = _serving_switch(ASYNC_ENV, "to serve a bundle of profiled policies with async scheduling",
-                                           "calibration captures every step's hidden states before the next",
-                                           env, calibration)
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
-                              calibration=calibration, slots=slots, async_scheduling=async_scheduling)
+                              calibration=calibration, slots=slots)
 
 
 def _switch(name: str, purpose: str, environ: Mapping[str, str] | None, default: bool = False) -> bool:
@@ -149,21 +139,16 @@ def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
                    "vLLM's)", environ)
 
 
-def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = False,
-                             async_allowed: bool = False) -> None:
-    """Refuse engine settings under which release would be wrong or unobserved.
+def engine_fixes(vllm_config: Any, released_blocks_keyed: bool = False, async_allowed: bool = False) -> list[str]:
+    """Every change of engine settings StepTrim needs (empty: none), as fixes to name at once.
 
     - LoRA must be enabled (there is nothing to release otherwise), on a generative model
       (pooling models decode nothing; vLLM 0.33's classification heads are not slot-copied).
-    - Prefix caching off: blocks are hashed with the LoRA name, so blocks decoded after
-      release would be reused as if computed with the adapter. It may be on when
-      ``released_blocks_keyed``: calibration mode with :mod:`serve_bridge.vllm.prefix_cache`
-      installed, whose passes with a release policy
-      :class:`serve_bridge.calibration.CalibrationRuntime` refuses.
-    - Async scheduling off: a decision must reach the next step's LoRA mapping. It may be on when
-      ``async_allowed`` (serving on vLLM 0.33's V2 runner with ``LORAZOR_ASYNC_SCHEDULING`` on, its
-      default; the runner then refuses a bundle with learned policies,
-      ``serve_bridge.vllm.runner_setup.require_profiled_only``).
+    - Prefix caching only when ``released_blocks_keyed``: vLLM hashes blocks with the LoRA name,
+      so a block computed after a release must carry its release point
+      (:mod:`serve_bridge.vllm.prefix_cache`), or it would be reused as the adapter's.
+    - Async scheduling only when ``async_allowed`` (a runner that plans a step before the previous
+      one's decisions are read: vLLM 0.33's V2 runner, serving).
     - No speculative decoding and no pipeline parallelism: one sampled position per
       request per step, and final hidden states on this rank.
     """
@@ -174,27 +159,26 @@ def require_supported_engine(vllm_config: Any, released_blocks_keyed: bool = Fal
     if runner != "generate":
         fixes.append(f"serve a generative model (runner 'generate', found {runner!r}): release acts on decoded tokens")
     if vllm_config.cache_config.enable_prefix_caching and not released_blocks_keyed:
-        fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): "
-                     "blocks decoded after release would be cached under the adapter's name")
+        fixes.append("disable prefix caching (enable_prefix_caching=False / --no-enable-prefix-caching): in "
+                     "calibration mode blocks decoded after a release the runtime decides would be cached under the "
+                     "adapter's name")
     if vllm_config.scheduler_config.async_scheduling and not async_allowed:
-        fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): a release "
-                     "decision must reach the next step's LoRA mapping (only vLLM 0.33's V2 runner serves a bundle "
-                     f"of profiled policies with it, unless {ASYNC_ENV}=0)")
+        fixes.append("disable async scheduling (async_scheduling=False / --no-async-scheduling): calibration and vLLM "
+                     "0.26's V1 runner read each step's decisions before the next step is planned")
     if vllm_config.speculative_config is not None:
         fixes.append("disable speculative decoding (StepTrim decides once per generated token)")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         fixes.append("use pipeline_parallel_size=1 (decisions read the final hidden states on this rank)")
-    if fixes:
-        raise BridgeError(f"LoRazor StepTrim ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine "
-                          f"settings: " + "; ".join(fixes) + ".")
+    return fixes
 
 
-def require_slot_engine(vllm_config: Any) -> None:
-    """Refuse engine settings under which slot hand-back cannot work (``LORAZOR_SLOTS`` on).
+def release_engine_fixes(vllm_config: Any) -> list[str]:
+    """Every change of engine settings a served bundle's releases need to reach the scheduler
+    (slot hand-back, and the prefix-cache keys of learned releases); empty: none.
 
     - The scheduler must be LoRazor's (``scheduler_cls`` unset, which the plugin resolves to it,
       or :data:`SCHEDULER_QUALNAME`, or :data:`ASYNC_SCHEDULER_QUALNAME` under async scheduling):
-      another one would keep counting released requests.
+      another one would keep counting released requests and hash blocks without release points.
     - The executor must be ``uni`` or ``mp``: the step output with learned releases
       then reaches the scheduler as the driver worker's object, or pickled with its attributes.
     """
@@ -208,7 +192,12 @@ def require_slot_engine(vllm_config: Any) -> None:
     if backend not in SLOT_EXECUTORS:
         fixes.append(f"use distributed_executor_backend 'mp' or 'uni' (found {backend!r}): learned releases "
                      f"reach the scheduler with the step output only through those")
+    return fixes
+
+
+def refuse(fixes: list[str]) -> None:
+    """One BridgeError naming every fix at once, if there is any."""
     if fixes:
-        raise BridgeError(f"LoRazor slot hand-back ({SLOTS_ENV} is on by default with {BUNDLE_ENV}) cannot run "
-                          f"with these engine settings: " + "; ".join(fixes) + f"; or set {SLOTS_ENV}=0.")
+        raise BridgeError(f"LoRazor ({BUNDLE_ENV} or {CALIBRATION_ENV} is set) cannot run with these engine settings: "
+                          + "; ".join(fixes) + ".")
 

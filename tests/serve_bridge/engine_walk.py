@@ -40,17 +40,20 @@ class WalkRequest:
 
 
 def walk(rt, reqs: list[WalkRequest], budget: int, preempt: set[str],
-         preempt_after: int) -> dict[str, list[tuple[int, int]]]:
+         preempt_after: int, read_early: bool = True) -> dict[str, list[tuple[int, int]]]:
     """Run ``reqs`` (already added to ``rt``) to completion; return, per request, the masked
     LoRA id the runtime mapped to every position it scheduled, as (position, lora id).
 
     A runtime with a ``capture`` method (calibration mode) is given each step's hidden states
-    before ``decide``, as the runner does.
+    before ``decide``, as the runner does. ``read_early``: read every launched decision before
+    the next step, as a synchronous engine can at no cost; otherwise the runtime reads only what
+    its :attr:`hold` requires, as under vLLM's async scheduling.
     """
     seen: dict[str, list[tuple[int, int]]] = {r.req_id: [] for r in reqs}
     running, preempted = list(reqs), set()
     while running:
-        rt.resolve()
+        if read_early:
+            rt.resolve()
         for r in running:
             if r.req_id in preempt and r.req_id not in preempted and r.generated == preempt_after:
                 preempted.add(r.req_id)

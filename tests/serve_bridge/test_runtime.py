@@ -38,49 +38,59 @@ def served(tmp_path) -> dict[str, Path]:
     return paths
 
 
-def _bundle(tmp_path: Path, served: dict[str, Path], hidden: int = H) -> Path:
+def _bundle(tmp_path: Path, served: dict[str, Path], hidden: int = H, lag: int = 0) -> Path:
     fp = {n: adapter_fingerprint(p) for n, p in served.items()}
     entries = [AdapterEntry("prof0", fp["prof0"], "profiled", k=0),
                AdapterEntry("prof2", fp["prof2"], "profiled", k=2),
                AdapterEntry("learn", fp["learn"], "learned", tau=TAU_LEARN,
-                            weight=np.resize(W_LEARN, hidden), bias=B_LEARN),
+                            weight=np.resize(W_LEARN, hidden), bias=B_LEARN, lag=lag),
                AdapterEntry("off", fp["off"], "none"),
                AdapterEntry("tampered", fp["prof2"], "profiled", k=1)]  # calibrated on other weights
     return write_bundle(tmp_path / f"bundle{hidden}", backbone="tiny", hidden_size=hidden,
                         config_fingerprint="0" * 64, adapters=entries)
 
 
-def _reference_release(adapter: str | None) -> callable:
-    """r for a request, computed independently of the runtime (None: never released)."""
+def _reference_release(adapter: str | None, lag: int = 0) -> callable:
+    """r for a request, computed independently of the runtime (None: never released); a learned
+    decision fires after a forward that ran and releases ``lag`` forwards later."""
     def ref(req_id: str, length: int) -> int | None:
         if adapter == "prof0":
             r = 0
         elif adapter == "prof2":
             r = 2
         elif adapter == "learn":
-            r = next((t for t in range(length) if float(W_LEARN @ hidden_state(req_id, t)) + B_LEARN < TAU_LEARN), None)
+            fire = next((t for t in range(length) if float(W_LEARN @ hidden_state(req_id, t)) + B_LEARN < TAU_LEARN),
+                        None)
+            return None if fire is None else fire + lag
         else:
             r = None
         return r if r is not None and r <= length - 1 else None  # a forward that never ran decides nothing
     return ref
 
 
-def _run(rt, reqs: list[WalkRequest], budget: int, preempt: set[str], paths: dict[str, Path]) -> None:
+def _run(rt, reqs: list[WalkRequest], budget: int, preempt: set[str], paths: dict[str, Path], lag: int = 0,
+         read_early: bool = True) -> None:
     """Serve ``reqs`` through the scheduler stand-in (preemption after 4 tokens) and check every
     scheduled position's mapping against the reference release."""
     for r in reqs:
         rt.add(r.req_id, r.adapter, str(paths[r.adapter]) if r.adapter else None, r.prompt)
-    seen = walk(rt, reqs, budget, preempt, preempt_after=4)
+    seen = walk(rt, reqs, budget, preempt, preempt_after=4, read_early=read_early)
     for r in reqs:
-        ref = _reference_release(r.adapter)(r.req_id, r.length)
+        ref = _reference_release(r.adapter, lag)(r.req_id, r.length)
         for pos, lora in seen[r.req_id]:
             expect = r.lora_id if ref is None or pos < r.prompt + ref else 0
             assert lora == expect, (r.req_id, pos, ref)
 
 
-def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
+@pytest.mark.parametrize("lag, read_early", [(0, True), (1, True), (1, False), (0, False)])
+def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog, lag, read_early):
+    """Every scheduled position's adapter, every record and counter follow StepTrim's semantics,
+    with a learned decision lag of 0 or 1, and whether decisions are read as soon as they exist
+    (a synchronous engine) or only when a step needs them (async scheduling): when a decision is
+    read never changes a release."""
     paths = dict(served)
-    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served, lag=lag), H, "cpu")
+    assert rt.hold == lag
     ids = {"prof0": 1, "prof2": 2, "learn": 3, "off": 4, "stranger": 5, "tampered": 6, None: 0}
     rng = np.random.default_rng(0)
     reqs = []
@@ -93,7 +103,7 @@ def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
         if r.req_id in victims:
             r.length = 11
     with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
-        _run(rt, reqs, budget=10, preempt=victims, paths=paths)
+        _run(rt, reqs, budget=10, preempt=victims, paths=paths, lag=lag, read_early=read_early)
     warned = caplog.text
     assert "'stranger' has no policy" in warned and "'tampered'" in warned and "differ from" in warned
     assert warned.count("'stranger' has no policy") == 1  # once per adapter
@@ -103,7 +113,7 @@ def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog):
     assert set(records) == {r.req_id for r in reqs} and not rt.states
     releases = {}
     for r in reqs:
-        ref = _reference_release(r.adapter)(r.req_id, r.length)
+        ref = _reference_release(r.adapter, lag)(r.req_id, r.length)
         assert records[r.req_id]["release"] == ref, r
         assert records[r.req_id]["forwards"] == r.length
         releases[r.req_id] = ref

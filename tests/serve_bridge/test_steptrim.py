@@ -145,23 +145,45 @@ def test_launcher_matches_steptrim_across_buckets(learned):
     policies = _policies(g, n) if learned else [ProfiledPolicy(i) for i in range(n)]
     st = StepTrim(policies, H)
     launcher = DecisionLauncher(st, max_rows=16)
-    assert launcher.mode == "cpu" and sorted(launcher._buckets) == [8, 16]
+    buckets = launcher._lanes[0].buckets
+    assert launcher.mode == "cpu" and sorted(buckets) == [8, 16]
     for total, m in [(40, 33), (5, 2), (40, 40), (9, 9), (70, 1), (3, 3)]:
         hidden = torch.randn(total, H, generator=g)
         rows = sorted(torch.randperm(total, generator=g)[:m].tolist())
         slots = torch.randint(0, n, (m,), generator=g)
         t = torch.randint(0, 8, (m,), generator=g)
         launcher.launch(rows, slots.tolist(), t.tolist(), hidden if learned else None)
-        with pytest.raises(RuntimeError, match="not read"):
+        with pytest.raises(RuntimeError, match="unread"):
             launcher.launch(rows, slots.tolist(), t.tolist(), hidden)
         fired, gpu_ms = launcher.result()
         assert gpu_ms is None and fired.dtype == np.bool_ and fired.shape == (m,)
         assert fired.tolist() == st.fires(slots, t, hidden[rows]).tolist()
-        b = launcher._buckets[bucket_size(m)]
+        b = buckets[bucket_size(m)]
         assert (b.meta_np[1, m:] == NO_SLOT).all() and (b.meta_np[0, m:] == 0).all()  # padding restored
-    assert sorted(launcher._buckets) == [8, 16, 64]  # grown on demand
+    assert sorted(buckets) == [8, 16, 64]  # grown on demand
     with pytest.raises(RuntimeError, match="nothing was launched"):
         launcher.result()
+
+
+def test_launches_in_flight_are_read_oldest_first():
+    """With depth 2 two launches may be unread, each in its own lane (its own input buffers), and
+    results come back in launch order; a third launch waits for a read."""
+    g = torch.Generator().manual_seed(21)
+    st = StepTrim(_policies(g, 4), H)
+    launcher = DecisionLauncher(st, max_rows=16, depth=2)
+    hidden = [torch.randn(10, H, generator=g) for _ in range(3)]
+    calls = [([0, 3, 5], [0, 1, 2], [1, 2, 3]), ([1, 2, 4, 9], [3, 3, 0, 1], [0, 5, 6, 2]), ([7], [2], [4])]
+    expect = [st.fires(torch.tensor(s), torch.tensor(t), h[r]).tolist() for (r, s, t), h in zip(calls, hidden)]
+    launcher.launch(*calls[0], hidden[0])
+    launcher.launch(*calls[1], hidden[1])
+    assert launcher.in_flight == 2
+    with pytest.raises(RuntimeError, match="2 decisions are unread"):
+        launcher.launch(*calls[2], hidden[2])
+    assert launcher.result()[0].tolist() == expect[0]
+    launcher.launch(*calls[2], hidden[2])  # reuses the first lane, whose result was read
+    assert [launcher.result()[0].tolist() for _ in range(2)] == expect[1:]
+    with pytest.raises(ValueError, match="depth must be"):
+        DecisionLauncher(st, depth=0)
 
 
 def test_bucket_sizes():

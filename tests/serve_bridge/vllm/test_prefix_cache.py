@@ -1,6 +1,7 @@
-"""serve_bridge.vllm.prefix_cache: KV-block hash keys for forced releases, over stand-ins for vLLM
-0.26.0's ``v1/core/kv_cache_utils.py`` (its extra keys and chained block hashing restated) and
-``v1/core/block_pool.py``; the settings gate and the calibration runtime's refusal."""
+"""serve_bridge.vllm.prefix_cache: KV-block hash keys for released requests (forced, and marked
+by the release-aware scheduler), over stand-ins for vLLM 0.26.0's ``v1/core/kv_cache_utils.py``
+(its extra keys and chained block hashing restated) and ``v1/core/block_pool.py``; the hit
+counter; the settings gate and the calibration runtime's refusal."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,7 @@ import pytest
 from serve_bridge.vllm import prefix_cache
 from tests.serve_bridge.vllm.stubs import fake_lora_managers
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
-from serve_bridge.vllm.settings import BridgeError, require_supported_engine
+from serve_bridge.vllm.settings import engine_fixes
 from serve_bridge.steptrim import ProfiledPolicy, StepTrim
 
 BLOCK = 4
@@ -101,12 +102,55 @@ def _config(prefix: bool):
 
 def test_prefix_caching_is_allowed_only_with_keyed_blocks(vllm_core):
     assert not prefix_cache.installed()
-    with pytest.raises(BridgeError, match="disable prefix caching"):
-        require_supported_engine(_config(True))  # serving: runtime releases are unknown to the scheduler
+    assert any("disable prefix caching" in f for f in engine_fixes(_config(True)))
     prefix_cache.install()
     assert prefix_cache.installed()
-    require_supported_engine(_config(True), released_blocks_keyed=True)
-    require_supported_engine(_config(False))
+    assert engine_fixes(_config(True), released_blocks_keyed=True) == engine_fixes(_config(False)) == []
+
+
+def test_marked_release_keys_blocks_from_its_position_on(vllm_core):
+    """A release the scheduler learns (a profiled k at admission, a learned decision with a step's
+    output) keys every block hashed after it that reaches it; blocks before it stay shared, and a
+    forced release inside the prompt still wins when it is earlier."""
+    kv, _ = vllm_core
+    prefix_cache.install()
+    tokens = list(range(200, 224))
+    plain = kv.block_hashes(request(tokens))
+    marked = request(tokens)
+    prefix_cache.mark_release(marked, 9)
+    hashed = kv.block_hashes(marked)
+    assert hashed[:2] == plain[:2] and all(a != b for a, b in zip(hashed[2:], plain[2:]))
+    assert prefix_cache.release_position(marked) == 9
+    both = request(tokens, release=5)
+    prefix_cache.mark_release(both, 9)
+    assert prefix_cache.release_position(both) == 5
+    assert kv.block_hashes(both)[1] != hashed[1]  # keyed from the forced position on
+
+
+class _Manager:
+    """A KV-cache manager whose lookups find ``cached`` tokens (vLLM 0.33.0 returns the blocks, the
+    token count and a boundary, ``v1/core/kv_cache_manager.py:266-268``)."""
+
+    def __init__(self, cached: int) -> None:
+        self.cached = cached
+
+    def get_computed_blocks(self, request, max_cache_hit_length=None):
+        return ["block"] * (self.cached // BLOCK), self.cached, 0
+
+
+def test_hit_counter_counts_hits_and_hits_past_the_release(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "HITS", prefix_cache.HitStats())
+    monkeypatch.setattr(prefix_cache, "_attached", False)
+    assert prefix_cache.hit_stats() is None
+    warm, none = _Manager(12), _Manager(0)
+    prefix_cache.HitCounter.attach(warm, BLOCK)
+    prefix_cache.HitCounter.attach(none, BLOCK)
+    assert warm.get_computed_blocks(request(range(16))) == (["block"] * 3, 12, 0)  # the result is vLLM's
+    none.get_computed_blocks(request(range(16)))
+    resumed = request(range(16))
+    prefix_cache.mark_release(resumed, 6)  # a preempted request finding its own blocks [4,8) and [8,12)
+    warm.get_computed_blocks(resumed)
+    assert prefix_cache.hit_stats() == {"lookups": 3, "hit_tokens": 24, "hit_blocks": 6, "released_hit_blocks": 2}
 
 
 def test_calibration_runtime_refuses_a_release_policy_when_prefixes_are_cached():

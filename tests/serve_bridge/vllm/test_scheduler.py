@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from serve_bridge.runtime import build_runtime
-from serve_bridge.vllm.settings import BridgeError, BridgeSettings, require_slot_engine
+from serve_bridge.vllm import prefix_cache
+from serve_bridge.vllm.settings import BridgeError, BridgeSettings, refuse, release_engine_fixes
 from tests.serve_bridge.engine_walk import H, hidden_state
 from tests.serve_bridge.test_runtime import _bundle, _reference_release, served  # noqa: F401 - fixture
 from tests.serve_bridge.vllm.stubs import import_over
@@ -181,6 +182,7 @@ def sched(monkeypatch, request):
 def vllm_config(max_loras: int, scheduler_cls=None, backend="mp"):
     return SimpleNamespace(lora_config=SimpleNamespace(max_loras=max_loras),
                            model_config=SimpleNamespace(get_hidden_size=lambda: H),
+                           cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=4),
                            scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls),
                            parallel_config=SimpleNamespace(distributed_executor_backend=backend))
 
@@ -202,10 +204,11 @@ class Served:
 
 
 def serve(module, tmp_path, paths, specs, *, env, max_loras=2, budget=64, kv_tokens=10_000,
-          scheduler_cls=None) -> Served:
+          scheduler_cls=None, lag: int = 0) -> Served:
     """Run requests ``specs`` [(req_id, adapter, prompt, max_tokens)] through ``scheduler_cls``
-    (default: ReleaseScheduler) and a real ReleaseRuntime as the worker."""
-    bundle = _bundle(tmp_path, paths)
+    (default: ReleaseScheduler) and a real ReleaseRuntime as the worker, whose learned policy has
+    decision lag ``lag``."""
+    bundle = _bundle(tmp_path, paths, lag=lag)
     environ = {"LORAZOR_BUNDLE": str(bundle)} | env
     for k in ("LORAZOR_BUNDLE", "LORAZOR_SLOTS", "LORAZOR_CALIBRATION"):
         environ.setdefault(k, "")
@@ -376,12 +379,13 @@ def test_forced_release_and_unusable_adapters(sched, tmp_path, served, monkeypat
 
 
 def test_refusals(sched, tmp_path, served, monkeypatch):  # noqa: F811
-    with pytest.raises(BridgeError, match=r"scheduler_cls.*'my.Scheduler'.*LORAZOR_SLOTS=0"):
-        require_slot_engine(vllm_config(2, scheduler_cls="my.Scheduler"))
+    with pytest.raises(BridgeError, match=r"scheduler_cls.*'my.Scheduler'"):
+        refuse(release_engine_fixes(vllm_config(2, scheduler_cls="my.Scheduler")))
     with pytest.raises(BridgeError, match=r"distributed_executor_backend 'mp' or 'uni' \(found 'ray'\)"):
-        require_slot_engine(vllm_config(2, backend="ray"))
-    require_slot_engine(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseScheduler", backend="uni"))
-    require_slot_engine(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseAsyncScheduler"))
+        refuse(release_engine_fixes(vllm_config(2, backend="ray")))
+    assert release_engine_fixes(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseScheduler",
+                                            backend="uni")) == []
+    assert release_engine_fixes(vllm_config(2, scheduler_cls="serve_bridge.vllm.scheduler.ReleaseAsyncScheduler")) == []
     with pytest.raises(BridgeError, match="LORAZOR_SLOTS is on in calibration mode"):
         BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1", "LORAZOR_SLOTS": "1"})
     assert not BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1"}).slots
@@ -450,7 +454,7 @@ def test_with_slots_to_spare_the_schedule_is_vllms_own(sched, tmp_path, served, 
     original, hid = base.schedule, []
 
     def spy(self, *args, **kwargs):
-        hid.append(any(r.lora_request is None and r.request_id in self._adapter_of for r in self.running))
+        hid.append(any(isinstance(r.lora_request, sched.UncountedLoRA) for r in self.running))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(base, "schedule", spy)
@@ -461,3 +465,78 @@ def test_with_slots_to_spare_the_schedule_is_vllms_own(sched, tmp_path, served, 
     hid.clear()
     short = serve(sched, tmp_path / "short", served, specs, env={}, max_loras=2)
     assert any(hid) and short.steps > 0
+
+
+
+class RecordingRequest(FakeRequest):
+    """A request that logs, as each output token is appended (the moment vLLM hashes the block it
+    fills), its position and the release position marked on the request then."""
+
+    log: list[tuple[str, int, int | None]] = []
+
+    @property
+    def num_output(self) -> int:
+        return self._num_output
+
+    @num_output.setter
+    def num_output(self, value: int) -> None:
+        if value > getattr(self, "_num_output", 0):
+            self.log.append((self.request_id, self.num_prompt_tokens + self._num_output,
+                             getattr(self, prefix_cache.RELEASE_ATTR, None)))
+        self._num_output = value
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_releases_are_marked_before_their_first_released_token_is_appended(sched, tmp_path, served, lag,  # noqa: F811
+                                                                           asynchronous, monkeypatch):
+    """vLLM hashes a block when the token that fills it is appended (``update_from_output``); the
+    token that forward r produces sits at position P + r, the first whose KV runs without the
+    adapter. Every release (profiled at admission, learned with the output of forward r = t + lag)
+    is marked on the request before that token is appended, so its block and every later one hash
+    with the release point; no other position is ever marked."""
+    monkeypatch.setattr(RecordingRequest, "log", [])
+    monkeypatch.setitem(globals(), "FakeRequest", RecordingRequest)
+    specs = _workload(30, seed=11)
+    cls = sched.ReleaseAsyncScheduler if asynchronous else None
+    serve(sched, tmp_path, served, specs, env={}, scheduler_cls=cls, lag=lag, kv_tokens=60)
+    prompt = {rid: p for rid, _, p, _ in specs}
+    ref = {rid: _reference_release(a if a != "tampered" else None, lag)(rid, 10**6) for rid, a, *_ in specs}
+    released_appends = 0
+    for rid, position, mark in RecordingRequest.log:
+        p = None if ref[rid] is None else prompt[rid] + ref[rid]
+        assert mark in (None, p), (rid, position, mark, p)
+        if p is not None and position >= p:
+            assert mark == p, (rid, position, p)
+            released_appends += 1
+    assert released_appends > 20 and any(a == "learn" and ref[rid] for rid, a, *_ in specs)
+
+
+def test_released_requests_keep_their_lora_for_events_and_keys_during_schedule(sched, tmp_path, served,  # noqa: F811
+                                                                              monkeypatch):
+    """While ``schedule()`` runs, a request that holds no slot shows vLLM's accounting LoRA id 0
+    (skipped: ``lora_int_id > 0``), while its name, path and adapter id, which the block pool's
+    KV-cache events and block keys read during the same call, stay the real ones."""
+    monkeypatch.setenv("LORAZOR_BUNDLE", str(_bundle(tmp_path, served)))
+    s = sched.ReleaseScheduler(vllm_config(1))
+    a = FakeRequest("a", "prof0", str(served["prof0"]), 4, 5)
+    b = FakeRequest("b", "prof2", str(served["prof2"]), 4, 5)
+    s.add_request(a)
+    s.update_from_output(s.schedule(), Output())  # a's prefill; a is released after it (k = 0)
+    s.add_request(b)
+    base = sys.modules["vllm.v1.core.sched.scheduler"].Scheduler
+    seen = []
+    original = base.schedule
+
+    def spy(self, *args, **kwargs):
+        seen.append(a.lora_request)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(base, "schedule", spy)
+    lora = a.lora_request
+    so = s.schedule()
+    shown = seen[0]
+    assert isinstance(shown, sched.UncountedLoRA) and shown.lora_int_id == 0 and bool(shown)
+    assert (shown.lora_name, shown.lora_path, shown.adapter_id) == (lora.lora_name, lora.lora_path, lora.lora_int_id)
+    assert "b" in so.num_scheduled_tokens  # b took a's slot in the same step
+    assert a.lora_request is lora

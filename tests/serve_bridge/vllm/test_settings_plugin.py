@@ -11,8 +11,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from serve_bridge.vllm import lora_manager, plugin, versions
-from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, gridtrim_from_env, parse_adapters,
-                                        require_supported_engine)
+from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env, parse_adapters,
+                                        refuse)
 from tests.serve_bridge.vllm.stubs import fake_lora_managers
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -77,7 +77,13 @@ def _config(**over):
 
 
 def test_engine_gate_accepts_supported_settings():
-    require_supported_engine(_config())
+    assert engine_fixes(_config()) == []
+
+
+def _refused(fixes: list[str], match: str) -> None:
+    with pytest.raises(BridgeError, match=match) as err:
+        refuse(fixes)
+    assert "\n" not in str(err.value)  # one line
 
 
 @pytest.mark.parametrize("over,match", [
@@ -89,30 +95,24 @@ def test_engine_gate_accepts_supported_settings():
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "pipeline_parallel_size=1"),
 ])
 def test_engine_gate_refuses(over, match):
-    with pytest.raises(BridgeError, match=match):
-        require_supported_engine(_config(**over))
+    _refused(engine_fixes(_config(**over)), match)
 
 
-def test_async_scheduling_only_where_allowed():
-    on = _config(scheduler_config=SimpleNamespace(async_scheduling=True))
-    with pytest.raises(BridgeError, match="profiled policies with it, unless LORAZOR_ASYNC_SCHEDULING=0"):
-        require_supported_engine(on)
-    require_supported_engine(on, async_allowed=True)
-    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b"}).async_scheduling is True  # serving: on by default
-    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "1"}).async_scheduling
-    assert BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "off"}).async_scheduling is False
-    assert BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1"}).async_scheduling is False
-    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING is on in calibration mode"):
-        BridgeSettings.from_env({"LORAZOR_CALIBRATION": "1", "LORAZOR_ASYNC_SCHEDULING": "on"})
-    with pytest.raises(BridgeError, match="LORAZOR_ASYNC_SCHEDULING='yes'"):
-        BridgeSettings.from_env({"LORAZOR_BUNDLE": "/b", "LORAZOR_ASYNC_SCHEDULING": "yes"})
+def test_async_scheduling_and_prefix_caching_where_allowed():
+    """vLLM's defaults (async scheduling, prefix caching) pass where the runner plans ahead and
+    released blocks are keyed; elsewhere they are refused."""
+    defaults = _config(scheduler_config=SimpleNamespace(async_scheduling=True),
+                       cache_config=SimpleNamespace(enable_prefix_caching=True))
+    assert engine_fixes(defaults, released_blocks_keyed=True, async_allowed=True) == []
+    _refused(engine_fixes(defaults, released_blocks_keyed=True), "disable async scheduling")
+    _refused(engine_fixes(defaults, async_allowed=True), "disable prefix caching")
 
 
 def test_engine_gate_lists_every_fix_at_once():
-    with pytest.raises(BridgeError) as err:
-        require_supported_engine(_config(cache_config=SimpleNamespace(enable_prefix_caching=True),
-                                         scheduler_config=SimpleNamespace(async_scheduling=True)))
-    assert "prefix caching" in str(err.value) and "async scheduling" in str(err.value)
+    fixes = engine_fixes(_config(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                                 scheduler_config=SimpleNamespace(async_scheduling=True), speculative_config=object(),
+                                 parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
+    _refused(fixes, "prefix caching.*async scheduling.*speculative decoding.*pipeline_parallel_size=1")
 
 
 def test_entry_point_names_register():
@@ -255,8 +255,8 @@ def test_register_refuses_an_unsupported_vllm(monkeypatch, version, v2_runner, m
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
-@pytest.mark.parametrize("slots,installed", [(None, True), ("0", False)])
-def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, installed, version):
+@pytest.mark.parametrize("slots", [None, "0"])
+def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, version):
     _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}), version)
     monkeypatch.delenv("LORAZOR_GRIDTRIM")
     monkeypatch.setenv("LORAZOR_BUNDLE", "/some/bundle")
@@ -265,11 +265,11 @@ def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slot
     else:
         monkeypatch.setenv("LORAZOR_SLOTS", slots)
     calls = []
-    for name in (*RUNNER_MODULE.values(), "scheduler"):
+    for name in (*RUNNER_MODULE.values(), "scheduler", "prefix_cache"):
         stub = ModuleType(f"serve_bridge.vllm.{name}")
         stub.install = lambda name=name: calls.append(name)
         monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{name}", stub)
         monkeypatch.setattr(sys.modules["serve_bridge.vllm"], name, stub, raising=False)
     plugin.register()
     runner = RUNNER_MODULE[version]
-    assert calls == ([runner, "scheduler"] if installed else [runner])
+    assert calls == [runner, "scheduler", "prefix_cache"]  # LORAZOR_SLOTS=0 only stops hand-back

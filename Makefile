@@ -34,7 +34,7 @@ demo: setup
 	$(BIN)/python -m calibrate
 
 # The suite in one worker process per core (pytest-xdist), each on one torch thread: on a 2-core machine
-# 10 min 32 s against 17 min 12 s for one process on two threads (benchmarks/README.md, demo). The hf
+# 10 min 32 s against 17 min 12 s for one process on two threads (benchmarks/results/history.md, demo). The hf
 # engine forks no batch workers of its own there (LORAZOR_HF_WORKERS=1): with them the suite took 805 s
 # instead of about 635 (2026-12-02).
 test: export OMP_NUM_THREADS ?= 1

@@ -1,12 +1,12 @@
 """Timed runs of several live engines, taken in turns, so that a drift of the machine falls on every mode alike.
 
 Engines started one after another see the host at different minutes: on one H200 the same engine's
-runs of the same workload moved by 5-8% from one minute to the next (benchmarks/README.md,
-§Without slot pressure), the size of the differences between modes. Interleaving keeps every
-mode's engine alive in its own subprocess and runs round r = 1..R, in each round every mode once,
-one engine at a time, every other round in the reverse order (:func:`round_order`, which
-``bench.schedule`` uses for passes too);
-a ratio taken within a round compares runs a minute apart at most.
+runs of the same workload moved by 5-8% from one minute to the next
+(benchmarks/results/2026-12-04-suite-goodput.md §2), the size of the differences between modes.
+Interleaving keeps every mode's engine alive in its own subprocess and runs round r = 1..R, in
+each round every mode once, one engine at a time, every other round in the reverse order
+(:func:`round_order`, which ``bench.schedule`` uses for passes too); a ratio taken within a round
+compares runs a minute apart at most.
 
 Semantics of the protocol, one line per message over two inherited pipes per engine: the engine
 says ``ready`` once warm; the orchestrator says ``run``; the engine answers ``done <seconds>``

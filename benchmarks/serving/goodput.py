@@ -280,22 +280,34 @@ def client_env(environ: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")} | OFFLINE
 
 
+def rate_label(rate: float) -> str:
+    """A rate as the client's ``--request-rate`` and the result files name it (``inf``: all at once)."""
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def client_base(base_url: str, model_dir: Path, rate: float, n_prompts: int, seed: int, slo: Slo, result: Path,
+                mode: str) -> list[str]:
+    """``vllm bench serve`` for one rate (``inf``: all at once), without its dataset and adapters:
+    P50/P90/P99 of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at
+    ``result``, ``ignore_eos`` and temperature 1.0."""
+    return [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", base_url,
+            "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
+            "--num-prompts", str(n_prompts), "--request-rate", rate_label(rate),
+            "--burstiness", "1.0", "--seed", str(seed), "--ignore-eos", "--temperature", "1.0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--goodput", f"ttft:{slo.ttft_ms:g}", f"tpot:{slo.tpot_ms:g}",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+            "--metadata", f"mode={mode}", "--disable-tqdm"]
+
+
 def client_command(base_url: str, model_dir: Path, rate: float, n_prompts: int, adapters: Sequence[str],
                    seed: int, slo: Slo, result: Path, mode: str) -> list[str]:
-    """``vllm bench serve`` for one rate (``inf``: all at once): the random dataset of the module
-    doc, an adapter per request drawn uniformly from ``adapters`` (none: the backbone), P50/P90/P99
-    of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at ``result``."""
-    cmd = [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", base_url,
-           "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
-           "--dataset-name", "random", "--random-input-len", str(RANDOM_INPUT[0]),
-           "--random-output-len", str(RANDOM_OUTPUT[0]),
-           "--random-range-ratio", json.dumps({"input": RANDOM_INPUT[1], "output": RANDOM_OUTPUT[1]}),
-           "--num-prompts", str(n_prompts), "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}",
-           "--burstiness", "1.0", "--seed", str(seed), "--ignore-eos", "--temperature", "1.0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-           "--goodput", f"ttft:{slo.ttft_ms:g}", f"tpot:{slo.tpot_ms:g}",
-           "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
-           "--metadata", f"mode={mode}", "--disable-tqdm"]
+    """:func:`client_base` with the random dataset of the module doc and an adapter per request
+    drawn uniformly from ``adapters`` (none: the backbone)."""
+    cmd = client_base(base_url, model_dir, rate, n_prompts, seed, slo, result, mode) + [
+        "--dataset-name", "random", "--random-input-len", str(RANDOM_INPUT[0]),
+        "--random-output-len", str(RANDOM_OUTPUT[0]),
+        "--random-range-ratio", json.dumps({"input": RANDOM_INPUT[1], "output": RANDOM_OUTPUT[1]})]
     if adapters:
         cmd += ["--lora-modules", *adapters, "--lora-assignment", "random"]
     return cmd
@@ -446,15 +458,16 @@ def wait_ready(base_url: str, server: subprocess.Popen, log: Path, timeout_s: fl
         time.sleep(2)
 
 
-def warm_up(base_url: str, models: Sequence[str], workers: int = 32) -> float:
-    """One 4-token completion per name in ``models``, ``workers`` at a time; the seconds taken."""
-    def one(model: str) -> Any:
-        return http_json(base_url + "/v1/completions", {"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 4,
+def warm_up(base_url: str, models: Sequence[str], prompts: Sequence[str] | None = None, workers: int = 32) -> float:
+    """One 4-token completion per name in ``models`` (of ``prompts[i]`` for ``models[i]``, default
+    :data:`WARMUP_PROMPT`), ``workers`` at a time; the seconds taken."""
+    def one(model: str, prompt: str) -> Any:
+        return http_json(base_url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4,
                                                         "ignore_eos": True}, timeout_s=300)
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, models))
+        list(pool.map(one, models, prompts or [WARMUP_PROMPT] * len(models)))
     return time.monotonic() - t0
 
 
@@ -477,38 +490,46 @@ class Mode:
     deadline: float
 
 
-def run_rate(m: Mode, rate: float, n_prompts: int, args: argparse.Namespace, slo: Slo) -> dict[str, Any]:
-    """``vllm bench serve`` at one rate (``inf``: the probe) → the row (with the StepTrim counters'
-    change for steptrim/both); the client's failure or overrun is an error with its log's tail."""
-    label = "inf" if math.isinf(rate) else f"{rate:g}"
-    result, log = m.directory / f"rate_{label}.json", m.directory / f"rate_{label}.log"
+def run_client(cmd: list[str], label: str, log: Path, result: Path, deadline: float) -> tuple[dict[str, Any], float]:
+    """Run ``vllm bench serve`` (``cmd``, environment :func:`client_env`) writing ``result``: its
+    JSON and the wall seconds taken. A failure, or a run past ``deadline`` (``time.monotonic``) less
+    :data:`STOP_RESERVE_S`, is an error naming the rate ``label`` with its log's tail."""
     result.unlink(missing_ok=True)
-    cmd = client_command(m.base_url, m.model_dir, rate, n_prompts, m.adapters, args.seed, slo, result, m.name)
-    env = client_env(dict(os.environ))
-    before = counters(m.base_url) if m.name in bench.STEPTRIM_MODES else None
     t0 = time.monotonic()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=max(1.0, m.deadline - time.monotonic() - STOP_RESERVE_S)).returncode
+            code = subprocess.run(cmd, env=client_env(dict(os.environ)), stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=max(1.0, deadline - time.monotonic() - STOP_RESERVE_S)).returncode
         except subprocess.TimeoutExpired:
             raise HarnessError(f"rate {label}: vllm bench serve ran past the budget; {log} ends:\n" + tail(log)) from None
     if code != 0 or not result.exists():
         raise HarnessError(f"rate {label}: vllm bench serve failed (rc {code}); {log} ends:\n" + tail(log))
-    row = {"rate": None if math.isinf(rate) else rate, "prompts": n_prompts,
-           **parse_result(json.loads(result.read_text())), "wall_s": time.monotonic() - t0, "result": result.name}
+    return json.loads(result.read_text()), time.monotonic() - t0
+
+
+def run_rate(m: Mode, rate: float, n_prompts: int, args: argparse.Namespace, slo: Slo) -> dict[str, Any]:
+    """``vllm bench serve`` at one rate (``inf``: the probe) → the row (with the StepTrim counters'
+    change for steptrim/both)."""
+    label = rate_label(rate)
+    result, log = m.directory / f"rate_{label}.json", m.directory / f"rate_{label}.log"
+    cmd = client_command(m.base_url, m.model_dir, rate, n_prompts, m.adapters, args.seed, slo, result, m.name)
+    before = counters(m.base_url) if m.name in bench.STEPTRIM_MODES else None
+    data, wall_s = run_client(cmd, label, log, result, m.deadline)
+    row = {"rate": None if math.isinf(rate) else rate, "prompts": n_prompts, **parse_result(data), "wall_s": wall_s,
+           "result": result.name}
     if before is not None:
         row["counters"] = counter_delta(before, counters(m.base_url))
     return row
 
 
-def sweep_mode(m: Mode, entry: dict[str, Any], args: argparse.Namespace, slo: Slo,
-               flush: Callable[[], None]) -> None:
+def sweep_mode(measure: Callable[[float, int], dict[str, Any]], entry: dict[str, Any], args: argparse.Namespace,
+               slo: Slo, deadline: float, flush: Callable[[], None]) -> None:
     """The probe (unless ``--start-rate``), then the rates of :func:`next_rate` while the budget
-    allows; every row goes into ``entry`` and the table as it comes."""
+    (``deadline``, ``time.monotonic``) allows, each measured by ``measure(rate, requests)`` → its
+    row; every row goes into ``entry`` and the table as it comes."""
     overhead, capacity, start = args.client_overhead_s, None, args.start_rate
     if start is None:
-        probe = run_rate(m, math.inf, args.probe_prompts, args, slo)
+        probe = measure(math.inf, args.probe_prompts)
         entry["rows"].append(probe)
         flush()
         capacity = probe["request_throughput"]
@@ -518,15 +539,39 @@ def sweep_mode(m: Mode, entry: dict[str, Any], args: argparse.Namespace, slo: Sl
     while (rate := next_rate(points_of(entry, slo), start, sweep)) is not None:
         n = prompts_for(rate, args.duration_s, args.min_prompts)
         need = predicted_wall_s(rate, n, overhead, capacity)
-        left = m.deadline - time.monotonic() - STOP_RESERVE_S
+        left = deadline - time.monotonic() - STOP_RESERVE_S
         if need > left:
             entry["facts"].append(f"rate {rate:g} not run: it needs about {need:.0f} s, {left:.0f} s left")
             break
-        print(f"  {m.name}: rate {rate:g} req/s, {n} requests", flush=True)
-        row = run_rate(m, rate, n, args, slo)
+        print(f"  rate {rate:g} req/s, {n} requests", flush=True)
+        row = measure(rate, n)
         entry["rows"].append(row)
         flush()
         overhead = max(0.0, row["wall_s"] - row["duration_s"])
+
+
+def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], log: Path, base_url: str,
+                served: Sequence[str], want: set[str], timeout_s: float, deadline: float,
+                body: Callable[[], None], flush: Callable[[], None]) -> None:
+    """Start ``command`` (``vllm serve``) with ``env``, output to ``log``; once it answers and serves
+    every name in ``served``, check that its log shows exactly the plugin lines ``want``
+    (:func:`found_markers`), then run ``body``; stop the server and flush the table. A HarnessError
+    or OSError on the way becomes the ``entry``'s ``error``."""
+    server = start_server(command, env, log)
+    try:
+        ready_s = wait_ready(base_url, server, log, min(timeout_s, deadline - time.monotonic()), served)
+        entry["facts"].append(f"server ready after {ready_s:.0f} s")
+        found = found_markers(log.read_text(errors="replace"))
+        if found != want:
+            raise HarnessError(f"the server log shows the plugin lines {sorted(found)}, expected {sorted(want)}: not "
+                               f"this mode's configuration (see {log})")
+        body()
+    except (HarnessError, OSError) as e:
+        entry["error"] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        print(f"  {log.parent.name}: {entry['error']}", flush=True)
+    finally:
+        stop_server(server)
+        flush()
 
 
 def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle: Path, deadline: float, slo: Slo,
@@ -540,29 +585,19 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     port = args.port or free_port()
     m = Mode(mode, f"http://127.0.0.1:{port}", work / "model", [] if mode == "nolora" else list(adapters),
              directory, deadline)
-    log = directory / "server.log"
     command = server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes,
                              args.async_scheduling)
     if args.async_scheduling:
         entry["facts"].append("async scheduling (vLLM 0.33's default)")
-    server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters), log)
-    try:
-        ready_s = wait_ready(m.base_url, server, log, min(args.ready_timeout_s, deadline - time.monotonic()), m.adapters)
-        entry["facts"].append(f"server ready after {ready_s:.0f} s")
-        found, want = found_markers(log.read_text(errors="replace")), expected_markers(mode)
-        if found != want:
-            raise HarnessError(f"the server log shows the plugin lines {sorted(found)}, expected {sorted(want)}: not "
-                               f"this mode's configuration (see {log})")
+
+    def body() -> None:
         warm_s = warm_up(m.base_url, m.adapters or [str(m.model_dir)] * args.adapters)
         entry["facts"].append(f"warm-up {args.adapters} requests {warm_s:.1f} s")
         flush()
-        sweep_mode(m, entry, args, slo, flush)
-    except (HarnessError, OSError) as e:
-        entry["error"] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
-        print(f"  {mode}: {entry['error']}", flush=True)
-    finally:
-        stop_server(server)
-        flush()
+        sweep_mode(lambda rate, n: run_rate(m, rate, n, args, slo), entry, args, slo, deadline, flush)
+
+    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters), directory / "server.log",
+                m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline, body, flush)
 
 
 def first_line(cmd: list[str]) -> str | None:
@@ -674,6 +709,29 @@ def orchestrate(args: argparse.Namespace) -> int:
     return int(rc)
 
 
+def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the SLO, the rate sweep, the call's budget and the server (shared with
+    :mod:`benchmarks.serving.chat`)."""
+    ap.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_ms, help="SLO on the P90 time to first token")
+    ap.add_argument("--tpot-slo-ms", type=float, default=Slo.tpot_ms, help="SLO on the P90 time per output token")
+    ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per rate")
+    ap.add_argument("--min-prompts", type=int, default=200, help="requests per rate at least")
+    ap.add_argument("--probe-prompts", type=int, default=512, help="requests of the all-at-once capacity probe")
+    ap.add_argument("--start-rate", type=float, default=None, metavar="R",
+                    help="first rate (req/s) of every mode, instead of a fraction of the probe's throughput")
+    ap.add_argument("--start-fraction", type=float, default=0.5, help="first rate as a fraction of the probe's req/s")
+    ap.add_argument("--factor", type=float, default=Sweep.factor, help="ladder step between rates")
+    ap.add_argument("--tolerance", type=float, default=Sweep.tolerance,
+                    help="stop once the lowest rate missing the SLO is within this of the highest meeting it")
+    ap.add_argument("--min-rate", type=float, default=Sweep.min_rate, help="the lowest rate tried (req/s)")
+    ap.add_argument("--budget-s", type=float, default=560, help="the whole call's time; no rate starts past it")
+    ap.add_argument("--min-mode-s", type=float, default=180, help="do not start a server with less time left")
+    ap.add_argument("--ready-timeout-s", type=float, default=300, help="vllm serve's start-up, at most")
+    ap.add_argument("--client-overhead-s", type=float, default=30,
+                    help="a client run's time besides serving (start-up, dataset), until one is measured")
+    ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_goodput_out")))
@@ -693,24 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
                     help="CUDA graph sizes (full graphs for every step up to the largest)")
-    ap.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_ms, help="SLO on the P90 time to first token")
-    ap.add_argument("--tpot-slo-ms", type=float, default=Slo.tpot_ms, help="SLO on the P90 time per output token")
-    ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per rate")
-    ap.add_argument("--min-prompts", type=int, default=200, help="requests per rate at least")
-    ap.add_argument("--probe-prompts", type=int, default=512, help="requests of the all-at-once capacity probe")
-    ap.add_argument("--start-rate", type=float, default=None, metavar="R",
-                    help="first rate (req/s) of every mode, instead of a fraction of the probe's throughput")
-    ap.add_argument("--start-fraction", type=float, default=0.5, help="first rate as a fraction of the probe's req/s")
-    ap.add_argument("--factor", type=float, default=Sweep.factor, help="ladder step between rates")
-    ap.add_argument("--tolerance", type=float, default=Sweep.tolerance,
-                    help="stop once the lowest rate missing the SLO is within this of the highest meeting it")
-    ap.add_argument("--min-rate", type=float, default=Sweep.min_rate, help="the lowest rate tried (req/s)")
-    ap.add_argument("--budget-s", type=float, default=560, help="the whole call's time; no rate starts past it")
-    ap.add_argument("--min-mode-s", type=float, default=180, help="do not start a server with less time left")
-    ap.add_argument("--ready-timeout-s", type=float, default=300, help="vllm serve's start-up, at most")
-    ap.add_argument("--client-overhead-s", type=float, default=30,
-                    help="a client run's time besides serving (start-up, dataset), until one is measured")
-    ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    add_sweep_arguments(ap)
     return orchestrate(ap.parse_args(argv))
 
 

@@ -667,17 +667,24 @@ def load_table(path: Path, pre: list[str], append: bool) -> dict[str, Any] | Non
     return {"preamble": pre, "modes": {}, "notes": [], "ratio": ""}
 
 
+def refusal(name: str, version: str | None, versions: Sequence[str], why: str, n_adapters: int,
+            max_loras: int) -> str | None:
+    """The line refusing a harness ``name`` before it starts: a vLLM other than ``versions``
+    (``why`` those), or host memory short of ``n_adapters`` kept adapters; None when it may run."""
+    if version not in versions:
+        return f"{name} runs on vLLM {' or '.join(versions)} ({why}); found {version or 'no vLLM'}"
+    needed = bench.host_bytes_needed(bench.LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
+    problem = bench.host_memory_problem(needed, bench.host_memory_available())
+    return None if problem is None else f"{name}: {problem}"
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     version = installed_version()
-    if version not in SUPPORTED:
-        print(f"goodput runs on vLLM {' or '.join(SUPPORTED)} (`vllm bench serve` of both lines has every option "
-              f"used here); found {version or 'no vLLM'}", file=sys.stderr)
-        return 2
-    needed = bench.host_bytes_needed(bench.LLAMA32_3B, bench.RANK, args.adapters, args.max_loras, None)
-    if problem := bench.host_memory_problem(needed, bench.host_memory_available()):
-        print(f"goodput: {problem}", file=sys.stderr)
+    if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of both lines has every option used here",
+                          args.adapters, args.max_loras):
+        print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -694,18 +701,28 @@ def orchestrate(args: argparse.Namespace) -> int:
         (args.out / "goodput.json").write_text(json.dumps(doc, indent=1))
         (args.out / "goodput.txt").write_text(render(doc, slo))
 
+    rc = run_modes(doc, args, start, deadline, lambda mode, entry: run_mode(mode, entry, args, bundle, deadline, slo,
+                                                                            flush), flush)
+    print((args.out / "goodput.txt").read_text(), flush=True)  # ends with the ratio line
+    return rc
+
+
+def run_modes(doc: dict[str, Any], args: argparse.Namespace, start: float, deadline: float,
+              run: Callable[[str, dict[str, Any]], None], flush: Callable[[], None]) -> int:
+    """Each of ``args.modes`` in turn, its fresh entry of ``doc`` filled by ``run(mode, entry)``,
+    while ``--min-mode-s`` of the budget is left (else a note says it was not run); the table
+    flushed last. 1 when a mode stopped with an error, else 0."""
     rc = 0
     for mode in args.modes:
         left = deadline - time.monotonic()
         if left < args.min_mode_s:
             doc["notes"].append(f"{mode}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
             continue
-        print(f"[{time.monotonic() - start:5.0f} s] {mode}: starting vllm serve ({left:.0f} s left)", flush=True)
+        print(f"[{time.monotonic() - start:5.0f} s] {mode}: starting ({left:.0f} s left)", flush=True)
         entry = doc["modes"][mode] = {"facts": [], "rows": [], "error": None}
-        run_mode(mode, entry, args, bundle, deadline, slo, flush)
+        run(mode, entry)
         rc |= entry["error"] is not None
     flush()
-    print((args.out / "goodput.txt").read_text(), flush=True)  # ends with the ratio line
     return int(rc)
 
 
@@ -732,18 +749,25 @@ def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_goodput_out")))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_goodput"),
-                    help="model directory, adapters and bundle (kept between calls with the same adapters)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[str],
+                        default_modes: Sequence[str]) -> None:
+    """Where a table of ``name`` goes (``OUT/<name>.json`` and ``.txt``) and what it holds: ``--out``,
+    ``--work``, ``--modes``, ``--append``, ``--max-loras`` (shared with :mod:`benchmarks.serving.chat`)."""
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", f"/tmp/lorazor_{name}_out")))
+    ap.add_argument("--work", type=Path, default=Path(f"/tmp/lorazor_{name}"),
+                    help="model directory, adapters and bundles (kept between calls with the same adapters)")
+    ap.add_argument("--modes", nargs="+", choices=modes, default=list(default_modes),
                     help="modes to run, in this order, each in its own server")
     ap.add_argument("--append", action="store_true",
-                    help="keep the other modes of OUT/goodput.json (same vLLM, model, workload and SLO): one table "
+                    help=f"keep the other modes of OUT/{name}.json (same vLLM, model, workload and SLO): one table "
                          "over several calls")
-    ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
     ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_table_arguments(ap, "goodput", MODES, DEFAULT_MODES)
+    ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="every server schedules asynchronously (vLLM 0.33's default)")
     ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,

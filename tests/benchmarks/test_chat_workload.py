@@ -104,8 +104,8 @@ def test_prep_rows_cover_each_adapter_with_disjoint_parts():
 
 def test_dataset_file_as_vllms_custom_dataset_reads_it(tmp_path, rows):
     """vLLM 0.33.0's custom dataset: pandas.read_json(lines=True) with a 'prompt' column
-    (benchmarks/datasets/datasets.py:2451-2468), each row's 'output_tokens' as int (:2505-2519), the
-    prompt's length as the client tokenizer counts it without a chat template (:2523-2532)."""
+    (benchmarks/datasets/datasets.py:2453-2465), each row's 'output_tokens' as int (:2507-2521), the
+    prompt's length as the client tokenizer counts it without a chat template (:2529-2537)."""
     pd = pytest.importorskip("pandas")
     transformers = pytest.importorskip("transformers")
     names = [bench.adapter_name(a) for a in range(SHAPE.n_adapters)]

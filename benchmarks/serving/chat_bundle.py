@@ -254,6 +254,7 @@ def prepare_bundle(args: argparse.Namespace) -> dict[str, Any]:
     heads = fit_adapter_heads(fit)
     seconds["heads"] = time.monotonic() - t0
     t0 = time.monotonic()
+    # the scorer records s_t = w·h_t + b at every forward; its τ (0 here) decides nothing in this pass
     scorer = StepTrim([learned_entry(n, fingerprints[n], heads[a], 0.0, {}).to_policy() for a, n in enumerate(names)],
                       hidden)
     heldout = run_pass(llm, args.work, prep_rows(shape, args.seed, 1, range(distinct), args.heldout_requests), names,

@@ -14,6 +14,14 @@
 #               and P90 TPOT <= 50 ms (benchmarks/serving/goodput.py); one mode per call: MODES=both, then
 #               MODES=gridtrim, then MODES=stock, the same OUT_DIR; prints
 #                 goodput 512/32: both/gridtrim = X.XX, both/stock = Y.YY (those measured)
+#   chat512     a chat workload (per-adapter system prompts, multi-turn follow-ups, Zipf popularity), 512 adapters,
+#               max_loras 32, against vLLM's defaults (torch.compile, async scheduling, prefix caching), through
+#               `vllm serve` and `vllm bench serve` (benchmarks/serving/chat.py): goodput, P99s, prefix-cache hits,
+#               adapters meeting the SLO; one mode per call: MODES=lorazor (prepares the learned bundle first), then
+#               MODES=lorazor-sync with BUNDLE=OUT_DIR/chat512/learned, then gridtrim, stock, nolora, the same OUT_DIR;
+#               prints
+#                 chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
+#                 learned async/sync = Z.ZZ
 # Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections (llama8b256: Llama-3.1-8B, rank 16),
 # full CUDA graphs, REQUESTS
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
@@ -23,17 +31,19 @@
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
 # Writes OUT_DIR/<table>/bench.{txt,json}, OUT_DIR/correctness/check_slots.md, or OUT_DIR/goodput512/goodput.{txt,json}
-# (with each mode's server log and each rate's vllm bench serve result and log under OUT_DIR/goodput512/<mode>/).
+# (with each mode's server log and each rate's vllm bench serve result and log under OUT_DIR/goodput512/<mode>/), or
+# OUT_DIR/chat512/chat.{txt,json} (likewise per mode, and the learned bundle in OUT_DIR/chat512/learned).
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
 # once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); ASYNC=1 (offline
-# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode); MODES="stock nolora" runs only those
+# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode); BUNDLE (chat512: the learned bundle
+# the lorazor modes serve); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
-[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 llama8b256 poisson512 goodput512" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "name at least one table: correctness uniform512 skewed1024 full128 llama8b256 poisson512 goodput512 chat512" >&2; exit 2; }
 requests=${REQUESTS:-2048}
 budget=${BUDGET_S:-560}
 source "$(dirname "$0")/env.sh"  # the plugin's entry point for a checkout; sets root
@@ -95,8 +105,12 @@ PY
         python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
             ${ASYNC:+--async-scheduling} || rc=1 ;;
+    chat512)  # vLLM's defaults in every server; the learned bundle is prepared on the GPU unless BUNDLE names one
+        python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
+            --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
+            ${BUNDLE:+--bundle "$BUNDLE"} || rc=1 ;;
     *)
-        echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512 or goodput512" >&2
+        echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512, goodput512 or chat512" >&2
         exit 2 ;;
     esac
 done

@@ -280,22 +280,34 @@ def client_env(environ: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith("LORAZOR_")} | OFFLINE
 
 
+def rate_label(rate: float) -> str:
+    """A rate as the client's ``--request-rate`` and the result files name it (``inf``: all at once)."""
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def client_base(base_url: str, model_dir: Path, rate: float, n_prompts: int, seed: int, slo: Slo, result: Path,
+                mode: str) -> list[str]:
+    """``vllm bench serve`` for one rate (``inf``: all at once), without its dataset and adapters:
+    P50/P90/P99 of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at
+    ``result``, ``ignore_eos`` and temperature 1.0."""
+    return [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", base_url,
+            "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
+            "--num-prompts", str(n_prompts), "--request-rate", rate_label(rate),
+            "--burstiness", "1.0", "--seed", str(seed), "--ignore-eos", "--temperature", "1.0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--goodput", f"ttft:{slo.ttft_ms:g}", f"tpot:{slo.tpot_ms:g}",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+            "--metadata", f"mode={mode}", "--disable-tqdm"]
+
+
 def client_command(base_url: str, model_dir: Path, rate: float, n_prompts: int, adapters: Sequence[str],
                    seed: int, slo: Slo, result: Path, mode: str) -> list[str]:
-    """``vllm bench serve`` for one rate (``inf``: all at once): the random dataset of the module
-    doc, an adapter per request drawn uniformly from ``adapters`` (none: the backbone), P50/P90/P99
-    of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at ``result``."""
-    cmd = [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", base_url,
-           "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
-           "--dataset-name", "random", "--random-input-len", str(RANDOM_INPUT[0]),
-           "--random-output-len", str(RANDOM_OUTPUT[0]),
-           "--random-range-ratio", json.dumps({"input": RANDOM_INPUT[1], "output": RANDOM_OUTPUT[1]}),
-           "--num-prompts", str(n_prompts), "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}",
-           "--burstiness", "1.0", "--seed", str(seed), "--ignore-eos", "--temperature", "1.0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-           "--goodput", f"ttft:{slo.ttft_ms:g}", f"tpot:{slo.tpot_ms:g}",
-           "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
-           "--metadata", f"mode={mode}", "--disable-tqdm"]
+    """:func:`client_base` with the random dataset of the module doc and an adapter per request
+    drawn uniformly from ``adapters`` (none: the backbone)."""
+    cmd = client_base(base_url, model_dir, rate, n_prompts, seed, slo, result, mode) + [
+        "--dataset-name", "random", "--random-input-len", str(RANDOM_INPUT[0]),
+        "--random-output-len", str(RANDOM_OUTPUT[0]),
+        "--random-range-ratio", json.dumps({"input": RANDOM_INPUT[1], "output": RANDOM_OUTPUT[1]})]
     if adapters:
         cmd += ["--lora-modules", *adapters, "--lora-assignment", "random"]
     return cmd
@@ -446,15 +458,16 @@ def wait_ready(base_url: str, server: subprocess.Popen, log: Path, timeout_s: fl
         time.sleep(2)
 
 
-def warm_up(base_url: str, models: Sequence[str], workers: int = 32) -> float:
-    """One 4-token completion per name in ``models``, ``workers`` at a time; the seconds taken."""
-    def one(model: str) -> Any:
-        return http_json(base_url + "/v1/completions", {"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 4,
+def warm_up(base_url: str, models: Sequence[str], prompts: Sequence[str] | None = None, workers: int = 32) -> float:
+    """One 4-token completion per name in ``models`` (of ``prompts[i]`` for ``models[i]``, default
+    :data:`WARMUP_PROMPT`), ``workers`` at a time; the seconds taken."""
+    def one(model: str, prompt: str) -> Any:
+        return http_json(base_url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4,
                                                         "ignore_eos": True}, timeout_s=300)
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, models))
+        list(pool.map(one, models, prompts or [WARMUP_PROMPT] * len(models)))
     return time.monotonic() - t0
 
 
@@ -477,38 +490,46 @@ class Mode:
     deadline: float
 
 
-def run_rate(m: Mode, rate: float, n_prompts: int, args: argparse.Namespace, slo: Slo) -> dict[str, Any]:
-    """``vllm bench serve`` at one rate (``inf``: the probe) → the row (with the StepTrim counters'
-    change for steptrim/both); the client's failure or overrun is an error with its log's tail."""
-    label = "inf" if math.isinf(rate) else f"{rate:g}"
-    result, log = m.directory / f"rate_{label}.json", m.directory / f"rate_{label}.log"
+def run_client(cmd: list[str], label: str, log: Path, result: Path, deadline: float) -> tuple[dict[str, Any], float]:
+    """Run ``vllm bench serve`` (``cmd``, environment :func:`client_env`) writing ``result``: its
+    JSON and the wall seconds taken. A failure, or a run past ``deadline`` (``time.monotonic``) less
+    :data:`STOP_RESERVE_S`, is an error naming the rate ``label`` with its log's tail."""
     result.unlink(missing_ok=True)
-    cmd = client_command(m.base_url, m.model_dir, rate, n_prompts, m.adapters, args.seed, slo, result, m.name)
-    env = client_env(dict(os.environ))
-    before = counters(m.base_url) if m.name in bench.STEPTRIM_MODES else None
     t0 = time.monotonic()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=max(1.0, m.deadline - time.monotonic() - STOP_RESERVE_S)).returncode
+            code = subprocess.run(cmd, env=client_env(dict(os.environ)), stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=max(1.0, deadline - time.monotonic() - STOP_RESERVE_S)).returncode
         except subprocess.TimeoutExpired:
             raise HarnessError(f"rate {label}: vllm bench serve ran past the budget; {log} ends:\n" + tail(log)) from None
     if code != 0 or not result.exists():
         raise HarnessError(f"rate {label}: vllm bench serve failed (rc {code}); {log} ends:\n" + tail(log))
-    row = {"rate": None if math.isinf(rate) else rate, "prompts": n_prompts,
-           **parse_result(json.loads(result.read_text())), "wall_s": time.monotonic() - t0, "result": result.name}
+    return json.loads(result.read_text()), time.monotonic() - t0
+
+
+def run_rate(m: Mode, rate: float, n_prompts: int, args: argparse.Namespace, slo: Slo) -> dict[str, Any]:
+    """``vllm bench serve`` at one rate (``inf``: the probe) → the row (with the StepTrim counters'
+    change for steptrim/both)."""
+    label = rate_label(rate)
+    result, log = m.directory / f"rate_{label}.json", m.directory / f"rate_{label}.log"
+    cmd = client_command(m.base_url, m.model_dir, rate, n_prompts, m.adapters, args.seed, slo, result, m.name)
+    before = counters(m.base_url) if m.name in bench.STEPTRIM_MODES else None
+    data, wall_s = run_client(cmd, label, log, result, m.deadline)
+    row = {"rate": None if math.isinf(rate) else rate, "prompts": n_prompts, **parse_result(data), "wall_s": wall_s,
+           "result": result.name}
     if before is not None:
         row["counters"] = counter_delta(before, counters(m.base_url))
     return row
 
 
-def sweep_mode(m: Mode, entry: dict[str, Any], args: argparse.Namespace, slo: Slo,
-               flush: Callable[[], None]) -> None:
+def sweep_mode(measure: Callable[[float, int], dict[str, Any]], entry: dict[str, Any], args: argparse.Namespace,
+               slo: Slo, deadline: float, flush: Callable[[], None]) -> None:
     """The probe (unless ``--start-rate``), then the rates of :func:`next_rate` while the budget
-    allows; every row goes into ``entry`` and the table as it comes."""
+    (``deadline``, ``time.monotonic``) allows, each measured by ``measure(rate, requests)`` → its
+    row; every row goes into ``entry`` and the table as it comes."""
     overhead, capacity, start = args.client_overhead_s, None, args.start_rate
     if start is None:
-        probe = run_rate(m, math.inf, args.probe_prompts, args, slo)
+        probe = measure(math.inf, args.probe_prompts)
         entry["rows"].append(probe)
         flush()
         capacity = probe["request_throughput"]
@@ -518,15 +539,39 @@ def sweep_mode(m: Mode, entry: dict[str, Any], args: argparse.Namespace, slo: Sl
     while (rate := next_rate(points_of(entry, slo), start, sweep)) is not None:
         n = prompts_for(rate, args.duration_s, args.min_prompts)
         need = predicted_wall_s(rate, n, overhead, capacity)
-        left = m.deadline - time.monotonic() - STOP_RESERVE_S
+        left = deadline - time.monotonic() - STOP_RESERVE_S
         if need > left:
             entry["facts"].append(f"rate {rate:g} not run: it needs about {need:.0f} s, {left:.0f} s left")
             break
-        print(f"  {m.name}: rate {rate:g} req/s, {n} requests", flush=True)
-        row = run_rate(m, rate, n, args, slo)
+        print(f"  rate {rate:g} req/s, {n} requests", flush=True)
+        row = measure(rate, n)
         entry["rows"].append(row)
         flush()
         overhead = max(0.0, row["wall_s"] - row["duration_s"])
+
+
+def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], log: Path, base_url: str,
+                served: Sequence[str], want: set[str], timeout_s: float, deadline: float,
+                body: Callable[[], None], flush: Callable[[], None]) -> None:
+    """Start ``command`` (``vllm serve``) with ``env``, output to ``log``; once it answers and serves
+    every name in ``served``, check that its log shows exactly the plugin lines ``want``
+    (:func:`found_markers`), then run ``body``; stop the server and flush the table. A HarnessError
+    or OSError on the way becomes the ``entry``'s ``error``."""
+    server = start_server(command, env, log)
+    try:
+        ready_s = wait_ready(base_url, server, log, min(timeout_s, deadline - time.monotonic()), served)
+        entry["facts"].append(f"server ready after {ready_s:.0f} s")
+        found = found_markers(log.read_text(errors="replace"))
+        if found != want:
+            raise HarnessError(f"the server log shows the plugin lines {sorted(found)}, expected {sorted(want)}: not "
+                               f"this mode's configuration (see {log})")
+        body()
+    except (HarnessError, OSError) as e:
+        entry["error"] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        print(f"  {log.parent.name}: {entry['error']}", flush=True)
+    finally:
+        stop_server(server)
+        flush()
 
 
 def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle: Path, deadline: float, slo: Slo,
@@ -540,29 +585,19 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     port = args.port or free_port()
     m = Mode(mode, f"http://127.0.0.1:{port}", work / "model", [] if mode == "nolora" else list(adapters),
              directory, deadline)
-    log = directory / "server.log"
     command = server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes,
                              args.async_scheduling)
     if args.async_scheduling:
         entry["facts"].append("async scheduling (vLLM 0.33's default)")
-    server = start_server(command, server_env(mode, dict(os.environ), bundle, adapters), log)
-    try:
-        ready_s = wait_ready(m.base_url, server, log, min(args.ready_timeout_s, deadline - time.monotonic()), m.adapters)
-        entry["facts"].append(f"server ready after {ready_s:.0f} s")
-        found, want = found_markers(log.read_text(errors="replace")), expected_markers(mode)
-        if found != want:
-            raise HarnessError(f"the server log shows the plugin lines {sorted(found)}, expected {sorted(want)}: not "
-                               f"this mode's configuration (see {log})")
+
+    def body() -> None:
         warm_s = warm_up(m.base_url, m.adapters or [str(m.model_dir)] * args.adapters)
         entry["facts"].append(f"warm-up {args.adapters} requests {warm_s:.1f} s")
         flush()
-        sweep_mode(m, entry, args, slo, flush)
-    except (HarnessError, OSError) as e:
-        entry["error"] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
-        print(f"  {mode}: {entry['error']}", flush=True)
-    finally:
-        stop_server(server)
-        flush()
+        sweep_mode(lambda rate, n: run_rate(m, rate, n, args, slo), entry, args, slo, deadline, flush)
+
+    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters), directory / "server.log",
+                m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline, body, flush)
 
 
 def first_line(cmd: list[str]) -> str | None:
@@ -632,17 +667,24 @@ def load_table(path: Path, pre: list[str], append: bool) -> dict[str, Any] | Non
     return {"preamble": pre, "modes": {}, "notes": [], "ratio": ""}
 
 
+def refusal(name: str, version: str | None, versions: Sequence[str], why: str, n_adapters: int,
+            max_loras: int) -> str | None:
+    """The line refusing a harness ``name`` before it starts: a vLLM other than ``versions``
+    (``why`` those), or host memory short of ``n_adapters`` kept adapters; None when it may run."""
+    if version not in versions:
+        return f"{name} runs on vLLM {' or '.join(versions)} ({why}); found {version or 'no vLLM'}"
+    needed = bench.host_bytes_needed(bench.LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
+    problem = bench.host_memory_problem(needed, bench.host_memory_available())
+    return None if problem is None else f"{name}: {problem}"
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     version = installed_version()
-    if version not in SUPPORTED:
-        print(f"goodput runs on vLLM {' or '.join(SUPPORTED)} (`vllm bench serve` of both lines has every option "
-              f"used here); found {version or 'no vLLM'}", file=sys.stderr)
-        return 2
-    needed = bench.host_bytes_needed(bench.LLAMA32_3B, bench.RANK, args.adapters, args.max_loras, None)
-    if problem := bench.host_memory_problem(needed, bench.host_memory_available()):
-        print(f"goodput: {problem}", file=sys.stderr)
+    if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of both lines has every option used here",
+                          args.adapters, args.max_loras):
+        print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -659,40 +701,34 @@ def orchestrate(args: argparse.Namespace) -> int:
         (args.out / "goodput.json").write_text(json.dumps(doc, indent=1))
         (args.out / "goodput.txt").write_text(render(doc, slo))
 
+    rc = run_modes(doc, args, start, deadline, lambda mode, entry: run_mode(mode, entry, args, bundle, deadline, slo,
+                                                                            flush), flush)
+    print((args.out / "goodput.txt").read_text(), flush=True)  # ends with the ratio line
+    return rc
+
+
+def run_modes(doc: dict[str, Any], args: argparse.Namespace, start: float, deadline: float,
+              run: Callable[[str, dict[str, Any]], None], flush: Callable[[], None]) -> int:
+    """Each of ``args.modes`` in turn, its fresh entry of ``doc`` filled by ``run(mode, entry)``,
+    while ``--min-mode-s`` of the budget is left (else a note says it was not run); the table
+    flushed last. 1 when a mode stopped with an error, else 0."""
     rc = 0
     for mode in args.modes:
         left = deadline - time.monotonic()
         if left < args.min_mode_s:
             doc["notes"].append(f"{mode}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
             continue
-        print(f"[{time.monotonic() - start:5.0f} s] {mode}: starting vllm serve ({left:.0f} s left)", flush=True)
+        print(f"[{time.monotonic() - start:5.0f} s] {mode}: starting ({left:.0f} s left)", flush=True)
         entry = doc["modes"][mode] = {"facts": [], "rows": [], "error": None}
-        run_mode(mode, entry, args, bundle, deadline, slo, flush)
+        run(mode, entry)
         rc |= entry["error"] is not None
     flush()
-    print((args.out / "goodput.txt").read_text(), flush=True)  # ends with the ratio line
     return int(rc)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_goodput_out")))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_goodput"),
-                    help="model directory, adapters and bundle (kept between calls with the same adapters)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
-                    help="modes to run, in this order, each in its own server")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the other modes of OUT/goodput.json (same vLLM, model, workload and SLO): one table "
-                         "over several calls")
-    ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
-    ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="every server schedules asynchronously (vLLM 0.33's default)")
-    ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
-                    help="requests of bench.py's workload the bundle's k are profiled on")
-    ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")
-    ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
-                    help="CUDA graph sizes (full graphs for every step up to the largest)")
+def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the SLO, the rate sweep, the call's budget and the server (shared with
+    :mod:`benchmarks.serving.chat`)."""
     ap.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_ms, help="SLO on the P90 time to first token")
     ap.add_argument("--tpot-slo-ms", type=float, default=Slo.tpot_ms, help="SLO on the P90 time per output token")
     ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per rate")
@@ -711,6 +747,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--client-overhead-s", type=float, default=30,
                     help="a client run's time besides serving (start-up, dataset), until one is measured")
     ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+
+
+def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[str],
+                        default_modes: Sequence[str]) -> None:
+    """Where a table of ``name`` goes (``OUT/<name>.json`` and ``.txt``) and what it holds: ``--out``,
+    ``--work``, ``--modes``, ``--append``, ``--max-loras`` (shared with :mod:`benchmarks.serving.chat`)."""
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", f"/tmp/lorazor_{name}_out")))
+    ap.add_argument("--work", type=Path, default=Path(f"/tmp/lorazor_{name}"),
+                    help="model directory, adapters and bundles (kept between calls with the same adapters)")
+    ap.add_argument("--modes", nargs="+", choices=modes, default=list(default_modes),
+                    help="modes to run, in this order, each in its own server")
+    ap.add_argument("--append", action="store_true",
+                    help=f"keep the other modes of OUT/{name}.json (same vLLM, model, workload and SLO): one table "
+                         "over several calls")
+    ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_table_arguments(ap, "goodput", MODES, DEFAULT_MODES)
+    ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="every server schedules asynchronously (vLLM 0.33's default)")
+    ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
+                    help="requests of bench.py's workload the bundle's k are profiled on")
+    ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")
+    ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
+                    help="CUDA graph sizes (full graphs for every step up to the largest)")
+    add_sweep_arguments(ap)
     return orchestrate(ap.parse_args(argv))
 
 

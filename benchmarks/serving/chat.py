@@ -1,0 +1,457 @@
+"""Goodput of a chat-shaped workload against vLLM with its defaults: one ``vllm serve`` per mode,
+driven by ``vllm bench serve`` with a dataset file.
+
+    python -m benchmarks.serving.chat --out DIR [--modes lorazor ...] [--append] [--bundle DIR]
+
+On one H200 with vLLM 0.33.0, one mode per call (each fits a 10-minute call), into one table:
+
+    MODES=lorazor bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+    MODES=lorazor-sync BUNDLE=/tmp/chat/chat512/learned bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+    MODES=gridtrim bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+    MODES=stock bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+    MODES=nolora bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+
+(``BUNDLE`` serves the learned bundle the lorazor call wrote into the table's folder, so that the
+async/sync ratio compares one bundle; without it the bundle is prepared again, or taken from
+``--work`` where it was kept.) The table ends with the lines
+
+    chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
+    learned async/sync = Z.ZZ
+
+**Modes.** Every server runs vLLM's defaults: torch.compile with its default CUDA-graph mode,
+async scheduling, prefix caching, and the H200's default batch limits. Each server's engine-config
+line is checked for prefix caching on and vLLM's compilation (:data:`ENGINE_DEFAULTS`). The only
+options given are the model (``--load-format dummy``), LoRA (``--enable-lora --max-loras 32
+--max-lora-rank 8``, the adapters' rank, ``--max-cpu-loras 512``, every adapter kept in host
+memory as goodput.py's servers keep them, ``--lora-modules`` for all 512), the host and port,
+and in the lorazor modes LoRazor's worker extension, which reads the release counters.
+
+- ``stock``: no ``LORAZOR_*`` variable;
+- ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only;
+- ``lorazor``: GridTrim and the learned bundle (``LORAZOR_GRIDTRIM=1``, ``LORAZOR_BUNDLE``,
+  ``LORAZOR_ADAPTERS``; :mod:`benchmarks.serving.chat_bundle`);
+- ``lorazor-sync``: the same with ``--no-async-scheduling``, the one option that turns a default
+  off, for ``learned async/sync``;
+- ``nolora``: the backbone without LoRA; the same requests go to the base model.
+
+The plugin's start-up lines are checked per mode as goodput.py checks them (``lorazor`` as its
+``both``).
+
+**The workload** (:mod:`benchmarks.serving.chat_workload`): 512 adapters by Zipf popularity, a
+system prompt of 200–400 tokens per adapter, conversations of 1–4 turns whose follow-ups resend the
+conversation, replies of 20–100 tokens (``ignore_eos``, temperature 1.0). Each rate has its own
+conversations (the same for every mode), written as ``vllm bench serve``'s custom dataset
+(``--dataset-name custom --custom-output-len -1 --skip-chat-template --disable-shuffle``). The
+custom dataset has no per-row model, so the adapters go in ``--lora-modules``, one name per row,
+with ``--lora-assignment round-robin``: request i gets name i (docs/vllm_integration.md §12b).
+Before measuring, every adapter serves one 4-token request of its system prompt: each adapter has
+been in a slot once and each system prompt is cached, as on a server that has been serving its
+tenants.
+
+**Measured per rate**: goodput.py's rate sweep, goodput rate and SLO verdict (P90 TTFT ≤ 1 s, P90
+TPOT ≤ 50 ms, every request completed) over the requests' vLLM metrics; the P99s; the prefix-cache
+hit rate (Δ ``vllm:prefix_cache_hits`` / Δ ``vllm:prefix_cache_queries`` of the server's
+``/metrics``, :func:`metrics_delta`); the share of adapters with requests whose own requests meet
+the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (Δ
+``vllm:generation_tokens`` over Δ engine steps with output); the realized skip in the lorazor modes
+(``lorazor_counters``). The summary gives each at the mode's goodput rate.
+
+**Time.** A call has ``--budget-s`` (560 s). goodput.py's servers (full CUDA graphs of 12 sizes,
+no torch.compile, 512 adapters) were ready after 114–160 s (benchmarks/results/2026-12-04-*goodput);
+vLLM's default compilation adds torch.compile (37 s for SmolLM2 on 0.33.0, 2026-12-02) and the
+capture of its FULL_AND_PIECEWISE graphs (33 + 40 s there): about 200–260 s, 400 s at most
+(``--ready-timeout-s``). The learned bundle, when it is not given or kept, takes about 60–90 s more
+(an eager engine's start-up, 1280 requests, 32 heads). A client run costs its arrivals
+(``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus about 15–30 s of its own
+start-up and drain; the probe and 4–7 rates fit what is left, and a rate that no longer fits is
+not started (the table says so).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.serving import bench, goodput
+from benchmarks.serving.chat_bundle import summary_path
+from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
+                                              shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
+from benchmarks.serving.goodput import HarnessError, Slo
+from serve_bridge.vllm.versions import installed_version
+
+VERSION = "0.33.0"  # the vllm bench serve whose custom dataset and round-robin assignment this relies on
+MODES = ("lorazor", "lorazor-sync", "gridtrim", "stock", "nolora")
+BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lorazor-sync": "both", "nolora": "nolora"}
+LEARNED = ("lorazor", "lorazor-sync")
+LABEL = {"stock": "stock", "gridtrim": "gridtrim (LORAZOR_GRIDTRIM=1)",
+         "lorazor": "lorazor (GridTrim + the learned bundle)",
+         "lorazor-sync": "lorazor-sync (the same, --no-async-scheduling)",
+         "nolora": "nolora (the backbone without LoRA)"}
+WORKER_EXTENSION = "serve_bridge.vllm.rpc.LoRazorWorkerExtension"
+# vLLM 0.33.0's defaults as the engine core logs its config (v1/engine/core.py:140-142, config/vllm.py:2839-2842)
+ENGINE_DEFAULTS = ("enable_prefix_caching=True", "CompilationMode.VLLM_COMPILE", "CUDAGraphMode.FULL_AND_PIECEWISE")
+ENGINE_LINE = "Initializing a V1 LLM engine"
+# /metrics samples (v1/metrics/loggers.py: counters :661-678 and :799, the per-step histogram :887-893)
+CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+GENERATED, STEPS = "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count"
+DETAIL_DROPPED = ("generated_texts", "itls")  # per-request lists not kept in the result files
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
+
+
+# -- metrics (pure) -------------------------------------------------------------------------------
+
+def prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition → sample name → its value summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m:  # comments (# HELP, # TYPE) do not match
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Over one run: prefix-cache queried and hit tokens, their hit rate, and the mean decode batch
+    (tokens generated per engine step with output); a sample the server does not export is an error."""
+    missing = sorted({CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} - set(after))
+    if missing:
+        raise HarnessError(f"the server's /metrics has no {', '.join(missing)}")
+    d = {k: after[k] - before.get(k, 0.0) for k in (CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS)}
+    return {"cache_queries": d[CACHE_QUERIES], "cache_hits": d[CACHE_HITS],
+            "cache_hit_rate": d[CACHE_HITS] / d[CACHE_QUERIES] if d[CACHE_QUERIES] else None,
+            "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None}
+
+
+def adapter_slo(names: Sequence[str], data: dict[str, Any], slo: Slo) -> dict[str, int]:
+    """Adapters with requests in the run (request i's is ``names[i]``), and those whose requests all
+    completed with their own P90 TTFT and P90 TPOT within the SLO; per request as vLLM counts it:
+    TTFT, and TPOT = (latency − TTFT) / (output tokens − 1) over requests of more than one token."""
+    ttft, latency, out, err = (data[k] for k in ("ttfts", "latencies", "output_lens", "errors"))
+    if not len(names) == len(ttft) == len(latency) == len(out) == len(err):
+        raise HarnessError(f"{len(names)} requests sent, {len(ttft)} in the detailed result")
+    by: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        by.setdefault(name, []).append(i)
+    meeting = 0
+    for idx in by.values():
+        if any(err[i] or not out[i] for i in idx):
+            continue
+        tpots = [(latency[i] - ttft[i]) / (out[i] - 1) for i in idx if out[i] > 1]
+        meeting += bool(np.percentile([ttft[i] for i in idx], 90) * 1e3 <= slo.ttft_ms
+                        and (not tpots or np.percentile(tpots, 90) * 1e3 <= slo.tpot_ms))
+    return {"adapters": len(by), "meeting": meeting}
+
+
+def missing_defaults(log_text: str) -> list[str]:
+    """The :data:`ENGINE_DEFAULTS` that the server's engine-config line lacks (all when there is none)."""
+    line = next((ln for ln in log_text.splitlines() if ENGINE_LINE in ln), "")
+    return [d for d in ENGINE_DEFAULTS if d not in line]
+
+
+# -- commands (pure) --------------------------------------------------------------------------------
+
+def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int) -> list[str]:
+    """``vllm serve`` of a mode with vLLM's defaults (module doc): the dummy model, LoRA and its
+    adapters (not for nolora), LoRazor's worker extension in the lorazor modes, and
+    ``--no-async-scheduling`` for lorazor-sync."""
+    cmd = [*goodput.VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--load-format", "dummy"]
+    if mode != "nolora":
+        cmd += ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(bench.RANK),
+                "--max-cpu-loras", str(len(adapters)), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    if mode in LEARNED:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    return cmd + (["--no-async-scheduling"] if mode == "lorazor-sync" else [])
+
+
+def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dataset: Path, per_row: Sequence[str],
+                   seed: int, slo: Slo, result: Path, mode: str) -> list[str]:
+    """``vllm bench serve`` of one rate over the ``n_rows`` rows of ``dataset`` in order (the custom
+    dataset, each row's ``output_tokens``, no chat template), request i on adapter ``per_row[i]``
+    (none: the base model), per-request results kept (``--save-detailed``)."""
+    cmd = goodput.client_base(base_url, model_dir, rate, n_rows, seed, slo, result, mode) + [
+        "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "-1",
+        "--skip-chat-template", "--disable-shuffle", "--save-detailed"]
+    if per_row:
+        cmd += ["--lora-modules", *per_row, "--lora-assignment", "round-robin"]
+    return cmd
+
+
+# -- the table (pure) -------------------------------------------------------------------------------
+
+HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 ms | TPOT P90 ms | TPOT P99 ms | "
+          "prefix-cache hits | adapters meeting the SLO | decode batch | realized skip | SLO on the P90s |")
+SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
+                  "prefix-cache hits | adapters meeting the SLO | decode batch | realized skip | vs stock |")
+
+
+def _rule(header: str) -> str:
+    return "|" + "---|" * header.count(" | ") + "---|"
+
+
+def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:
+    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch and skip cells."""
+    lat = " | ".join(f"{row[f'{m}_p{p}_ms']:.1f}" for m in ("ttft", "tpot") for p in percentiles)
+    hit, batch = row["server_metrics"]["cache_hit_rate"], row["server_metrics"]["decode_batch"]
+    share = row["adapter_slo"]
+    skip = "—" if "counters" not in row else f"{row['counters']['realized_skip']:.3f}"
+    return (f"{lat} | {'—' if hit is None else f'{hit:.1%}'} | {share['meeting']}/{share['adapters']} | "
+            f"{'—' if batch is None else f'{batch:.1f}'} | {skip}")
+
+
+def format_row(row: dict[str, Any], slo: Slo) -> str:
+    """One rate's row of a mode's table (the probe's rate is ``inf``)."""
+    rate = "inf" if row["rate"] is None else f"{row['rate']:g}"
+    verdict = "probe" if row["rate"] is None else ("met" if goodput.meets_slo(row, slo) else "missed: " + ", ".join(
+        goodput.misses(row, slo)))
+    return (f"| {rate} | {row['prompts']} | {row['completed']} | {row['request_throughput']:.1f} | {_cells(row)} | "
+            f"{verdict} |")
+
+
+def rates(modes: dict[str, dict[str, Any]], slo: Slo) -> dict[str, float | None]:
+    """Each mode's goodput rate."""
+    return {m: goodput.goodput_rate(goodput.points_of(e, slo))[0] for m, e in modes.items()}
+
+
+def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo) -> str:
+    """A mode's summary line, its numbers at its goodput rate."""
+    best, low_miss = goodput.goodput_rate(goodput.points_of(entry, slo))
+    probe = [f"{r['request_throughput']:.1f}" for r in entry["rows"] if r["rate"] is None]
+    at = next((r for r in entry["rows"] if best is not None and r["rate"] == best), None)
+    cells = "— | — | — | — | — | —" if at is None else _cells(at, (99,))
+    return (f"| {LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
+            f"{'none' if low_miss is None else f'{low_miss:g}'} | {probe[0] if probe else '—'} | {cells} | "
+            f"{f'{best / stock:.2f}' if best and stock else '—'} |")
+
+
+def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo) -> list[str]:
+    """The report's last two lines (``n/a`` for a ratio whose modes lack a goodput rate)."""
+    r = rates(modes, slo)
+
+    def ratio(a: str, b: str) -> str:
+        return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "n/a"
+
+    sync = ratio("lorazor", "lorazor-sync")
+    bundles = {(modes[m].get("bundle") or {}).get("sha256") for m in LEARNED if m in modes}
+    if sync != "n/a" and len(bundles) > 1:
+        sync = "n/a (lorazor and lorazor-sync served different bundles)"
+    return [f"chat{n_adapters} goodput [vLLM defaults]: lorazor/stock = {ratio('lorazor', 'stock')}, "
+            f"lorazor/gridtrim = {ratio('lorazor', 'gridtrim')}", f"learned async/sync = {sync}"]
+
+
+def render(doc: dict[str, Any], slo: Slo) -> str:
+    """The report: preamble, the summary, each mode's rates, notes, the ratio lines."""
+    modes = doc["modes"]
+    stock = rates(modes, slo).get("stock")
+    lines = doc["preamble"] + ["", SUMMARY_HEADER, _rule(SUMMARY_HEADER)]
+    lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
+    for mode, entry in modes.items():
+        lines += ["", "; ".join([LABEL[mode], *entry["facts"]]), "", HEADER, _rule(HEADER)]
+        lines += [format_row(r, slo) for r in entry["rows"]]
+        noise = goodput.held_above_a_miss(goodput.points_of(entry, slo))
+        if noise:
+            lines.append(f"met the SLO above a missed rate (noise, not counted): {', '.join(f'{r:g}' for r in noise)}")
+        if entry.get("error"):
+            lines.append(f"stopped: {entry['error']}")
+    return "\n".join(lines + [""] + doc["notes"] + [""] + doc["ratio"]) + "\n"
+
+
+def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape) -> list[str]:
+    """The report's opening lines; the first three identify a table that ``--append`` may extend."""
+    n, first = shape.n_adapters, (f"from {args.start_rate:g} req/s" if args.start_rate is not None else
+                                  f"a probe of {args.probe_prompts} requests at once, then from "
+                                  f"{args.start_fraction:g} x its req/s")
+    return [
+        f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
+        "its default CUDA graphs, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "
+        "driven by `vllm bench serve` with a custom dataset file",
+        f"model: {bench.MODEL_NAME['llama3b']} config, dummy weights, word-level tokenizer of its 128256 tokens; {n} "
+        f"rank-{bench.RANK} random peft adapters ({min(bench.DISTINCT_WEIGHTS, n)} distinct weight files); server "
+        f"options: --load-format dummy --enable-lora --max-loras {args.max_loras} --max-lora-rank {bench.RANK} "
+        f"--max-cpu-loras {n} --lora-modules (all {n})",
+        f"workload: conversations on {n} adapters by Zipf popularity (s = {shape.zipf:g}), a system prompt of "
+        f"{shape.system_len[0]}-{shape.system_len[1]} tokens per adapter, 1-{shape.max_turns} turns of user messages "
+        f"of {shape.user_len[0]}-{shape.user_len[1]} tokens and replies of {shape.output_len[0]}-{shape.output_len[1]} "
+        f"tokens (ignore_eos, temperature 1.0), each follow-up resending the conversation, about {shape.think_s:g} s "
+        f"between a conversation's turns; seed {args.seed}; Poisson arrivals, per rate max({args.min_prompts}, rate x "
+        f"{args.duration_s:g} s) requests; SLO: P90 TTFT <= {slo.ttft_ms:g} ms and P90 TPOT <= {slo.tpot_ms:g} ms, "
+        "every request completed",
+        f"sweep: {first}, x{args.factor:g} while the SLO holds, /{args.factor:g} below a miss (not under "
+        f"{args.min_rate:g}), then bisection to {args.tolerance:.0%}; goodput rate = the highest rate meeting the SLO "
+        "below the lowest rate missing it",
+        "per rate: prefix-cache hits = hit / queried prompt tokens (the server's /metrics over the run); adapters "
+        "meeting the SLO = adapters whose own requests all completed within the SLO's P90s, of those with requests; "
+        "decode batch = tokens generated per engine step with output; realized skip = the lorazor modes' StepTrim "
+        "counters",
+    ]
+
+
+# -- the server and the client ------------------------------------------------------------------------
+
+def metrics(base_url: str) -> dict[str, float]:
+    """The server's ``GET /metrics`` (:func:`prometheus`)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=60) as resp:
+        return prometheus(resp.read().decode())
+
+
+def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: argparse.Namespace, shape: ChatShape,
+            slo: Slo, deadline: float) -> Callable[[float, int], dict[str, Any]]:
+    """The sweep's measure of one mode: ``(rate, requests)`` → the rate's row (module doc)."""
+    def run(rate: float, n: int) -> dict[str, Any]:
+        label = goodput.rate_label(rate)
+        rows = chat_rows(shape, args.seed, stream_key(rate), n, pool_for(rate, shape.think_s, n))
+        names = [bench.adapter_name(r.adapter) for r in rows]
+        dataset = args.work / "chat" / f"{shape_key(shape, args.seed)}-rate-{label}-{n}.jsonl"
+        if not dataset.exists():
+            write_dataset(dataset, rows, [bench.adapter_name(a) for a in range(shape.n_adapters)])
+        result, log = directory / f"rate_{label}.json", directory / f"rate_{label}.log"
+        cmd = client_command(base_url, model_dir, rate, n, dataset, [] if mode == "nolora" else names, args.seed,
+                             slo, result, mode)
+        learned = mode in LEARNED
+        before, counted = metrics(base_url), goodput.counters(base_url) if learned else None
+        data, wall_s = goodput.run_client(cmd, label, log, result, deadline)
+        row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **goodput.parse_result(data),
+               "wall_s": wall_s, "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url)),
+               "adapter_slo": adapter_slo(names, data, slo)}
+        if counted is not None:
+            row["counters"] = goodput.counter_delta(counted, goodput.counters(base_url))
+        result.write_text(json.dumps({k: v for k, v in data.items() if k not in DETAIL_DROPPED}))
+        return row
+
+    return run
+
+
+def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: ChatShape, bundle: Path | None,
+             deadline: float, slo: Slo, flush: Callable[[], None]) -> None:
+    """Start the mode's server, check it, warm it up, sweep, stop it, filling the mode's ``entry``."""
+    directory = args.out / mode
+    directory.mkdir(parents=True, exist_ok=True)
+    adapters = {bench.adapter_name(a): args.work / "adapters" / bench.adapter_name(a) for a in range(shape.n_adapters)}
+    model_dir, port = args.work / "model", args.port or goodput.free_port()
+    base_url, log = f"http://127.0.0.1:{port}", directory / "server.log"
+    served = [] if mode == "nolora" else list(adapters)
+    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters)
+
+    def body() -> None:
+        missing = missing_defaults(log.read_text(errors="replace"))
+        if missing:
+            raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
+        systems = [words(s) for s in system_prompts(shape, args.seed)]
+        warm_s = goodput.warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
+        entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
+        flush()
+        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline), entry, args,
+                           slo, deadline, flush)
+
+    goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port), env, log, base_url,
+                        served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)
+
+
+def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float) -> tuple[Path, dict[str, Any]]:
+    """The learned bundle the lorazor modes serve: ``--bundle``, else the one kept in ``--work``
+    for this workload, else prepared now (:mod:`benchmarks.serving.chat_bundle`, log in OUT);
+    copied to ``OUT/learned`` (with its summary) and described by its manifest's sha256 and
+    planned skip. The preparation leaves ``--min-mode-s`` of the budget to the server; its failure
+    is an error with its log's tail."""
+    if args.bundle is not None and not (args.bundle / "manifest.json").exists():
+        raise HarnessError(f"--bundle {args.bundle}: no bundle there (no manifest.json)")
+    path = args.bundle or args.work / "learned" / f"n{shape.n_adapters}-{shape_key(shape, args.seed)}"
+    if not (path / "manifest.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = args.out / "learned_prep.log"
+        cmd = [sys.executable, "-m", "benchmarks.serving.chat_bundle", "--work", str(args.work), "--bundle", str(path),
+               "--seed", str(args.seed), *shape_arguments(shape)]
+        print(f"  preparing the learned bundle ({log})", flush=True)
+        with open(log, "w") as out:
+            try:
+                code = subprocess.run(cmd, env=goodput.client_env(dict(os.environ)), stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=max(1.0, deadline - time.monotonic() - args.min_mode_s)).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        if code != 0:
+            shutil.rmtree(path, ignore_errors=True)
+            raise HarnessError(f"the learned bundle was not prepared ({code}); {log} ends:\n" + goodput.tail(log))
+    summary = json.loads(summary_path(path).read_text()) if summary_path(path).exists() else {}
+    kept = args.out / "learned"
+    if path.resolve() != kept.resolve():
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(path, kept)
+        if summary:
+            summary_path(kept).write_text(json.dumps(summary, indent=1))
+    sha = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()[:12]
+    return path, {"sha256": sha, "planned_skip": summary.get("planned_skip"),
+                  "heldout_requests": summary.get("heldout_requests")}
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    version, shape = installed_version(), shape_from(args)
+    if problem := goodput.refusal("chat", version, (VERSION,), "its vllm bench serve's custom dataset and round-robin "
+                                  "adapters, docs/vllm_integration.md §12b", shape.n_adapters, args.max_loras):
+        print(problem, file=sys.stderr)
+        return 2
+    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    args.out.mkdir(parents=True, exist_ok=True)
+    goodput.prepare_files(args.work, shape.n_adapters, bench.N_REQUESTS, args.seed)  # model, tokenizer, adapters
+    doc = goodput.load_table(args.out / "chat.json", preamble(args, version, slo, shape), args.append)
+    if doc is None:
+        print(f"{args.out}/chat.json holds another vLLM, model or workload: give another --out", file=sys.stderr)
+        return 2
+    doc["notes"].append(f"{goodput.identity()}: modes {' '.join(args.modes)}")
+
+    def flush() -> None:
+        doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo)
+        (args.out / "chat.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "chat.txt").write_text(render(doc, slo))
+
+    learned: dict[str, Any] = {}  # the bundle (path, description) or the error preparing it, once
+
+    def run(mode: str, entry: dict[str, Any]) -> None:
+        if mode in LEARNED and not learned:
+            try:
+                learned["bundle"] = learned_bundle(args, shape, deadline)
+            except HarnessError as e:
+                learned["error"] = str(e)
+        if mode in LEARNED and "error" in learned:
+            entry["error"] = learned["error"]
+            return
+        if mode in LEARNED:
+            entry["bundle"] = described = learned["bundle"][1]
+            planned = described["planned_skip"]
+            entry["facts"].append(f"learned bundle {described['sha256']}, planned skip "
+                                  f"{'unknown' if planned is None else f'{planned:.3f}'}")
+        run_mode(mode, entry, args, shape, learned["bundle"][0] if mode in LEARNED else None, deadline, slo, flush)
+
+    rc = goodput.run_modes(doc, args, start, deadline, run, flush)
+    print((args.out / "chat.txt").read_text(), flush=True)  # ends with the ratio lines
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    goodput.add_table_arguments(ap, "chat", MODES, MODES)
+    ap.add_argument("--seed", type=int, default=0, help="the workload's seed (and vllm bench serve's)")
+    ap.add_argument("--bundle", type=Path, default=None,
+                    help="the learned bundle the lorazor modes serve (default: the one kept in --work, else prepared)")
+    add_shape_arguments(ap)
+    goodput.add_sweep_arguments(ap)
+    ap.set_defaults(duration_s=15.0, min_prompts=150, ready_timeout_s=400, min_mode_s=300)
+    return orchestrate(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The chat harness on CPU (benchmarks/serving/chat.py): the servers' commands (vLLM's defaults, nothing
+turned off but lorazor-sync's async scheduling) and environments, the client's per-row adapters, the
+/metrics and per-request parsing, the engine-config check, the table and its ratio lines, and the
+learned bundle it serves."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.serving import bench, chat, chat_bundle, goodput
+from benchmarks.serving.goodput import HarnessError, Slo
+from predictors.heads import Head
+from tests.benchmarks.test_goodput import flags
+
+SLO = Slo()
+ADAPTERS = {bench.adapter_name(a): Path(f"/w/adapters/{bench.adapter_name(a)}") for a in range(3)}
+# Every `vllm serve` option the harness gives, where vLLM 0.33.0 defines it (engine/arg_utils.py; the
+# frontend's in entrypoints/common/cli_args.py); --no-async-scheduling from BooleanOptionalAction (:384-386).
+SERVE_OPTIONS_033 = {"--host": "common/cli_args.py:293", "--port": "common/cli_args.py:295",
+                     "--lora-modules": "common/cli_args.py:81", "--load-format": "arg_utils.py:1085",
+                     "--enable-lora": "arg_utils.py:1610", "--max-loras": "arg_utils.py:1614",
+                     "--max-lora-rank": "arg_utils.py:1615", "--max-cpu-loras": "arg_utils.py:1624",
+                     "--worker-extension-cls": "arg_utils.py:1372", "--no-async-scheduling": "arg_utils.py:1811"}
+# ... and every `vllm bench serve` option (benchmarks/serve.py; the dataset's in benchmarks/datasets/datasets.py).
+BENCH_OPTIONS_033 = {"--backend", "--base-url", "--endpoint", "--model", "--tokenizer", "--request-rate", "--burstiness",
+                     "--disable-tqdm", "--save-result", "--save-detailed", "--metadata", "--result-dir",
+                     "--result-filename", "--ignore-eos", "--percentile-metrics", "--metric-percentiles", "--goodput",
+                     "--temperature", "--lora-modules", "--lora-assignment", "--seed", "--num-prompts",
+                     "--dataset-name", "--dataset-path", "--custom-output-len", "--skip-chat-template",
+                     "--disable-shuffle"}
+
+
+@pytest.mark.parametrize("mode", chat.MODES)
+def test_servers_keep_vllms_defaults(mode):
+    cmd = chat.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123)
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/w/model"]
+    f = flags(cmd)
+    assert set(f) <= set(SERVE_OPTIONS_033)
+    assert [k for k in f if k.startswith("--no-")] == (["--no-async-scheduling"] if mode == "lorazor-sync" else [])
+    assert f["--load-format"] == ["dummy"] and f["--port"] == ["8123"]
+    lora = mode != "nolora"
+    assert ("--enable-lora" in f) == lora and ("--lora-modules" in f) == lora
+    if lora:
+        assert f["--lora-modules"] == [f"a0{a}=/w/adapters/a0{a}" for a in range(3)]
+        assert f["--max-loras"] == ["2"] and f["--max-cpu-loras"] == ["3"] and f["--max-lora-rank"] == ["8"]
+    assert ("--worker-extension-cls" in f) == (mode in chat.LEARNED)
+
+
+@pytest.mark.parametrize("mode", chat.MODES)
+def test_server_environment(mode):
+    environ = {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1", "LORAZOR_BUNDLE": "/elsewhere"}
+    env = goodput.server_env(chat.BENCH_MODE[mode], environ, Path("/w/learned"), ADAPTERS)
+    lorazor = {k: v for k, v in env.items() if k.startswith("LORAZOR_")}
+    want = {"LORAZOR_GRIDTRIM": "1"} if mode in ("gridtrim", "lorazor", "lorazor-sync") else {}
+    if mode in chat.LEARNED:
+        want |= {"LORAZOR_BUNDLE": "/w/learned", "LORAZOR_LOG_INTERVAL_S": "0",
+                 "LORAZOR_ADAPTERS": "a00=/w/adapters/a00,a01=/w/adapters/a01,a02=/w/adapters/a02"}
+    assert lorazor == want
+    assert goodput.expected_markers(chat.BENCH_MODE[mode]) == (
+        {"gridtrim", "steptrim", "slots"} if mode in chat.LEARNED else {"gridtrim"} if mode == "gridtrim" else set())
+
+
+def test_client_gives_each_row_its_adapter():
+    per_row = ["a17", "a00", "a17", "a03"]
+    cmd = chat.client_command("http://127.0.0.1:8123", Path("/w/model"), 12.5, 4, Path("/w/chat/r.jsonl"), per_row, 0,
+                              SLO, Path("/o/lorazor/rate_12.5.json"), "lorazor")
+    f = flags(cmd)
+    assert set(f) <= BENCH_OPTIONS_033
+    assert f["--dataset-name"] == ["custom"] and f["--dataset-path"] == ["/w/chat/r.jsonl"]
+    assert f["--custom-output-len"] == ["-1"] and "--skip-chat-template" in f and "--disable-shuffle" in f
+    assert f["--num-prompts"] == ["4"] and f["--request-rate"] == ["12.5"] and "--save-detailed" in f
+    # vLLM 0.33.0 gives request i lora_modules[i % len] under round-robin (benchmarks/serve.py:956-961)
+    assert f["--lora-modules"] == per_row and f["--lora-assignment"] == ["round-robin"]
+    assert f["--goodput"] == ["ttft:1000", "tpot:50"] and f["--metric-percentiles"] == ["50,90,99"]
+    base = flags(chat.client_command("http://h:1", Path("/w/model"), float("inf"), 4, Path("/w/r.jsonl"), [], 0, SLO,
+                                     Path("/o/nolora/rate_inf.json"), "nolora"))
+    assert base["--request-rate"] == ["inf"] and "--lora-modules" not in base  # nolora: the base model
+
+
+# A /metrics page in the text exposition format of prometheus_client (what vLLM 0.33.0 serves): a counter
+# named vllm:x is sampled as vllm:x_total beside vllm:x_created, a histogram as _bucket, _count and _sum.
+METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="/w/model"} %(queries)s
+vllm:prefix_cache_queries_created{engine="0",model_name="/w/model"} 1.7649e+09
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="/w/model"} %(hits)s
+vllm:generation_tokens_total{engine="0",model_name="/w/model"} %(generated)s
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="/w/model"} 4.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="/w/model"} %(steps)s
+vllm:iteration_tokens_total_count{engine="0",model_name="/w/model"} %(steps)s
+vllm:iteration_tokens_total_sum{engine="0",model_name="/w/model"} 9.5e+05
+vllm:num_requests_running{engine="0",model_name="/w/model"} 37.0
+"""
+
+
+def test_prefix_cache_and_batch_from_metrics():
+    before = chat.prometheus(METRICS % {"queries": "1000.0", "hits": "600.0", "generated": "50.0", "steps": "10.0"})
+    assert before["vllm:prefix_cache_queries_total"] == 1000.0 and before["vllm:num_requests_running"] == 37.0
+    assert before["vllm:iteration_tokens_total_count"] == 10.0  # not the +Inf bucket's line
+    after = chat.prometheus(METRICS % {"queries": "101000.0", "hits": "75600.0", "generated": "6050.0",
+                                       "steps": "160.0"})
+    assert chat.metrics_delta(before, after) == {"cache_queries": 100000.0, "cache_hits": 75000.0,
+                                                 "cache_hit_rate": 0.75, "decode_batch": 40.0}
+    assert chat.metrics_delta(after, after)["cache_hit_rate"] is None
+    with pytest.raises(HarnessError, match="vllm:prefix_cache_hits_total"):
+        chat.metrics_delta(before, {k: v for k, v in after.items() if "hits" not in k})
+
+
+def test_share_of_adapters_meeting_the_slo():
+    # --save-detailed lists, per request (benchmarks/serve.py:1319-1339): TTFT and latency in s
+    data = {"ttfts": [0.2, 0.3, 2.0, 0.1, 0.1, 0.4], "latencies": [1.2, 1.3, 3.0, 0.1, 5.1, 1.4],
+            "output_lens": [21, 21, 21, 0, 51, 21], "errors": ["", "", "", "boom", "", ""]}
+    names = ["a00", "a00", "a01", "a02", "a03", "a04"]
+    # a00: both fine; a01: TTFT 2 s; a02: a failed request; a03: TPOT 100 ms; a04: fine
+    assert chat.adapter_slo(names, data, SLO) == {"adapters": 5, "meeting": 2}
+    assert chat.adapter_slo(names, data, Slo(2500, 120)) == {"adapters": 5, "meeting": 4}
+    with pytest.raises(HarnessError, match="5 requests sent, 6"):
+        chat.adapter_slo(names[:5], data, SLO)
+
+
+# vLLM 0.33.0's engine-config line (v1/engine/core.py:140-142), as a server with its defaults logs it (cut short)
+ENGINE_LINE = ("(EngineCore pid=211) INFO 12-05 09:00:01 [core.py:139] Initializing a V1 LLM engine (v0.33.0) with "
+               "config: model='/w/model', dtype=torch.bfloat16, max_seq_len=131072, load_format=dummy, seed=0, "
+               "enable_prefix_caching=True, enable_chunked_prefill=True, pooler_config=None, compilation_config={'mode': "
+               "<CompilationMode.VLLM_COMPILE: 3>, 'backend': 'inductor', 'cudagraph_mode': "
+               "<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>, 'cudagraph_capture_sizes': [1, 2, 4, 8]}")
+
+
+def test_engine_config_line_shows_vllms_defaults():
+    assert chat.missing_defaults("INFO starting\n" + ENGINE_LINE + "\nINFO ready\n") == []
+    off = ENGINE_LINE.replace("enable_prefix_caching=True", "enable_prefix_caching=False")
+    assert chat.missing_defaults(off) == ["enable_prefix_caching=True"]
+    eager = ENGINE_LINE.replace("VLLM_COMPILE: 3", "NONE: 0").replace("FULL_AND_PIECEWISE: (2, 1)", "FULL: (2, 2)")
+    assert chat.missing_defaults(eager) == list(chat.ENGINE_DEFAULTS[1:])
+    assert chat.missing_defaults("no engine line") == list(chat.ENGINE_DEFAULTS)
+
+
+def _row(rate: float | None, ttft90: float, tpot90: float = 30.0, **extra) -> dict:
+    return {"rate": rate, "prompts": 300, "completed": 300, "failed": 0, "duration_s": 15.0,
+            "request_throughput": 19.5 if rate else 60.0, "request_goodput": 19.0, "output_throughput": 1.0,
+            "ttft_p50_ms": 100.0, "ttft_p90_ms": ttft90, "ttft_p99_ms": 1500.0, "tpot_p50_ms": 20.0,
+            "tpot_p90_ms": tpot90, "tpot_p99_ms": 44.0, "wall_s": 30.0,
+            "server_metrics": {"cache_queries": 1e5, "cache_hits": 8.1e4, "cache_hit_rate": 0.81, "decode_batch": 64.5},
+            "adapter_slo": {"adapters": 300, "meeting": 290}, **extra}
+
+
+def test_table_and_ratio_lines():
+    learned = {"sha256": "abc", "planned_skip": 0.5}
+    modes = {"lorazor": {"facts": ["server ready after 240 s"], "error": None, "bundle": learned,
+                         "rows": [_row(None, 9000.0), _row(60.0, 500.0, counters={"realized_skip": 0.4921}),
+                                  _row(90.0, 2000.0), _row(75.0, 900.0)]},
+             "lorazor-sync": {"facts": [], "error": None, "bundle": learned,
+                              "rows": [_row(40.0, 500.0), _row(60.0, 1500.0), _row(50.0, 700.0)]},
+             "gridtrim": {"facts": [], "error": None, "rows": [_row(30.0, 200.0), _row(45.0, 3000.0)]},
+             "stock": {"facts": [], "error": "rate 20: vllm bench serve failed (rc 1)",
+                       "rows": [_row(12.5, 900.0), _row(18.0, 1900.0)]}}
+    assert chat.ratio_lines(512, modes, SLO) == [
+        "chat512 goodput [vLLM defaults]: lorazor/stock = 6.00, lorazor/gridtrim = 2.50", "learned async/sync = 1.50"]
+    other = modes | {"lorazor-sync": modes["lorazor-sync"] | {"bundle": {"sha256": "def"}}}
+    assert chat.ratio_lines(512, other, SLO)[1] == "learned async/sync = n/a (lorazor and lorazor-sync served different " \
+                                                   "bundles)"
+    assert chat.ratio_lines(512, {"stock": modes["stock"]}, SLO) == [
+        "chat512 goodput [vLLM defaults]: lorazor/stock = n/a, lorazor/gridtrim = n/a", "learned async/sync = n/a"]
+    doc = {"preamble": ["pre"], "modes": modes, "notes": ["note"], "ratio": chat.ratio_lines(512, modes, SLO)}
+    lines = chat.render(doc, SLO).splitlines()
+    assert lines[2] == chat.SUMMARY_HEADER
+    assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | 290/300 | "
+                        "64.5 | — | 6.00 |")  # at its goodput rate, 75 req/s (no counters in that row)
+    assert lines[7] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | 1.00 |"
+    i = lines.index(chat.HEADER)
+    assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
+    assert lines[i + 2] == "| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | probe |"
+    assert lines[i + 3] == "| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 0.492 | met |"
+    assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
+    assert lines[-2:] == doc["ratio"] and lines[-4] == "note"
+
+
+def _args(tmp_path: Path, **kw) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    chat.add_shape_arguments(ap)
+    goodput.add_sweep_arguments(ap)
+    args = ap.parse_args(["--adapters", "4"])
+    return argparse.Namespace(**vars(args) | {"out": tmp_path / "out", "work": tmp_path / "work", "seed": 0,
+                                              "max_loras": 2, "bundle": None} | kw)
+
+
+def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
+    head = Head("a00", np.linspace(-1, 1, 8).astype(np.float32), 0.25, 3, 9, 4, "ok")
+    entries = [chat_bundle.learned_entry(bench.adapter_name(a), f"{a:064x}", head, -0.5, {"heldout_skip": 0.5})
+               for a in range(4)]
+    given = chat_bundle.write_learned_bundle(tmp_path / "given", entries, bench.LLAMA32_3B | {"hidden_size": 8})
+    chat_bundle.summary_path(given).write_text(json.dumps({"planned_skip": 0.497, "heldout_requests": 512}))
+    args = _args(tmp_path, bundle=given)
+    args.out.mkdir()
+    path, described = chat.learned_bundle(args, chat.shape_from(args), deadline=0.0)
+    sha = hashlib.sha256((given / "manifest.json").read_bytes()).hexdigest()[:12]
+    assert path == given and described == {"sha256": sha, "planned_skip": 0.497, "heldout_requests": 512}
+    kept = args.out / "learned"
+    assert (kept / "manifest.json").read_bytes() == (given / "manifest.json").read_bytes()
+    assert json.loads(chat_bundle.summary_path(kept).read_text())["planned_skip"] == 0.497
+    # served again from the copy kept with the table: the same bundle, nothing copied over itself
+    assert chat.learned_bundle(_args(tmp_path, bundle=kept), chat.shape_from(args), 0.0) == (kept, described)
+    with pytest.raises(HarnessError, match="no bundle there"):
+        chat.learned_bundle(_args(tmp_path, bundle=tmp_path / "nothing"), chat.shape_from(args), 0.0)
+
+
+def test_append_extends_only_a_table_of_the_same_workload(tmp_path):
+    args = _args(tmp_path)
+    pre = chat.preamble(args, "0.33.0", SLO, chat.shape_from(args))
+    assert pre[0].startswith("Chat workload goodput against vLLM's defaults: vLLM 0.33.0")
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"preamble": pre, "modes": {"stock": {"rows": []}}, "notes": ["n1"], "ratio": []}))
+    assert goodput.load_table(path, pre, append=True)["modes"] == {"stock": {"rows": []}}
+    skewed = _args(tmp_path, zipf=1.2)
+    assert goodput.load_table(path, chat.preamble(skewed, "0.33.0", SLO, chat.shape_from(skewed)), append=True) is None
+
+
+def test_refuses_a_vllm_it_was_not_written_for(tmp_path, capsys):
+    if chat.installed_version() == chat.VERSION:
+        pytest.skip("vLLM 0.33.0 is installed here")
+    assert chat.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
+    assert "chat runs on vLLM 0.33.0" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before writing anything

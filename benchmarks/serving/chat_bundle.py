@@ -31,7 +31,8 @@ adapters 16 times each.
 
 Every learned entry is built by :func:`learned_entry` (the scorer's policies too, through
 :meth:`AdapterEntry.to_policy`), and every planned release is :func:`planned_release`
-(:func:`serve_bridge.steptrim.release_point_learned` with the entry's τ).
+(:func:`serve_bridge.steptrim.release_point_learned` with the entry's τ and decision lag, 1
+as calibration exports by default).
 
 Writes the bundle (:func:`serve_bridge.bundle.write_bundle`) and beside it ``<bundle>.json``: the
 planned skip over all held-out requests, each adapter's numbers, and the seconds each step took.
@@ -58,6 +59,7 @@ from serve_bridge.steptrim import release_point_learned, skip_fraction
 CAPTURE_EVERY = 8  # h_t captured at t = 0, 8, 16, …: about 8 labeled points per request
 FIT_REQUESTS = 24  # per distinct adapter
 HELDOUT_REQUESTS = 16
+LAG = 1  # the decision lag calibration exports by default (sweep.decision_lag): what users serve
 BACKBONE = "llama-3.2-3b-shape-dummy"  # bench.write_profiled_bundle's name for this shape
 
 
@@ -78,12 +80,13 @@ class Captured:
 def learned_entry(name: str, fingerprint: str, head: Head, tau: float, stats: dict[str, Any]) -> AdapterEntry:
     """The one place this benchmark builds a learned bundle entry (and, through ``to_policy``, a
     learned policy)."""
-    return AdapterEntry(name, fingerprint, "learned", tau=float(tau), weight=head.weight, bias=head.bias, stats=stats)
+    return AdapterEntry(name, fingerprint, "learned", tau=float(tau), weight=head.weight, bias=head.bias, lag=LAG,
+                        stats=stats)
 
 
 def planned_release(entry: AdapterEntry, scores: Sequence[float]) -> int | None:
     """The release point the entry plans for a request scored ``scores`` (s_0, s_1, …)."""
-    return release_point_learned(scores, entry.tau)
+    return release_point_learned(scores, entry.tau, entry.lag)
 
 
 def planned_skip(entry: AdapterEntry, requests: Sequence[Captured]) -> float:

@@ -116,11 +116,12 @@ def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
     assert sorted(bundle.adapters) == list(fps) and all(isinstance(p, LearnedPolicy) for p in bundle.policies.values())
     st = StepTrim([bundle.policies[n] for n in fps], H)
     _, states = requests(1, adapters=2, per_adapter=16, every=None)
-    for r, h in list(zip(held, states))[::5]:  # the first forward StepTrim fires at is the planned release
-        fire = st.fires(torch.full((r.length,), r.adapter), torch.zeros(r.length, dtype=torch.long),
-                        torch.from_numpy(h)).tolist()
-        first = fire.index(True) if True in fire else None
-        assert first == chat_bundle.planned_release(bundle.adapters[bench.adapter_name(r.adapter)], r.scores)
+    for r, h in list(zip(held, states))[::5]:  # the first forward StepTrim fires at, plus the lag, is the plan
+        slots = torch.full((r.length,), r.adapter)
+        fire = st.fires(slots, torch.zeros(r.length, dtype=torch.long), torch.from_numpy(h)).tolist()
+        release = st.release_point(r.adapter, fire.index(True)) if True in fire else None
+        entry = bundle.adapters[bench.adapter_name(r.adapter)]
+        assert entry.lag == chat_bundle.LAG == 1 and release == chat_bundle.planned_release(entry, r.scores)
 
 
 def test_one_constructor_for_learned_entries_and_policies():

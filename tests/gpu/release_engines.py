@@ -9,9 +9,9 @@ Each engine runs in its own process (``python -m tests.gpu.release_engines --pha
   (policy none, or absent from the bundle), ``-prof`` (profiled k) and ``-learn`` (random
   learned heads), and the request set runs once per name family.
 - ``badbundle``: start-up with a bundle of another hidden size must fail with one clear error.
-- ``stock-async`` and ``plugin-async``: the same with vLLM's async scheduling; the plugin serves
-  ``bundle_profiled`` (the ``-off`` and ``-prof`` names: learned policies are refused under async
-  scheduling), the plugin's default (``LORAZOR_ASYNC_SCHEDULING`` unset; ``test_release_async.py``).
+- ``stock-defaults`` and ``plugin-defaults``: the same with vLLM's defaults (torch.compile in its
+  default CUDA-graph mode, async scheduling, prefix caching; ``test_release_defaults.py``), every
+  family included.
 
 :func:`compare` turns their outputs into check rows (name, passed, detail), the async pair's
 against each other: (a) policy off ≡ stock token for token; (b) profiled k: release points, tokens up to the release step equal full
@@ -21,8 +21,9 @@ release skips (one-way); (d) the wrong bundle's error; (e) at tensor parallelism
 rank agrees (runner class, per-request release records, counters without timings). Where N does
 not divide MODEL's 9 attention and 3 KV heads the model is :data:`TP_MODEL` (hidden 512).
 
-Both engines capture decode CUDA graphs (FULL_DECODE_ONLY, no torch.compile) with
-``specialize_active_lora``, so released rows exercise the adapter-count graph key. vLLM's LoRA
+Without ``-defaults``, both engines capture decode CUDA graphs (FULL_DECODE_ONLY, no torch.compile)
+with ``specialize_active_lora``, so released rows exercise the adapter-count graph key. The learned
+heads have decision lag 1 (docs/design.md §2), as calibration exports them. vLLM's LoRA
 shrink is pinned to split_k=1 (``VLLM_TUNED_CONFIG_FOLDER``): its default split-K sums with float
 atomics, whose order varies run to run.
 """
@@ -50,6 +51,7 @@ TP_MODEL = {**MODEL, "hidden_size": 512, "num_attention_heads": 8, "num_key_valu
 N_ADAPTERS, RANK, ALPHA = 32, 8, 16
 PROFILED_K = [0, 1, 2, 4, 8, 16, 32, 64, 128]
 FAMILIES = ("off", "prof", "learn")
+LEARNED_LAG = 1
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=N_ADAPTERS,
               max_lora_rank=RANK, max_cpu_loras=3 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
               max_model_len=2048, enable_prefix_caching=False, async_scheduling=False, specialize_active_lora=True,
@@ -66,10 +68,15 @@ def model_for(tp: int) -> dict:
     return MODEL if fits else TP_MODEL
 
 
-def engine_options(tp: int = 1, fully_sharded: bool = False, async_scheduling: bool = False) -> dict:
-    """ENGINE, with ``tensor_parallel_size``, vLLM's ``fully_sharded_loras`` and async scheduling
-    when asked."""
-    opts = dict(ENGINE, async_scheduling=async_scheduling)
+def engine_options(tp: int = 1, fully_sharded: bool = False, defaults: bool = False) -> dict:
+    """ENGINE, with ``tensor_parallel_size`` and vLLM's ``fully_sharded_loras`` when asked; with
+    ``defaults``, vLLM's own compilation, CUDA-graph mode, async scheduling, prefix caching and
+    adapter-count graphs in place of ENGINE's."""
+    opts = dict(ENGINE)
+    if defaults:
+        for key in ("compilation_config", "specialize_active_lora"):
+            del opts[key]
+        opts |= {"enable_prefix_caching": True, "async_scheduling": True}
     if tp > 1:
         opts["tensor_parallel_size"] = tp
     if fully_sharded:
@@ -119,11 +126,10 @@ def prepare(work: Path, n_requests: int, model: dict = MODEL) -> None:
         entries.append(AdapterEntry(adapter_name(a, "prof"), fps[a], "profiled", k=profiled_k(a)))
         w = (rng.standard_normal(model["hidden_size"]) / model["hidden_size"] ** 0.5).astype(np.float32)
         bias = {"sign": 0.0, "always": -1e4, "never": 1e4}[learned_group(a)]
-        entries.append(AdapterEntry(adapter_name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=bias))
+        entries.append(AdapterEntry(adapter_name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=bias,
+                                    lag=LEARNED_LAG))
     bad = [AdapterEntry(adapter_name(0, "prof"), fps[0], "profiled", k=1)]
-    profiled = [e for e in entries if e.policy != "learned"]
-    for name, hidden, chosen in (("bundle", model["hidden_size"], entries), ("bundle_bad", 64, bad),
-                                 ("bundle_profiled", model["hidden_size"], profiled)):
+    for name, hidden, chosen in (("bundle", model["hidden_size"], entries), ("bundle_bad", 64, bad)):
         if not (work / name).exists():
             write_bundle(work / name, backbone="smollm2-135m-shape-dummy", hidden_size=hidden,
                          config_fingerprint="0" * 64, adapters=chosen)
@@ -145,10 +151,10 @@ def prepare(work: Path, n_requests: int, model: dict = MODEL) -> None:
 
 # -- engines (one process each) -------------------------------------------------------------
 
-def _llm(work: Path, tp: int = 1, fully_sharded: bool = False, async_scheduling: bool = False):
+def _llm(work: Path, tp: int = 1, fully_sharded: bool = False, defaults: bool = False):
     from vllm import LLM
 
-    return LLM(model=str(work / "model"), **engine_options(tp, fully_sharded, async_scheduling))
+    return LLM(model=str(work / "model"), **engine_options(tp, fully_sharded, defaults))
 
 
 def _scheduler_name(llm) -> str | None:
@@ -180,11 +186,11 @@ def _generate(llm, requests: list[dict], work: Path, family: str,
 
 
 def serve(phase: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = False) -> None:
-    """Run ``phase`` (``stock`` or ``plugin``, ``-async`` for async scheduling) into ``out/<phase>.json``."""
-    mode, async_scheduling = phase.removesuffix("-async"), phase.endswith("-async")
+    """Run ``phase`` (``stock`` or ``plugin``, ``-defaults`` for vLLM's defaults) into ``out/<phase>.json``."""
+    mode, defaults = phase.removesuffix("-defaults"), phase.endswith("-defaults")
     requests = json.loads((work / "requests.json").read_text())
     t0 = time.time()
-    llm = _llm(work, tp, fully_sharded, async_scheduling)
+    llm = _llm(work, tp, fully_sharded, defaults)
     runners = llm.collective_rpc(_runner_name)  # one per rank
     result = {"startup_s": time.time() - t0, "ranks": len(runners), "scheduler": _scheduler_name(llm),
               "runner": runners[0] if ranks_agree(runners) else f"ranks differ: {runners}"}
@@ -197,8 +203,6 @@ def serve(phase: str, work: Path, out: Path, tp: int = 1, fully_sharded: bool = 
         from serve_bridge.vllm.rpc import lorazor_counters, lorazor_requests
 
         for i, fam in enumerate(FAMILIES):
-            if async_scheduling and fam == "learn":  # refused under async scheduling
-                continue
             t = time.time()
             tokens, ext_ids = _generate(llm, requests, work, fam, (i + 1) * 1000)
             result[f"{fam}_s"] = time.time() - t
@@ -251,7 +255,7 @@ def compare(work: Path, out: Path, suffix: str = "") -> list[tuple[str, bool, st
     rows.append(("(a) policy off never releases", off_released == 0 and all(
         r is not None and r["release"] is None for r in off["records"]), f"{off_released} released"))
 
-    if suffix == "-async":
+    if suffix == "-defaults":
         schedulers = (stock["scheduler"], plug["scheduler"])
         rows.append(("async: the engine cores schedule asynchronously", schedulers == ("AsyncScheduler",
                      "ReleaseAsyncScheduler"), f"stock {schedulers[0]}, plugin {schedulers[1]}"))
@@ -268,9 +272,9 @@ def compare(work: Path, out: Path, suffix: str = "") -> list[tuple[str, bool, st
                          f"{sum(x is not None for x in rel)} released"))
         else:
             groups = [learned_group(r["adapter"]) for r in requests]
-            always_ok = all(rel[i] == 0 for i in range(n) if groups[i] == "always")
+            always_ok = all(rel[i] == LEARNED_LAG for i in range(n) if groups[i] == "always")  # fires at t = 0
             never_ok = all(rel[i] is None for i in range(n) if groups[i] == "never")
-            later = sum(1 for i in range(n) if groups[i] == "sign" and rel[i] not in (None, 0))
+            later = sum(1 for i in range(n) if groups[i] == "sign" and rel[i] not in (None, LEARNED_LAG))
             rows.append((f"{tag}: decisions happen (τ always/never/sign)", always_ok and never_ok and later > 0,
                          f"{sum(x is not None for x in rel)} released, {later} at t>0"))
         forwards_ok = all(r is not None and r["forwards"] == lengths[i] for i, r in enumerate(recs))
@@ -309,15 +313,13 @@ def compare(work: Path, out: Path, suffix: str = "") -> list[tuple[str, bool, st
 
 def phase_env(work: Path, base_env: dict[str, str], phase: str) -> dict[str, str]:
     """The environment of one engine process: ``base_env`` (no ``LORAZOR_*``) with the pinned shrink
-    config, plus, for ``plugin``, the bundle and its served adapters, for ``plugin-async`` the profiled
-    bundle and its served adapters, for ``badbundle`` the bad bundle."""
+    config, plus, for ``plugin`` and ``plugin-defaults``, the bundle and its served adapters, for
+    ``badbundle`` the bad bundle."""
     env = {**base_env, "VLLM_TUNED_CONFIG_FOLDER": str(work / "lora_configs")}
-    if phase in ("plugin", "plugin-async"):
-        families = FAMILIES if phase == "plugin" else ("off", "prof")
+    if phase in ("plugin", "plugin-defaults"):
         served = ",".join(f"{adapter_name(a, f)}={work / 'adapters' / adapter_name(a)}"
-                          for a in range(N_ADAPTERS) for f in families)
-        env |= {"LORAZOR_BUNDLE": str(work / ("bundle" if phase == "plugin" else "bundle_profiled")),
-                "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
+                          for a in range(N_ADAPTERS) for f in FAMILIES)
+        env |= {"LORAZOR_BUNDLE": str(work / "bundle"), "LORAZOR_ADAPTERS": served, "LORAZOR_LOG_INTERVAL_S": "5"}
     elif phase == "badbundle":
         env["LORAZOR_BUNDLE"] = str(work / "bundle_bad")
     return env
@@ -341,7 +343,7 @@ def engine_arguments(description: str, phases: list[str], **extra: type) -> argp
 
 def main() -> None:
     args = engine_arguments("one engine of the token-exactness test, in this process",
-                            ["stock", "plugin", "badbundle", "stock-async", "plugin-async"])
+                            ["stock", "plugin", "badbundle", "stock-defaults", "plugin-defaults"])
     if args.phase == "badbundle":
         bad_bundle(args.work, args.out)
     else:

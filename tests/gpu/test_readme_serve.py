@@ -39,7 +39,9 @@ def servers(vllm_env, tmp_path_factory) -> dict[str, dict[str, Any] | str]:
         log = work / f"{name}.log"
         out[name] = (json.loads(result.read_text()) if result.exists()
                      else (log.read_text(errors="replace")[-6000:] if log.exists() else "no log"))
-    print(json.dumps({k: v["seconds"] for k, v in out.items() if isinstance(v, dict)}))
+        done = out[name]
+        print(f"{name}: " + (f"ready in {done['ready_s']:.0f} s, done in {done['seconds']:.0f} s"
+                             if isinstance(done, dict) else "did not finish"), flush=True)
     return out
 
 

@@ -1,6 +1,6 @@
-"""Profiled release under vLLM's async scheduling (vLLM 0.33.0's V2 runner, the plugin's default:
-``LORAZOR_ASYNC_SCHEDULING`` unset): stock vLLM and the plugin, both scheduling asynchronously, on the token-exactness test's
-requests (engines and checks: ``tests/gpu/release_engines.py``). About 2 minutes on one H200."""
+"""Profiled release under vLLM's async scheduling (the V2 runner of vLLM 0.33.0 and 0.34.0, the plugin's
+default: ``LORAZOR_ASYNC_SCHEDULING`` unset): stock vLLM and the plugin, both scheduling asynchronously, on the
+token-exactness test's requests (engines and checks: ``tests/gpu/release_engines.py``). About 2 minutes on one H200."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +17,10 @@ ENGINE_TIMEOUT_S = 400
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
     """Check name → (passed, detail), from one stock and one plugin engine with async scheduling."""
-    import vllm
+    from serve_bridge.vllm import versions
 
-    if not vllm.__version__.startswith("0.33."):
-        pytest.skip("async scheduling with a bundle runs on vLLM 0.33's V2 runner only")
+    if versions.current().RUNNER != "V2":
+        pytest.skip("async scheduling with a bundle runs in the V2 runner only (vLLM 0.33 and 0.34)")
     work = tmp_path_factory.mktemp("release_async")
     out = work / "out"
     engines.prepare(work, N_REQUESTS)

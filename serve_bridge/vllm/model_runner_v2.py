@@ -131,8 +131,8 @@ class LoRazorGPUModelRunner(_BaseRunner):
 
     def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:
         # profile_run samples a dummy batch (docs/vllm_integration.md §2b): the decision kernel and
-        # its CUDA graphs are prepared there, inside the memory profile (again a no-op where 0.34's
-        # worker samples once more after capture).
+        # its CUDA graphs are prepared there, inside the memory profile; 0.34's worker samples once
+        # more after capture, and finds them made.
         super()._dummy_sampler_run(hidden_states)
         with torch.inference_mode():
             self.lorazor.warm_up(hidden_states)

@@ -23,7 +23,7 @@ from labeling.engines.auto import AutoOptions, EngineChoice, MachineFacts, probe
 from labeling.engines.batch_workers import resolve_workers
 from labeling.engines.cpu_matmul import resolve_cpu_matmul
 from labeling.engines.hf import HFOptions
-from labeling.engines.vllm.options import VLLMOptions
+from labeling.engines.vllm.options import SUPPORTED_VLLM, VLLMOptions
 from labeling.tasks import Task, build_task
 from serve_bridge.bundle import file_sha256
 
@@ -231,7 +231,8 @@ class Context:
         try:
             import vllm  # noqa: F401
         except ImportError as err:
-            raise ConfigError("engine=vllm needs vLLM (0.33.0 or 0.26.0) and a GPU: pip install 'lorazor[vllm]'") from err
+            raise ConfigError(f"engine=vllm needs vLLM ({' or '.join(SUPPORTED_VLLM)}) and a GPU: pip install "
+                              "'lorazor[vllm]'") from err
         from labeling.engines.vllm.engine import VLLMEngine
 
         self.check_adapters()

@@ -2,7 +2,7 @@
 
 The hf engine's ``device`` must be a torch device this machine has (``cpu``; ``cuda`` or
 ``cuda:<i>`` with that GPU visible; ``mps`` where torch has it). The vLLM engine, the run's
-(``engine=vllm``) or the agreement stage's, needs a supported vLLM (0.33.0 or 0.26.0), CUDA and
+(``engine=vllm``) or the agreement stage's, needs a supported vLLM (docs/serving.md), CUDA and
 ``tensor_parallel_size × data_parallel_size`` visible GPUs. A missing one is a ConfigError
 naming the setting, instead of a failure when the stage that loads the engine starts.
 """

@@ -5,7 +5,7 @@
 # and, when no installed distribution provides LoRazor's `vllm.general_plugins` entry point, the
 # checkout goes on PYTHONPATH with a dist-info declaring it (scripts/plugin_dist_info.py).
 # Exports the runner switch of the installed vLLM's line (VLLM_USE_V2_MODEL_RUNNER=0 on 0.26.0, 1 on
-# 0.33.0; serve_bridge.vllm.versions). Sets `root` to the checkout.
+# 0.33.0, none on 0.34.0; serve_bridge.vllm.versions). Sets `root` to the checkout.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -n "${LORAZOR_VLLM_SITE:-}" ]; then
   export PYTHONPATH="$LORAZOR_VLLM_SITE${PYTHONPATH:+:$PYTHONPATH}"

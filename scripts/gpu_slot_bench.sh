@@ -27,7 +27,7 @@
 # requests (default 2048), every adapter kept in host memory; mean running requests and slots held
 # per step beside the capacity model's prediction. Each offline table prints the line
 #   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ (those measured)
-# Usage, from anywhere (vLLM 0.33.0 or 0.26.0 installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
+# Usage, from anywhere (a supported vLLM installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
 # Writes OUT_DIR/<table>/bench.{txt,json}, OUT_DIR/correctness/check_slots.md, or OUT_DIR/goodput512/goodput.{txt,json}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving throughput, stock vLLM (0.33.0 or 0.26.0) vs vLLM with the LoRazor plugin, on this machine's GPU(s):
+# Serving throughput, stock vLLM (a supported one, docs/serving.md) vs vLLM with the LoRazor plugin, on this machine's GPU(s):
 # the modes stock, gridtrim (LORAZOR_GRIDTRIM=1), steptrim (LORAZOR_BUNDLE) and both, each engine
 # in its own process (benchmarks/serving/bench.py sets each mode's variables itself).
 #   bash scripts/serve_bench.sh --out DIR [benchmarks.serving.bench options]

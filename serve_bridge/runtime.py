@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve_bridge.bundle import Bundle, BundleError, BundleWarning, adapter_fingerprint, load_bundle
+from serve_bridge.bundle import (ADAPTER_WEIGHTS_FILE, Bundle, BundleError, BundleWarning, adapter_fingerprint,
+                                 load_bundle)
 from serve_bridge.decision import DecisionLauncher
 from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, StepTrim
 
@@ -553,16 +554,39 @@ def _weights_match(path: str, sha256: str) -> bool:
         return False
 
 
+def _weights_identity(path: str) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, mtime in ns) of the weights file of the adapter at ``path`` (its peft
+    directory or the file), None where there is none: rewriting or replacing it changes this."""
+    if not path:
+        return None
+    try:
+        st = os.stat(os.path.join(path, ADAPTER_WEIGHTS_FILE))
+    except NotADirectoryError:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class CalibratedAdapters:
     """Which served adapters follow their bundle policy: those in the bundle whose weights at
-    the served path are the calibrated ones, checked once per (adapter, path). Any other
-    adapter runs full LoRA (never released); ``warn(key, message)`` is told once why.
-    The worker's runtime and the scheduler use this one check, so they always agree."""
+    the served path are the calibrated ones, checked once per (adapter, path) and again whenever
+    the weights file there changes (:func:`_weights_identity`), so an adapter reloaded under its
+    name from rewritten weights is judged by those. Any other adapter runs full LoRA (never
+    released); ``warn(key, message)`` is told once why. The worker's runtime and the scheduler use
+    this one check, so they agree as long as a served file is not rewritten between the two."""
 
     def __init__(self, bundle: Bundle | None, verified: Mapping[str, str] | None = None,
                  warn: Any = None) -> None:
         self.bundle = bundle
-        self._verified: dict[tuple[str, str], bool] = {(n, _norm(p)): True for n, p in (verified or {}).items()}
+        # (adapter, path) → (the weights file's identity, verdict) as last hashed, or as the caller
+        # verified it (true until that identity changes)
+        self._verified: dict[tuple[str, str], tuple[tuple[int, int, int, int] | None, bool]] = {}
+        for name, path in (verified or {}).items():
+            self._verified[(name, _norm(path))] = (_weights_identity(_norm(path)), True)
         self._warn = warn or (lambda key, message: None)
 
     def check(self, adapter: str, path: str | None) -> bool:
@@ -573,9 +597,12 @@ class CalibratedAdapters:
                                 f"{getattr(self.bundle, 'path', None)}: it runs full LoRA (never released).")
             return False
         key = (adapter, _norm(path or ""))
-        if key not in self._verified:
-            self._verified[key] = _weights_match(key[1], entry.weights_sha256)
-        if not self._verified[key]:
+        identity = _weights_identity(key[1])
+        known = self._verified.get(key)
+        if known is None or known[0] != identity:
+            known = self._verified[key] = (identity, identity is not None and
+                                           _weights_match(key[1], entry.weights_sha256))
+        if not known[1]:
             self._warn(adapter, f"adapter '{adapter}' at {path!r}: its weights could not be read from a local "
                                 f"directory or differ from those calibrated in {self.bundle.path}; it runs "
                                 f"full LoRA (never released). Serve the calibrated adapter from a local path.")

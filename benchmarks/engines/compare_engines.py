@@ -1,4 +1,4 @@
-"""engine=hf vs engine=vllm on the same labeling requests. Needs a GPU and vLLM (0.33.0 or 0.26.0).
+"""engine=hf vs engine=vllm on the same labeling requests. Needs a GPU and a supported vLLM.
 
     python -m benchmarks.engines.compare_engines --run RUNDIR --out DIR [--limit N] [--hf-batch-size 64]
 

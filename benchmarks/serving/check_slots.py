@@ -1,4 +1,4 @@
-"""Slot hand-back changes no request's tokens beyond numerical near-ties. Needs a GPU and vLLM (0.33.0 or 0.26.0).
+"""Slot hand-back changes no request's tokens beyond numerical near-ties. Needs a GPU and a supported vLLM.
 
     python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
         [--invariance [PAIR ...]] [--engines [ENGINE ...]] [--lora-kernels vllm|gridtrim]
@@ -37,7 +37,7 @@ TOP_LOGPROBS most likely (vLLM's own tests compare models this way). A wrong or 
 is "far". ``--invariance`` measures what a batch change alone does in stock vLLM, (f), in named
 pairs (:data:`INVARIANCE_PAIRS`) that differ in ``max_num_seqs`` and hold one thing fixed each:
 CUDA graphs or eager, LoRA, LoRA enabled but no adapter requested, the backbone alone, the V1
-runner, a slot for every adapter, prompts prefilled whole. ``--lora-kernels gridtrim`` runs every
+runner (on the lines that still ship it: not 0.34), a slot for every adapter, prompts prefilled whole. ``--lora-kernels gridtrim`` runs every
 engine on the plugin's LoRA kernels.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters, write_random_weights
-from serve_bridge.vllm.versions import runner_environment
+from serve_bridge.vllm.versions import has_v1_runner, runner_environment
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
          "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -350,11 +350,13 @@ def table(rows: list[tuple[str, bool, str]]) -> str:
     return "\n".join(lines)
 
 
-def engine_order(engines: list[str], pairs: list[str] | None) -> list[str]:
+def engine_order(engines: list[str], pairs: list[str] | None, v1_runner: bool = True) -> list[str]:
     """The engines to run, in order: ``engines`` (of :data:`ENGINES`), then the invariance pairs'
-    (``pairs``: [] means every pair, None none) that are not among them."""
+    (``pairs``: [] means every pair the installed vLLM can run, the V1 runner's only with
+    ``v1_runner``; None none) that are not among them."""
     chosen = [e for e in ENGINES if e in engines]
-    for pair in (INVARIANCE_PAIRS if pairs == [] else pairs or []):
+    every = [pair for pair in INVARIANCE_PAIRS if v1_runner or pair != "v1"]
+    for pair in (every if pairs == [] else pairs or []):
         chosen += [e for e in INVARIANCE_PAIRS[pair][:2] if e not in chosen]
     return chosen
 
@@ -385,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         print("check_slots: vLLM would not load the LoRazor plugin in its engines (no 'lorazor' vllm.general_plugins "
               "entry point): pip install -e '.[vllm]', or source scripts/env.sh first", file=sys.stderr)
         return 2
+    v1_runner = has_v1_runner()
+    if "v1" in (args.invariance or []) and not v1_runner:
+        print("check_slots: --invariance v1 needs vLLM's V1 model runner, which the installed vLLM no longer has "
+              "(0.34 removed it); name the other pairs", file=sys.stderr)
+        return 2
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     prepare(args.work, args.requests, args.weights)
@@ -394,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     notes = []
-    for engine in engine_order(args.engines, args.invariance):
+    for engine in engine_order(args.engines, args.invariance, v1_runner):
         left = args.budget_s - (time.time() - start)
         if left < 20:
             notes.append(f"{engine}: not run, {left:.0f} s left")

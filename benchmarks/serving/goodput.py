@@ -59,8 +59,8 @@ same ids (tested at the full vocabulary on CPU), so every prompt has exactly the
 drew, the server counts the same prompt tokens as the client, and vLLM's alignment probe finds no
 mismatch. Token-id prompts would not remove the need (docs/vllm_integration.md §12).
 
-**vLLM facts relied on**, with file:line in the 0.33.0 and 0.26.0 wheels: docs/vllm_integration.md §12.
-Any vLLM other than those two is refused.
+**vLLM facts relied on**, with file:line in the 0.33.0 and 0.26.0 wheels: docs/vllm_integration.md §12
+(0.34.0 has every option used here). Any vLLM that LoRazor does not support is refused.
 
 **Time.** Everything of one mode fits a 10-minute call on an H200 (``--budget-s`` 560, the rest
 for the script around it): the server's start-up with full CUDA graphs and 512 adapters loaded
@@ -682,7 +682,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     version = installed_version()
-    if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of both lines has every option used here",
+    if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of each has every option used here",
                           args.adapters, args.max_loras):
         print(problem, file=sys.stderr)
         return 2

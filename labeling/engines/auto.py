@@ -1,7 +1,7 @@
 """``engine=auto``: the engine to run, chosen from facts probed on this machine.
 
-vLLM when CUDA is available and a supported vLLM (0.33.0 or 0.26.0) is installed; else the hf engine on CUDA when
-CUDA is available; else the hf engine on the CPU. On vLLM, one replica per visible GPU (data
+vLLM when CUDA is available and a supported vLLM (docs/serving.md) is installed; else the hf engine on
+CUDA when CUDA is available; else the hf engine on the CPU. On vLLM, one replica per visible GPU (data
 parallel), unless the model's weights do not fit one GPU: then the smallest power-of-two
 tensor-parallel size whose share of the weights fits, and as many replicas as the GPUs hold.
 "Fits" leaves room for the KV cache: the weights' share may take at most

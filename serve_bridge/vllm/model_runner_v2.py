@@ -1,4 +1,4 @@
-"""StepTrim inside vLLM 0.33's V2 GPU model runner (``vllm/v1/worker/gpu/model_runner.py``).
+"""StepTrim inside the V2 GPU model runner of vLLM 0.33 and 0.34 (``vllm/v1/worker/gpu/model_runner.py``).
 
 The same per-step work as the V1 runner's (:mod:`serve_bridge.vllm.model_runner`), at the V2
 runner's seams: the step is planned where the batch is gathered, before the CUDA-graph dispatch
@@ -7,7 +7,8 @@ vLLM's ``LoraState``, hands the masked mapping to ``_set_active_loras``; decisio
 forward's hidden states at the sampled rows; learned releases ride on the step output for the
 scheduler. A preempted request keeps its release state: the V2 runner drops and re-adds it
 (``preempted_req_ids``, ``scheduled_new_reqs``), and its recompute is masked by position like
-any step. vLLM 0.33.0 lines: docs/vllm_integration.md §2b.
+any step. The two lines differ here only in ``make_lora_inputs``' signature; what else differs
+is in their seams (:mod:`serve_bridge.vllm.versions`). vLLM lines: docs/vllm_integration.md §2b.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from vllm.v1.worker.gpu.lora_utils import LoraState
 
 from serve_bridge.runtime import ReleaseRuntime, StepMapping, lora_ids
 from serve_bridge.vllm.runner_setup import start_runtime
-from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeError
+from serve_bridge.vllm.settings import RELEASES_ATTR
 
 _BaseRunner = v2_runner.GPUModelRunner
 _stock_dispatch_count = v2_runner.get_num_active_loras_for_dispatch
@@ -49,12 +50,17 @@ class ReleaseLoraState(LoraState):
                                             per_request.repeat(num_scheduled), per_request)
         return self.step
 
-    def make_lora_inputs(self, req_ids: list[str], idx_mapping: np.ndarray,
-                         num_scheduled_tokens: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], set[Any]]:
+    def make_lora_inputs(self, req_ids: list[str], idx_mapping: np.ndarray, num_scheduled_tokens: np.ndarray,
+                         num_logits: np.ndarray | None = None) -> tuple[tuple[int, ...], tuple[int, ...], set[Any]]:
+        """The planned step's (lm_head mapping, token mapping, LoRA requests still used). vLLM 0.34
+        passes ``num_logits``, the logits rows per request: one each, since speculative decoding is
+        refused, so the lm_head mapping is one id per request on both lines. LoRA requests are
+        found by request and keyed by id, never compared: vLLM 0.33 equates two requests of one
+        name, 0.34 two of one name and id (an adapter reloaded under its name gets a new id)."""
         step, self.step = self.step, None
         if step is None:
             raise RuntimeError("ReleaseLoraState.make_lora_inputs: no step was planned for this batch")
-        by_id = {r.lora_int_id: r for r in self.get_activate_loras(req_ids)}
+        by_id = {lora.lora_int_id: lora for lora in map(self.lora_requests.get, req_ids) if lora is not None}
         return lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), {by_id[i] for i in step.adapter_ids}
 
 
@@ -123,34 +129,16 @@ class LoRazorGPUModelRunner(_BaseRunner):
         return out
 
     def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:
-        # profile_run samples a dummy batch (v1/worker/gpu/model_runner.py:1045): the decision
-        # kernel and its CUDA graphs are prepared there, inside the memory profile.
+        # profile_run samples a dummy batch (docs/vllm_integration.md §2b): the decision kernel and
+        # its CUDA graphs are prepared there, inside the memory profile; 0.34's worker samples once
+        # more after capture, and finds them made.
         super()._dummy_sampler_run(hidden_states)
         with torch.inference_mode():
             self.lorazor.warm_up(hidden_states)
 
 
-def _v1_refused(base: type) -> type:
-    class V1RunnerRefused(base):  # type: ignore[misc, valid-type]
-        """vLLM 0.33's V1 runner, refused: LoRazor's hooks on this line are the V2 runner's."""
-
-        lorazor_refused = True
-
-        def __init__(self, vllm_config: Any, device: Any) -> None:
-            raise BridgeError("vLLM 0.33.0 built its V1 GPU model runner for this engine (a feature the V2 runner "
-                              "lacks, named in vLLM's log above, or VLLM_USE_V2_MODEL_RUNNER=0); LoRazor on vLLM "
-                              "0.33.0 runs in the V2 runner: drop that feature, or unset LORAZOR_BUNDLE and "
-                              "LORAZOR_CALIBRATION.")
-
-    return V1RunnerRefused
-
-
 def install() -> None:
-    """Make vLLM 0.33's workers build :class:`LoRazorGPUModelRunner`, dispatch CUDA graphs by the
-    masked group count, and refuse the V1 runner (idempotent)."""
-    import vllm.v1.worker.gpu_model_runner as v1_runner
-
+    """Make vLLM's workers build :class:`LoRazorGPUModelRunner` and dispatch CUDA graphs by the
+    masked group count (idempotent)."""
     v2_runner.GPUModelRunner = LoRazorGPUModelRunner
     v2_runner.get_num_active_loras_for_dispatch = num_active_loras_for_dispatch
-    if not getattr(v1_runner.GPUModelRunner, "lorazor_refused", False):
-        v1_runner.GPUModelRunner = _v1_refused(v1_runner.GPUModelRunner)

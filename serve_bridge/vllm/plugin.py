@@ -4,9 +4,9 @@ vLLM calls :func:`register` in every process it starts. It does nothing unless a
 is on (``LORAZOR_BUNDLE`` or ``LORAZOR_CALIBRATION``: StepTrim and the prefix-cache keys, with a
 bundle also the release-aware scheduler; ``LORAZOR_GRIDTRIM``: GridTrim), so installing LoRazor leaves
 vLLM stock; with one on, it refuses an unsupported vLLM or runner with one clear error and installs
-the hooks, the runner's from the installed vLLM's seam (:mod:`serve_bridge.vllm.versions`;
-docs/vllm_integration.md §0-1). vLLM swallows import errors of plugin modules, so this
-module imports nothing heavy and every check runs inside :func:`register`.
+the hooks, the runner's and the prefix-cache keys from the installed vLLM's seam
+(:mod:`serve_bridge.vllm.versions`; docs/vllm_integration.md §0-1). vLLM swallows import errors of
+plugin modules, so this module imports nothing heavy and every check runs inside :func:`register`.
 """
 from __future__ import annotations
 
@@ -45,9 +45,7 @@ def register() -> None:
 
         scheduler.install()
     if settings is not None:
-        from serve_bridge.vllm import prefix_cache
-
-        prefix_cache.install()
+        seam.install_prefix_cache()
 
 
 def install_gridtrim() -> None:

@@ -145,7 +145,7 @@ def engine_fixes(vllm_config: Any, released_blocks_keyed: bool = False, async_al
     - LoRA must be enabled (there is nothing to release otherwise), on a generative model
       (pooling models decode nothing; vLLM 0.33's classification heads are not slot-copied).
     - Prefix caching only when ``released_blocks_keyed``: vLLM hashes blocks with the LoRA name,
-      so a block computed after a release must carry its release point
+      so a block computed after a release must be keyed with its release point
       (:mod:`serve_bridge.vllm.prefix_cache`), or it would be reused as the adapter's.
     - Async scheduling only when ``async_allowed`` (a runner that plans a step before the previous
       one's decisions are read: vLLM 0.33's V2 runner, serving).

@@ -3,6 +3,7 @@ fabricated engine results."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from benchmarks.serving import check_slots
 
@@ -171,6 +172,18 @@ def test_engine_order_runs_each_named_pair_once():
     every = check_slots.engine_order(list(check_slots.ENGINES), [])
     assert every[:3] == list(check_slots.ENGINES) and set(every[3:]) == set(check_slots.VARIANTS)
     assert len(every) == len(set(every))
+    # vLLM 0.34 has no V1 runner (VLLM_USE_V2_MODEL_RUNNER=0 stops it): "every pair" leaves that pair out
+    without_v1 = check_slots.engine_order(list(check_slots.ENGINES), [], v1_runner=False)
+    assert set(every) - set(without_v1) == {"v1", "v1_16"}
+
+
+def test_refuses_the_v1_pair_where_vllm_has_no_v1_runner(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(check_slots, "entry_points", lambda group: [SimpleNamespace(name="lorazor")])
+    monkeypatch.setattr(check_slots, "has_v1_runner", lambda: False)
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--engines", "--invariance", "v1"]
+    assert check_slots.main(argv) == 2
+    assert "--invariance v1 needs vLLM's V1 model runner" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
 
 
 def test_random_weights_are_a_complete_llama_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ stage predicted, exactly (same engine, greedy decoding, exact one-pass sweep).""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from functools import cached_property
@@ -16,6 +17,7 @@ from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.pipeline import STAGES, run_pipeline
 from calibrate.rundir import RunDir
+from labeling.engines.vllm.options import SUPPORTED_VLLM
 from tests.calibrate.test_pipeline import TINY, compose_cfg
 
 
@@ -35,7 +37,8 @@ class HFAgreement(Context):
 def test_vllm_engine_without_vllm_is_one_clear_error(tmp_path: Path, monkeypatch, override: str, prop: str) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     ctx = Context(compose_cfg([*TINY, override]), RunDir(tmp_path))
-    with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM \(0\.33\.0 or 0\.26\.0\) and a GPU: pip install 'lorazor\[vllm\]'"):
+    supported = re.escape(" or ".join(SUPPORTED_VLLM))
+    with pytest.raises(ConfigError, match=rf"engine=vllm needs vLLM \({supported}\) and a GPU: pip install 'lorazor\[vllm\]'"):
         getattr(ctx, prop)
 
 

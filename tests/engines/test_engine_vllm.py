@@ -139,12 +139,18 @@ def test_engine_arguments(engine, tmp_path) -> None:
     from labeling.adapters import AdapterSpec
 
     assert lora_rank([AdapterSpec("b", str(big))]) == 64
+    assert shard([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+
+
+def test_the_calibration_engine_environment_per_vllm_line() -> None:
+    base = {"LORAZOR_CALIBRATION": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for version, runner in (("0.26.0", "0"), ("0.33.0", "1")):  # V1 on 0.26, V2 on 0.33
         env = {"LORAZOR_BUNDLE": "/b", "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "0" else "0"}
         prepare_environment(env, version)
-        assert env == {"LORAZOR_CALIBRATION": "1", "VLLM_USE_V2_MODEL_RUNNER": runner,
-                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert shard([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+        assert env == base | {"VLLM_USE_V2_MODEL_RUNNER": runner}
+    env = {"LORAZOR_BUNDLE": "/b"}
+    prepare_environment(env, "0.34.0")  # V2 is 0.34's only runner; VLLM_USE_V2_MODEL_RUNNER=0 would stop it
+    assert env == base
 
 
 def test_stop_ids_match_the_hf_engine(engine) -> None:

@@ -1,4 +1,4 @@
-"""GPU tests: ``pytest -m gpu tests/gpu`` on a machine with an NVIDIA GPU (vLLM 0.33.0 or 0.26.0 for most).
+"""GPU tests: ``pytest -m gpu tests/gpu`` on a machine with an NVIDIA GPU (a supported vLLM for most).
 
 Tests marked ``gpu`` are skipped without CUDA. The ``vllm_env`` fixture skips without vLLM, and
 gives the environment for the engine processes the tests start: the checkout on ``PYTHONPATH``
@@ -42,7 +42,7 @@ def _plugin_visible() -> bool:
 def vllm_env(tmp_path_factory) -> dict[str, str]:
     """Environment for a vLLM engine process started from the checkout root (no ``LORAZOR_*``)."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM 0.33.0 or 0.26.0 (pip install -e '.[vllm]')")
+        pytest.skip("needs a supported vLLM (pip install -e '.[vllm]')")
     paths = [str(ROOT)]
     if not _plugin_visible():
         spec = importlib.util.spec_from_file_location("plugin_dist_info", ROOT / "scripts" / "plugin_dist_info.py")

@@ -8,7 +8,7 @@ test splits), in bf16 on the same GPU, each engine in its own process
 - ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
   bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
   gives s_t along the full-LoRA trajectory (equal to the released one up to its release).
-- ``vllm``: vLLM (0.33 or 0.26) with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
+- ``vllm``: a supported vLLM with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
   served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
   the bundle, hence full LoRA). Release points come from the runtime's request records.
 - ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1``.

@@ -1,4 +1,4 @@
-"""GridTrim inside vLLM (0.33.0 or 0.26.0) gives stock vLLM's outputs: stock vs ``LORAZOR_GRIDTRIM=1`` on the
+"""GridTrim inside vLLM (a supported line) gives stock vLLM's outputs: stock vs ``LORAZOR_GRIDTRIM=1`` on the
 same requests (engines and pass rule: ``tests/gpu/gridtrim_engines.py``). About 1.5 minutes on
 one H200."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Release under vLLM's defaults (torch.compile in its default CUDA-graph mode, async scheduling,
-prefix caching; vLLM 0.33.0's V2 runner): stock vLLM and the plugin, both with every default, on the
-token-exactness test's requests, policy off, profiled and learned (decision lag 1) families
-(engines and checks: ``tests/gpu/release_engines.py``). The synchronous, eager second line, with
-tensor parallelism: ``test_release_in_vllm.py``."""
+prefix caching; the V2 runner of vLLM 0.33.0 and 0.34.0): stock vLLM and the plugin, both with every
+default, on the token-exactness test's requests, policy off, profiled and learned (decision lag 1)
+families (engines and checks: ``tests/gpu/release_engines.py``). The synchronous, eager second line,
+with tensor parallelism: ``test_release_in_vllm.py``."""
 from __future__ import annotations
 
 import pytest
@@ -19,10 +19,10 @@ ENGINE_TIMEOUT_S = 400
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
     """Check name → (passed, detail), from one stock and one plugin engine with vLLM's defaults."""
-    import vllm
+    from serve_bridge.vllm import versions
 
-    if not vllm.__version__.startswith("0.33."):
-        pytest.skip("vLLM's defaults (async scheduling) are served on vLLM 0.33's V2 runner")
+    if versions.current().RUNNER != "V2":
+        pytest.skip("vLLM's defaults (async scheduling) are served by the V2 runner (vLLM 0.33 and 0.34)")
     work = tmp_path_factory.mktemp("release_defaults")
     out = work / "out"
     engines.prepare(work, N_REQUESTS)

@@ -1,4 +1,4 @@
-"""StepTrim inside vLLM (0.33.0 or 0.26.0) is token-exact: stock vLLM vs the plugin on the same requests
+"""StepTrim inside vLLM (a supported line) is token-exact: stock vLLM vs the plugin on the same requests
 (engines and checks: ``tests/gpu/release_engines.py``). About 2 minutes on one H200."""
 from __future__ import annotations
 

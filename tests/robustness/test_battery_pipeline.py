@@ -165,9 +165,10 @@ BEFORE_ANY_STAGE = [  # (overrides, machine, message fragment)
     ("engine=hf;engine.device=cuda", CPU, "engine.device='cuda': this machine has no CUDA GPU"),
     ("engine=hf;engine.device=cuda:3", ONE_GPU, "engine.device='cuda:3': this machine has 1 visible GPU(s)"),
     ("engine=hf;engine.device=mps", CPU, "engine.device='mps': torch has no MPS device here"),
-    ("engine=vllm", CPU, "engine=vllm needs vLLM (0.33.0 or 0.26.0) and a GPU, this machine has no vllm and no CUDA GPU"),
+    ("engine=vllm", CPU, f"engine=vllm needs vLLM ({' or '.join(SUPPORTED_VLLM)}) and a GPU, this machine has no vllm and "
+                         "no CUDA GPU"),
     ("engine=vllm;engine.tensor_parallel_size=2", ONE_GPU, "needs 2 GPUs, this machine has 1"),
-    ("agreement=true", CPU, "agreement=true needs vLLM (0.33.0 or 0.26.0) and a GPU"),
+    ("agreement=true", CPU, f"agreement=true needs vLLM ({' or '.join(SUPPORTED_VLLM)}) and a GPU"),
     ("backbone.gguf_dir=/nowhere", CPU,
      "/nowhere/SmolLM2-135M-Instruct.Q4_1.gguf not found (backbone.gguf_dir='/nowhere')"),
 ]

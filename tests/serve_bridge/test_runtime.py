@@ -3,6 +3,7 @@ profiled / learned / none / unknown adapters, counters and start-up checks."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,8 +14,8 @@ from safetensors.numpy import save_file
 
 from serve_bridge.bundle import HEADS_FILE, AdapterEntry, BundleError, adapter_fingerprint, write_bundle
 from serve_bridge.vllm.rpc import LoRazorWorkerExtension, lorazor_counters, lorazor_requests
-from serve_bridge.runtime import build_runtime
-from serve_bridge.steptrim import skip_fraction, skipped_decode_forwards
+from serve_bridge.runtime import CalibratedAdapters, build_runtime
+from serve_bridge.steptrim import NO_SLOT, skip_fraction, skipped_decode_forwards
 from tests.serve_bridge.engine_walk import H, WalkRequest, hidden_state, walk
 
 W_LEARN = np.linspace(-1.0, 1.0, H, dtype=np.float32)
@@ -244,6 +245,32 @@ def test_served_adapter_missing_from_bundle_warns_and_runs_full_lora(tmp_path, s
     assert rt.bundle.policies["stranger"] is None and "stranger" not in rt.slot_of
     rt.add("x", "tampered", adapters["tampered"], 3)
     assert rt.states["x"].slot == rt.slot_of["tampered"]  # verified at start-up
+
+
+def test_weights_rewritten_under_a_served_name_are_checked_again(tmp_path, served, caplog):
+    """An adapter loaded again under its name from the same directory, whose weights were rewritten
+    meanwhile (vLLM 0.34 gives the new load a new id while old requests run): its requests are
+    judged by the new weights, in the worker and in the scheduler (each its own CalibratedAdapters,
+    the scheduler's trusting the worker's start-up check), and a running request keeps its policy."""
+    path = str(served["prof2"])
+    adapters = {n: str(served[n]) for n in ("prof0", "prof2", "learn", "off")} | {"tampered": path}
+    rt = build_runtime(_bundle(tmp_path, served), H, "cpu", adapters)  # hashed at start-up
+    scheduler = CalibratedAdapters(rt.bundle, adapters)
+    weights = served["prof2"] / "adapter_model.safetensors"
+    calibrated = weights.read_bytes()
+    rt.add("a", "prof2", path, 3)
+    weights.write_bytes((served["tampered"] / "adapter_model.safetensors").read_bytes())  # in place, same size
+    os.utime(weights, ns=(1, 1))  # the rewrite's mtime, fixed so that no clock granularity hides it
+    with caplog.at_level(logging.WARNING, logger="vllm.lorazor"):
+        rt.add("b", "prof2", path, 3)
+    assert "differ from those calibrated" in caplog.text and not scheduler.check("prof2", path)
+    replacement = weights.with_suffix(".new")
+    replacement.write_bytes(calibrated)
+    os.replace(replacement, weights)  # the calibrated weights back, as a new file
+    rt.add("c", "prof2", path, 3)
+    assert scheduler.check("prof2", path)
+    slots = {r: rt.states[r].slot for r in "abc"}
+    assert slots == {"a": rt.slot_of["prof2"], "b": NO_SLOT, "c": rt.slot_of["prof2"]}
 
 
 def test_request_records_include_tracked_requests_and_clear_finished(tmp_path, served):

@@ -1,4 +1,5 @@
-"""Calibration engine on vLLM (0.33.0 or 0.26.0), through serve_bridge's calibration mode (docs/design.md §3.3, §4).
+"""Calibration engine on a supported vLLM (docs/serving.md), through serve_bridge's calibration mode
+(docs/design.md §3.3, §4).
 
 :class:`VLLMEngine` has the interface of :class:`labeling.engines.hf.HFEngine` (``adapters``,
 ``hidden_size``, ``encode``, ``decode``, ``generate`` with the same GenRequest / GenResult), so

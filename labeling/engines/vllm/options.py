@@ -21,7 +21,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # config/lora.py:27 MaxLoRA
 
 @dataclass
 class VLLMOptions(CheckedOptions):
-    """vLLM engine options (0.33.0 or 0.26.0), GPU only (``pip install 'lorazor[vllm]'``).
+    """vLLM engine options (a supported vLLM, docs/serving.md), GPU only (``pip install 'lorazor[vllm]'``).
 
     The engine runs serve_bridge's calibration runtime inside vLLM (it sets
     LORAZOR_CALIBRATION=1 and the runner its vLLM line needs itself, and runs vLLM's engine core
@@ -138,9 +138,10 @@ def stop_ids_for(model_dir: str, tokenizer: Any, spec: Any) -> set[int]:
 
 def prepare_environment(environ: dict[str, str] | os._Environ = os.environ, vllm_version: str | None = None) -> None:
     """The variables every vLLM process must see before ``LLM`` starts: the calibration runtime
-    (no bundle), the runner of the vLLM line (``vllm_version``, default the installed one, read
-    without importing it: V1 on 0.26, V2 on 0.33), and the engine core in this process (so
-    ``collective_rpc`` callables need no insecure serialization, see :mod:`serve_bridge.vllm.rpc`)."""
+    (no bundle), the runner switch of the vLLM line (``vllm_version``, default the installed one,
+    read without importing it: V1 on 0.26, V2 on 0.33, none on 0.34, whose only runner is V2), and
+    the engine core in this process (so ``collective_rpc`` callables need no insecure
+    serialization, see :mod:`serve_bridge.vllm.rpc`)."""
     environ.pop(BUNDLE_ENV, None)
     environ[CALIBRATION_ENV] = "1"
     # another vLLM gets no runner switch: the plugin refuses it, in one line, when the engine starts

@@ -22,7 +22,8 @@ from serve_bridge.vllm.settings import BUNDLE_ENV, V2_RUNNER_ENV, BridgeError
 
 VERSION = "0.26.0"
 RUNNER = "V1"
-RUNNER_ENV_VALUE = "0"  # VLLM_USE_V2_MODEL_RUNNER for engines LoRazor starts itself
+RUNNER_ENV = {V2_RUNNER_ENV: "0"}  # what engines LoRazor starts itself set
+V1_RUNNER = True
 
 
 def require_runner(environ: Mapping[str, str] | None = None) -> None:
@@ -43,3 +44,10 @@ def install_runner() -> None:
 def sync_allowed() -> ContextManager[None]:
     """0.26 has no GPU-sync checker: nothing to allow."""
     return contextlib.nullcontext()
+
+
+def install_prefix_cache() -> None:
+    """Key vLLM's block hashes by release position (:func:`serve_bridge.vllm.prefix_cache.install`)."""
+    from serve_bridge.vllm import prefix_cache
+
+    prefix_cache.install()

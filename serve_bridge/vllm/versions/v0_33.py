@@ -15,23 +15,23 @@ Patches of this line (beside the common ones, docs/vllm_integration.md §0):
   (``lora/ops/triton_ops/lora_kernel_metadata.py:133-155``); released rows add that group. How:
   module attribute, read at call time (``v1/worker/gpu/model_runner.py:1821``). Removal: when
   vLLM counts the no-adapter group itself.
-- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` ← a class that refuses to be built. Why:
-  vLLM falls back to its V1 runner for features V2 lacks (``config/vllm.py:741-767``), and the
-  plugin's hooks on this line are V2's: serving there would silently not release. Removal: when
-  LoRazor supports the V1 runner on 0.33 (not planned: V1 has no stated removal date, V2 is
-  the default).
+- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` ← a class that refuses to be built
+  (:func:`refuse_v1_runner`). Why: vLLM falls back to its V1 runner for features V2 lacks
+  (``config/vllm.py:741-767``), and the plugin's hooks on this line are V2's: serving there would
+  silently not release. Removal: with this line (0.34 has no V1 runner).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import ContextManager
+from typing import Any, ContextManager
 
-from serve_bridge.vllm.settings import BUNDLE_ENV, V2_RUNNER_ENV, BridgeError
+from serve_bridge.vllm.settings import BUNDLE_ENV, CALIBRATION_ENV, V2_RUNNER_ENV, BridgeError
 
 VERSION = "0.33.0"
 RUNNER = "V2"
-RUNNER_ENV_VALUE = "1"  # VLLM_USE_V2_MODEL_RUNNER for engines LoRazor starts itself
+RUNNER_ENV = {V2_RUNNER_ENV: "1"}  # what engines LoRazor starts itself set
+V1_RUNNER = True
 
 
 def require_runner(environ: Mapping[str, str] | None = None) -> None:
@@ -47,6 +47,29 @@ def install_runner() -> None:
     from serve_bridge.vllm import model_runner_v2
 
     model_runner_v2.install()
+    refuse_v1_runner()
+
+
+def refuse_v1_runner() -> None:
+    """Make ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` a subclass whose constructor raises
+    one BridgeError (idempotent): LoRazor's hooks on this line are the V2 runner's."""
+    import vllm.v1.worker.gpu_model_runner as v1_runner
+
+    base = v1_runner.GPUModelRunner
+    if getattr(base, "lorazor_refused", False):
+        return
+
+    class V1RunnerRefused(base):  # type: ignore[misc, valid-type]
+        """vLLM 0.33's V1 runner, refused: LoRazor's hooks on this line are the V2 runner's."""
+
+        lorazor_refused = True
+
+        def __init__(self, vllm_config: Any, device: Any) -> None:
+            raise BridgeError(f"vLLM {VERSION} built its V1 GPU model runner for this engine (a feature the V2 runner "
+                              f"lacks, named in vLLM's log above, or {V2_RUNNER_ENV}=0); LoRazor on vLLM {VERSION} "
+                              f"runs in the V2 runner: drop that feature, or unset {BUNDLE_ENV} and {CALIBRATION_ENV}.")
+
+    v1_runner.GPUModelRunner = V1RunnerRefused
 
 
 def sync_allowed() -> ContextManager[None]:
@@ -55,3 +78,10 @@ def sync_allowed() -> ContextManager[None]:
     from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
     return gpu_sync_allowed()
+
+
+def install_prefix_cache() -> None:
+    """Key vLLM's block hashes by release position (:func:`serve_bridge.vllm.prefix_cache.install`)."""
+    from serve_bridge.vllm import prefix_cache
+
+    prefix_cache.install()

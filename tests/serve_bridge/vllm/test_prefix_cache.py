@@ -1,7 +1,9 @@
 """serve_bridge.vllm.prefix_cache: KV-block hash keys for released requests (forced, and marked
 by the release-aware scheduler), over stand-ins for vLLM 0.26.0's ``v1/core/kv_cache_utils.py``
-(its extra keys and chained block hashing restated) and ``v1/core/block_pool.py``; the hit
-counter; the settings gate and the calibration runtime's refusal."""
+(its extra keys and chained block hashing restated) and ``v1/core/block_pool.py``, and for 0.34.0's
+engine core taking a frontend's prompt block hashes (``frontend_block_hashes``,
+``kv_cache_utils.py:1037-1058``, imported by name in ``v1/engine/core.py:67``); the hit counter;
+the settings gate and the calibration runtime's refusal."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +14,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm import prefix_cache
+from serve_bridge.vllm import prefix_cache, versions
 from tests.serve_bridge.vllm.stubs import fake_lora_managers
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
 from serve_bridge.vllm.settings import engine_fixes
@@ -34,9 +36,11 @@ def vllm_core(monkeypatch):
     kv = ModuleType("vllm.v1.core.kv_cache_utils")
     kv.generate_block_hash_extra_keys = lora_extra_keys
 
-    def block_hashes(request):
-        out, parent = [], None
-        for start in range(0, len(request.all_token_ids) - BLOCK + 1, BLOCK):
+    def block_hashes(request, known=()):
+        """The hashes of the request's full blocks after the ``known`` first ones (0.34's hasher
+        continues from the first block a frontend's hashes do not cover, v1/request.py:238-243)."""
+        out, parent = [], known[-1] if known else None
+        for start in range(BLOCK * len(known), len(request.all_token_ids) - BLOCK + 1, BLOCK):
             extra, _ = kv.generate_block_hash_extra_keys(request, start, start + BLOCK, 0)
             parent = hashlib.sha256(pickle.dumps((parent, tuple(request.all_token_ids[start:start + BLOCK]),
                                                   extra))).digest()
@@ -48,10 +52,26 @@ def vllm_core(monkeypatch):
     pool.generate_block_hash_extra_keys = lora_extra_keys
     core = ModuleType("vllm.v1.core")
     core.kv_cache_utils, core.block_pool = kv, pool
+    engine_core = ModuleType("vllm.v1.engine.core")
+    engine_core.frontend_block_hashes = frontend_block_hashes
+    engine = ModuleType("vllm.v1.engine")
+    engine.core = engine_core
     for name, module in {"vllm": ModuleType("vllm"), "vllm.v1": ModuleType("vllm.v1"), "vllm.v1.core": core,
-                         "vllm.v1.core.kv_cache_utils": kv, "vllm.v1.core.block_pool": pool}.items():
+                         "vllm.v1.core.kv_cache_utils": kv, "vllm.v1.core.block_pool": pool,
+                         "vllm.v1.engine": engine, "vllm.v1.engine.core": engine_core}.items():
         monkeypatch.setitem(sys.modules, name, module)
     return kv, pool
+
+
+def frontend_block_hashes(request, prefix_hash_config):
+    """vLLM 0.34's (kv_cache_utils.py:1037-1058), restated: the frontend's prompt block hashes unless
+    their count does not match the prompt's full blocks."""
+    if request.block_hashes is None:
+        return None
+    full = max(len(request.prompt_token_ids) - prefix_hash_config.num_lookahead_tokens, 0)
+    if len(request.block_hashes) != full // prefix_hash_config.hash_block_size:
+        return None
+    return request.block_hashes
 
 
 def request(tokens, lora="a", release=None, extra=None):
@@ -163,14 +183,44 @@ def test_calibration_runtime_refuses_a_release_policy_when_prefixes_are_cached()
     plain.configure(calibration_config(["a", "b"], policy=StepTrim([ProfiledPolicy(2), None], 8)))
 
 
-def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch):
+def test_vllm_0_34_hashes_a_released_requests_prompt_itself(vllm_core):
+    """0.34's Rust frontend may send prompt block hashes made with vLLM's keys only; the engine core
+    keeps them (v1/engine/core.py:1287) unless they are dropped, as they are for a forced release."""
     kv, _ = vllm_core
-    sys.modules["vllm"].__version__ = "0.26.0"
-    monkeypatch.setitem(sys.modules, "serve_bridge.vllm.model_runner", SimpleNamespace(install=lambda: None))
+    frontend = kv.generate_block_hash_extra_keys  # what the frontend's hasher knows: vLLM's own keys
+    config = SimpleNamespace(hash_block_size=BLOCK, num_lookahead_tokens=0)
+    core = sys.modules["vllm.v1.engine.core"]
+    versions.seam("0.34.0").install_prefix_cache()
+    wrapped = core.frontend_block_hashes
+    versions.seam("0.34.0").install_prefix_cache()  # idempotent: wrapped once
+    assert prefix_cache.installed() and core.frontend_block_hashes is wrapped is not frontend_block_hashes
+    prompt = list(range(100, 120))  # 5 full blocks
+    for release in (None, 13):
+        req = request(prompt, release=release)
+        kv.generate_block_hash_extra_keys, keyed = frontend, kv.generate_block_hash_extra_keys
+        req.prompt_token_ids, req.block_hashes = prompt, kv.block_hashes(req)  # the frontend's, in its process
+        kv.generate_block_hash_extra_keys = keyed
+        hashes = list(core.frontend_block_hashes(req, config) or [])
+        hashes += kv.block_hashes(req, hashes)  # Request(...): the engine hashes what the frontend did not
+        assert hashes == kv.block_hashes(req)  # every block has the key where the engine would put it
+        assert (hashes == req.block_hashes) is (release is None)  # a frontend's hashes are kept otherwise
+    assert not core.frontend_block_hashes(SimpleNamespace(block_hashes=None, sampling_params=None), config)
+
+
+@pytest.mark.parametrize("version, runner", [("0.26.0", "model_runner"), ("0.34.0", "model_runner_v2")])
+def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch, version, runner):
+    kv, _ = vllm_core
+    sys.modules["vllm"].__version__ = version
+    monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{runner}", SimpleNamespace(install=lambda: None))
+    monkeypatch.setattr(sys.modules["serve_bridge.vllm"], runner, sys.modules[f"serve_bridge.vllm.{runner}"],
+                        raising=False)
     fake_lora_managers(monkeypatch)
-    for name in ("LORAZOR_BUNDLE", "LORAZOR_GRIDTRIM"):
+    for name in ("LORAZOR_BUNDLE", "LORAZOR_GRIDTRIM", "VLLM_USE_V2_MODEL_RUNNER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LORAZOR_CALIBRATION", "1")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    for name, value in versions.runner_environment(version).items():  # what engines LoRazor starts set
+        monkeypatch.setenv(name, value)
     importlib.import_module("serve_bridge.vllm.plugin").register()
     assert prefix_cache.installed()
+    keyed_frontend = getattr(sys.modules["vllm.v1.engine.core"].frontend_block_hashes, "lorazor_keyed", False)
+    assert keyed_frontend is (version == "0.34.0")

@@ -207,7 +207,8 @@ def serve(module, tmp_path, paths, specs, *, env, max_loras=2, budget=64, kv_tok
           scheduler_cls=None, lag: int = 0) -> Served:
     """Run requests ``specs`` [(req_id, adapter, prompt, max_tokens)] through ``scheduler_cls``
     (default: ReleaseScheduler) and a real ReleaseRuntime as the worker, whose learned policy has
-    decision lag ``lag``."""
+    decision lag ``lag``. A spec may end in (LoRA id, weights): the adapter loaded under its name
+    with that id from ``paths[weights]``."""
     bundle = _bundle(tmp_path, paths, lag=lag)
     environ = {"LORAZOR_BUNDLE": str(bundle)} | env
     for k in ("LORAZOR_BUNDLE", "LORAZOR_SLOTS", "LORAZOR_CALIBRATION"):
@@ -219,9 +220,13 @@ def serve(module, tmp_path, paths, specs, *, env, max_loras=2, budget=64, kv_tok
         s = cls(vllm_config(max_loras), budget=budget, kv_tokens=kv_tokens)
         rt = build_runtime(bundle, H, "cpu")
     rt.report_releases = True
-    for rid, adapter, prompt, max_tokens in specs:
-        path = str(paths[adapter]) if adapter else None
-        s.add_request(FakeRequest(rid, adapter, path, prompt, max_tokens))
+    for rid, adapter, prompt, max_tokens, *load in specs:
+        lora_id, weights = load[0] if load else (LORA_ID.get(adapter), adapter)
+        path = str(paths[weights]) if adapter else None
+        request = FakeRequest(rid, adapter, path, prompt, max_tokens)
+        if adapter:
+            request.lora_request.lora_int_id = lora_id
+        s.add_request(request)
         rt.add(rid, adapter, path, prompt)
     seen = {rid: [] for rid, *_ in specs}
     held = {rid: [] for rid, *_ in specs}
@@ -321,6 +326,25 @@ def test_one_slot_is_handed_on_after_the_release(sched, tmp_path, served):  # no
     assert [h for _, h in on.held["a"]] == [True] + [False] * 5
     assert on.held["b"][0][0] == 0 and len(on.seen["b"]) and on.steps == 1 + 6  # b starts at step 2
     assert off.steps == 6 + 6  # b waits until a finishes
+
+
+def test_an_adapter_reloaded_under_its_name_holds_a_slot_of_its_own(sched, tmp_path, served):  # noqa: F811
+    """vLLM 0.34: "prof2" loaded again from other weights gets a new id (9) while a request of the
+    first load runs. The scheduler counts the two loads as two adapters, as vLLM counts ids; the
+    first load's request hands its slot back at its release (k = 2), the second load's requests
+    (not the calibrated weights) hold theirs to the end, and every request finishes."""
+    reload = (9, "tampered")
+    specs = [("old", "prof2", 4, 8), ("new", "prof2", 3, 6, reload), ("newer", "prof2", 3, 4, reload)]
+    run = serve(sched, tmp_path, served, specs, env={}, max_loras=1)
+    assert run.releases == {"old": 2, "new": None, "newer": None}
+    assert all(lora == (2 if pos < 4 + 2 else 0) for pos, lora in run.seen["old"])
+    assert all(lora == 9 for rid in ("new", "newer") for _, lora in run.seen[rid])
+    assert [h for _, h in run.held["old"]][:3] == [True] * 3 and not any(h for _, h in run.held["old"][3:])
+    assert all(h for rid in ("new", "newer") for _, h in run.held[rid])
+    assert max(run.resident) == 1  # one slot: the first load left it before the second load came in
+    # the second load came in at step 4, beside the first load's request (8 steps); without hand-back after it
+    kept = serve(sched, tmp_path / "kept", served, specs, env={"LORAZOR_SLOTS": "0"}, max_loras=1)
+    assert (run.steps, kept.steps) == (3 + 6, 8 + 6) and (kept.seen, kept.releases) == (run.seen, run.releases)
 
 
 def test_policy_off_is_vllms_scheduler(sched, tmp_path, served, monkeypatch):  # noqa: F811
@@ -443,7 +467,7 @@ def test_scheduler_trusts_the_workers_start_up_weight_check(sched, tmp_path, ser
     served_ok = adapters | {"prof2": str(served["prof2"])}
     monkeypatch.setenv("LORAZOR_ADAPTERS", ",".join(f"{k}={v}" for k, v in served_ok.items()))
     tracker = sched.ReleaseScheduler(vllm_config(2)).lorazor_slots
-    assert tracker.calibrated._verified[("prof2", str(served["prof2"]))] is True
+    assert tracker.calibrated._verified[("prof2", str(served["prof2"]))][1] is True
 
 
 def test_with_slots_to_spare_the_schedule_is_vllms_own(sched, tmp_path, served, monkeypatch):  # noqa: F811

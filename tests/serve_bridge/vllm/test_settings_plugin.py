@@ -45,18 +45,25 @@ def test_bad_log_interval(value):
 
 
 def test_version_gate_picks_one_seam_per_supported_vllm():
-    assert versions.seam("0.26.0").VERSION == "0.26.0" and versions.seam("0.26.0").RUNNER == "V1"
-    assert versions.seam("0.33.0").VERSION == "0.33.0" and versions.seam("0.33.0").RUNNER == "V2"
-    assert versions.SUPPORTED[0] == "0.33.0"  # the newest first: what the [vllm] extra installs
+    for version, runner, v1 in (("0.34.0", "V2", False), ("0.33.0", "V2", True), ("0.26.0", "V1", True)):
+        seam = versions.seam(version)
+        assert (seam.VERSION, seam.RUNNER, seam.V1_RUNNER) == (version, runner, v1)
+        assert versions.has_v1_runner(version) is v1
+    assert versions.SUPPORTED == ("0.34.0", "0.33.0", "0.26.0")  # newest first
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
-    assert extra == [f"vllm=={versions.SUPPORTED[0]}"]
-    for other in ("0.26.1", "0.32.0", "0.34.0"):
-        with pytest.raises(BridgeError, match=rf"vLLM {other} is installed.*vllm==0\.33\.0 .*vllm==0\.26\.0"):
+    assert extra == [f"vllm=={versions.EXTRA}"] and versions.EXTRA in versions.SUPPORTED  # the newest maintained
+    for other in ("0.26.1", "0.32.0", "0.34.1", "0.35.0"):
+        with pytest.raises(BridgeError) as err:
             versions.seam(other)
+        message = str(err.value)
+        assert "\n" not in message and f"vLLM {other} is installed" in message
+        assert message.index("vllm==0.34.0 (pip install lorazor 'vllm==0.34.0')") \
+            < message.index("vllm==0.33.0 (pip install 'lorazor[vllm]')") < message.index("vllm==0.26.0")
+    assert not versions.has_v1_runner("0.35.0")
 
 
 def test_runner_gate_per_vllm_line():
-    v26, v33 = versions.seam("0.26.0"), versions.seam("0.33.0")
+    v26, v33, v34 = versions.seam("0.26.0"), versions.seam("0.33.0"), versions.seam("0.34.0")
     v26.require_runner({"VLLM_USE_V2_MODEL_RUNNER": "0"})
     for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
         with pytest.raises(BridgeError, match="0.26.0 runs inside vLLM's V1 GPU model runner; set VLLM_USE_V2_MODEL_RUNNER=0"):
@@ -66,6 +73,17 @@ def test_runner_gate_per_vllm_line():
     for value in ("0", "false"):
         with pytest.raises(BridgeError, match="0.33.0 runs inside vLLM's V2 GPU model runner.*unset VLLM_USE_V2"):
             v33.require_runner({"VLLM_USE_V2_MODEL_RUNNER": value})
+    for env in ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
+        v34.require_runner(env)  # the V2 runner is 0.34's only one; vLLM itself refuses any other value
+
+
+def test_engines_lorazor_starts_set_the_runner_of_their_line_and_never_v1_on_0_34():
+    assert versions.runner_environment("0.26.0") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert versions.runner_environment("0.33.0") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert versions.runner_environment("0.34.0") == {}  # 0 stops vLLM 0.34 (platforms/interface.py:1481)
+    assert versions.runner_environment("0.35.0") == {}  # refused by the plugin, in one line
+    versions.runner_environment("0.34.0")["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # a copy: the seam keeps its own
+    assert versions.seam("0.34.0").RUNNER_ENV == {}
 
 
 def _config(**over):
@@ -175,16 +193,24 @@ class _Platform:
         return "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
 
 
-RUNNER_MODULE = {"0.26.0": "model_runner", "0.33.0": "model_runner_v2"}  # the StepTrim runner of each line
+RUNNER_MODULE = {"0.26.0": "model_runner", "0.33.0": "model_runner_v2", "0.34.0": "model_runner_v2"}  # StepTrim's
 
 
 def _fake_vllm(monkeypatch, platform_cls, version="0.26.0"):
+    """vLLM ``version`` faked: its platform, LoRA managers and, where the line ships one, the V1
+    runner's module; the StepTrim runner modules must not load."""
     fake = ModuleType("vllm")
     fake.__version__ = version
     platforms = ModuleType("vllm.platforms")
     platforms.current_platform = platform_cls()
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    if versions.has_v1_runner(version):
+        v1 = ModuleType("vllm.v1.worker.gpu_model_runner")
+        v1.GPUModelRunner = type("GPUModelRunner", (), {})
+        for name, module in (("vllm.v1", ModuleType("vllm.v1")), ("vllm.v1.worker", ModuleType("vllm.v1.worker")),
+                             ("vllm.v1.worker.gpu_model_runner", v1)):
+            monkeypatch.setitem(sys.modules, name, module)
     fake_lora_managers(monkeypatch)
     for module in RUNNER_MODULE.values():  # the StepTrim runners must not load
         monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{module}", None)
@@ -197,7 +223,7 @@ def _fake_vllm(monkeypatch, platform_cls, version="0.26.0"):
     return platforms.current_platform
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0", "0.34.0"])
 def test_register_gridtrim_selects_the_wrapper(monkeypatch, version):
     cuda = type("CudaPlatform", (_Platform,), {})
     platform = _fake_vllm(monkeypatch, cuda, version)
@@ -236,7 +262,7 @@ def test_register_gridtrim_refuses_the_other_runner(monkeypatch, version, v2_run
 
 @pytest.mark.parametrize("version, v2_runner, message", [
     ("0.27.0", "0", "vLLM 0.27.0 is installed"),
-    ("0.34.0", None, "vLLM 0.34.0 is installed"),
+    ("0.35.0", None, "vLLM 0.35.0 is installed"),
     ("0.26.0", None, "V1 GPU model runner"),
     ("0.33.0", "0", "V2 GPU model runner"),
 ])
@@ -254,7 +280,7 @@ def test_register_refuses_an_unsupported_vllm(monkeypatch, version, v2_runner, m
         plugin.register()
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0", "0.34.0"])
 @pytest.mark.parametrize("slots", [None, "0"])
 def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slots, version):
     _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}), version)
@@ -270,6 +296,15 @@ def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slot
         stub.install = lambda name=name: calls.append(name)
         monkeypatch.setitem(sys.modules, f"serve_bridge.vllm.{name}", stub)
         monkeypatch.setattr(sys.modules["serve_bridge.vllm"], name, stub, raising=False)
+    if version == "0.34.0":  # its seam also wraps the engine core's frontend_block_hashes
+        core = ModuleType("vllm.v1.engine.core")
+        core.frontend_block_hashes = lambda request, config: None
+        for name, module in (("vllm.v1", ModuleType("vllm.v1")), ("vllm.v1.engine", ModuleType("vllm.v1.engine")),
+                             ("vllm.v1.engine.core", core)):
+            monkeypatch.setitem(sys.modules, name, module)
+        sys.modules["vllm.v1.engine"].core = core
     plugin.register()
     runner = RUNNER_MODULE[version]
     assert calls == [runner, "scheduler", "prefix_cache"]  # LORAZOR_SLOTS=0 only stops hand-back
+    if version == "0.33.0":  # vLLM falls back to V1 for features V2 lacks; 0.34 has no V1 (and nothing is imported)
+        assert sys.modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner.lorazor_refused

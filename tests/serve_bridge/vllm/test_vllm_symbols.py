@@ -3,6 +3,7 @@ installed vLLM line (docs/vllm_integration.md §10). Runs where vLLM is importab
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 
 import pytest
@@ -48,7 +49,24 @@ def test_version_is_one_the_hooks_were_written_for():
 
 V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
-# The runner each line's StepTrim hooks (0.26.0: V1, §2; 0.33.0: V2, §2b).
+# The V2 runner's hooks (0.33.0 and 0.34.0, §2b); 0.34's make_lora_inputs gains num_logits, and its
+# engine core may take a frontend's prompt block hashes (§7).
+V2_SIGNATURES = {
+    f"{V2}.__init__": ["vllm_config", "device"],
+    f"{V2}.finish_requests": ["scheduler_output"],
+    f"{V2}.add_requests": ["scheduler_output"],
+    f"{V2}.gather_batch_req_state": ["scheduler_output", "dummy_run"],
+    f"{V2}._set_active_loras": ["prompt_lora_mapping", "token_lora_mapping", "lora_requests", "mapping_type"],
+    f"{V2}._dummy_sampler_run": ["hidden_states"],
+    f"{V2}.sample_tokens": ["grammar_output"],
+    "vllm.v1.worker.gpu.model_runner:get_num_active_loras_for_dispatch":
+        ["lora_config", "lora_state", "req_ids", "dummy_run"],
+    "vllm.v1.worker.gpu.lora_utils:LoraState.__init__": ["max_num_reqs"],
+    "vllm.v1.worker.gpu.lora_utils:LoraState.make_lora_inputs": ["req_ids", "idx_mapping", "num_scheduled_tokens"],
+    "vllm.v1.worker.gpu.lora_utils:LoraState.get_activate_loras": ["req_ids"],
+    "vllm.utils.gpu_sync_debug:gpu_sync_allowed": ["first_only"],
+}
+# The runner each line's StepTrim hooks (0.26.0: V1, §2; 0.33.0 and 0.34.0: V2, §2b).
 RUNNER_SIGNATURES = {
     "0.26.0": {
         f"{V1}.__init__": ["vllm_config", "device"],
@@ -60,20 +78,12 @@ RUNNER_SIGNATURES = {
         f"{V1}.sample_tokens": ["grammar_output"],
         "vllm.v1.worker.gpu_input_batch:InputBatch.make_lora_inputs": ["num_scheduled_tokens", "num_sampled_tokens"],
     },
-    "0.33.0": {
-        f"{V2}.__init__": ["vllm_config", "device"],
-        f"{V2}.finish_requests": ["scheduler_output"],
-        f"{V2}.add_requests": ["scheduler_output"],
-        f"{V2}.gather_batch_req_state": ["scheduler_output", "dummy_run"],
-        f"{V2}._set_active_loras": ["prompt_lora_mapping", "token_lora_mapping", "lora_requests", "mapping_type"],
-        f"{V2}._dummy_sampler_run": ["hidden_states"],
-        f"{V2}.sample_tokens": ["grammar_output"],
-        "vllm.v1.worker.gpu.model_runner:get_num_active_loras_for_dispatch":
-            ["lora_config", "lora_state", "req_ids", "dummy_run"],
-        "vllm.v1.worker.gpu.lora_utils:LoraState.__init__": ["max_num_reqs"],
-        "vllm.v1.worker.gpu.lora_utils:LoraState.make_lora_inputs": ["req_ids", "idx_mapping", "num_scheduled_tokens"],
-        "vllm.v1.worker.gpu.lora_utils:LoraState.get_activate_loras": ["req_ids"],
-        "vllm.utils.gpu_sync_debug:gpu_sync_allowed": ["first_only"],
+    "0.33.0": V2_SIGNATURES,
+    "0.34.0": V2_SIGNATURES | {
+        "vllm.v1.worker.gpu.lora_utils:LoraState.make_lora_inputs":
+            ["req_ids", "idx_mapping", "num_scheduled_tokens", "num_logits"],
+        "vllm.v1.core.kv_cache_utils:frontend_block_hashes": ["request", "prefix_hash_config"],
+        "vllm.v1.engine.core:frontend_block_hashes": ["request", "prefix_hash_config"],
     },
 }
 SIGNATURES = {
@@ -118,9 +128,21 @@ def test_hooked_function_signature(path, names):
     assert _names(_attr(path)) == names
 
 
+# Source fragments per V2 line: where the hooks' calls and module attributes are read (§2b, §0).
+V2_SOURCES = {
+    "0.33.0": [("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
+                ["from vllm.v1.worker.gpu.model_runner import", "from vllm.v1.worker.gpu_model_runner import"])],
+    "0.34.0": [("vllm.v1.worker.gpu_worker:Worker._make_model_runner", ["from vllm.v1.worker.gpu.model_runner import"]),
+               (V2 + ".execute_model", ["np.diff(input_batch.cu_num_logits_np)"]),
+               ("vllm.v1.engine.core:EngineCore.preprocess_add_request",
+                ["frontend_block_hashes(request, self.prefix_hash_config)"]),
+               ("vllm.platforms.interface:Platform.validate_environ", ['"VLLM_USE_V2_MODEL_RUNNER"', 'value != "1"'])],
+}
+
+
 def test_v2_runner_data_the_hooks_read():
-    if vllm.__version__ != "0.33.0":
-        pytest.skip("the V2 runner is hooked on vLLM 0.33.0")
+    if vllm.__version__ not in V2_SOURCES:
+        pytest.skip("the V2 runner is hooked on vLLM 0.33.0 and 0.34.0")
     from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.worker.gpu.async_utils import AsyncOutput
     from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -134,11 +156,38 @@ def test_v2_runner_data_the_hooks_read():
                             (V2 + ".execute_model", ["get_num_active_loras_for_dispatch(", "self.gather_batch_req_state(",
                                                      "self.lora_state.make_lora_inputs(", "hidden_states=hidden_states"]),
                             (V2 + ".finish_requests", ["preempted_req_ids"]),
-                            ("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
-                             ["from vllm.v1.worker.gpu.model_runner import", "from vllm.v1.worker.gpu_model_runner import"])):
+                            *V2_SOURCES[vllm.__version__]):
         source = inspect.getsource(_attr(path))
         assert all(f in source for f in fragments), (path, [f for f in fragments if f not in source])
     assert "self.model_runner_output" in inspect.getsource(AsyncOutput.get_output)
+
+
+def test_vllm_0_34_has_no_v1_runner_and_takes_frontend_block_hashes():
+    if vllm.__version__ != "0.34.0":
+        pytest.skip("vLLM 0.34.0's seam")
+    from vllm.v1.engine import EngineCoreRequest
+
+    assert importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None  # nothing for the seam to refuse
+    assert {"block_hashes", "sampling_params"} <= _fields(EngineCoreRequest)
+
+
+def test_engine_calls_of_calibration_and_the_benchmarks():
+    """What labeling.engines.vllm and benchmarks/serving drive besides the hooks: LLMEngine's request
+    loop, LLM.generate, output kinds, and the in-process engine core's scheduler (SlotStats)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    add = _names(_attr("vllm.v1.engine.llm_engine:LLMEngine.add_request"))
+    assert add[:3] == ["request_id", "prompt", "params"] and "lora_request" in add
+    assert _names(_attr("vllm.v1.engine.llm_engine:LLMEngine.abort_request"))[0] == "request_ids"
+    assert _names(_attr("vllm.v1.engine.llm_engine:LLMEngine.step")) == []
+    assert _names(_attr("vllm.v1.engine.llm_engine:LLMEngine.has_unfinished_requests")) == []
+    generate = _names(_attr("vllm.entrypoints.llm:LLM.generate"))
+    assert generate[:2] == ["prompts", "sampling_params"] and {"use_tqdm", "lora_request"} <= set(generate)
+    assert {"DELTA", "FINAL_ONLY"} <= set(RequestOutputKind.__members__)
+    for path, fragment in (("vllm.entrypoints.llm:LLM.__init__", "self.llm_engine = LLMEngine"),
+                           ("vllm.v1.engine.core_client:InprocClient.__init__", "self.engine_core = EngineCore("),
+                           ("vllm.v1.engine.core:EngineCore.__init__", "self.scheduler")):
+        assert fragment in inspect.getsource(_attr(path)), path
 
 
 def test_defaults_the_overrides_repeat():

@@ -23,10 +23,11 @@
 #                 chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
 #                 learned async/sync = Z.ZZ
 # Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections (llama8b256: Llama-3.1-8B, rank 16),
-# full CUDA graphs, REQUESTS
-# requests (default 2048), every adapter kept in host memory; mean running requests and slots held
-# per step beside the capacity model's prediction. Each offline table prints the line
-#   slot-bound <table>: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ (those measured)
+# vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching) unless SETTINGS says
+# otherwise, REQUESTS requests (default 2048), every adapter kept in host memory; mean running requests and slots
+# held per step beside the capacity model's prediction. Each offline table prints the line
+#   slot-bound <table> [settings other than vLLM's defaults]: both/gridtrim = X.XX, both/stock = Y.YY,
+#   both/nolora = Z.ZZ (those measured)
 # Usage, from anywhere (a supported vLLM installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
@@ -35,9 +36,10 @@
 # OUT_DIR/chat512/chat.{txt,json} (likewise per mode, and the learned bundle in OUT_DIR/chat512/learned).
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
-# once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); ASYNC=1 (offline
-# tables and goodput512: vLLM's async scheduling, 0.33's default, for every mode); BUNDLE (chat512: the learned bundle
-# the lorazor modes serve); MODES="stock nolora" runs only those
+# once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); SETTINGS (offline
+# tables and goodput512: a second line's vLLM settings for every mode, e.g. SETTINGS="--graphs full --sync
+# --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048", benchmarks/serving/vllm_settings.py; default: vLLM's
+# defaults); BUNDLE (chat512: the learned bundle the lorazor modes serve); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
@@ -62,17 +64,20 @@ rc=0
 bench() {  # table, then bench arguments
     local table=$1 start=$2
     shift 2
+    # shellcheck disable=SC2086  # SETTINGS is a list of options
     python3 -m benchmarks.serving.bench --out "$out/$table" --work "/tmp/lorazor_bench_$table" --requests "$requests" \
-        --full-graphs --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048 \
         --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} \
-        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${ASYNC:+--async-scheduling} || rc=1
-    python3 - "$table${ASYNC:+ [async scheduling]}" "$out/$table/bench.json" <<'PY' || rc=1
+        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${SETTINGS:-} || rc=1
+    python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
+from benchmarks.serving.bench import settings_tag
 table, path = sys.argv[1], sys.argv[2]
 rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
 ratios = [f"both/{m} = {rows['both']['req_per_s'] / rows[m]['req_per_s']:.2f}"
           for m in ("gridtrim", "stock", "nolora") if "both" in rows and m in rows]
-print(f"slot-bound {table}: " + (", ".join(ratios) if ratios else f"rows missing ({sorted(rows)} finished)"))
+tag = settings_tag(next(iter(rows.values()))) if rows else ""
+print(f"slot-bound {table}{' ' + tag if tag else ''}: "
+      + (", ".join(ratios) if ratios else f"rows missing ({sorted(rows)} finished)"))
 PY
 }
 
@@ -104,7 +109,7 @@ PY
     goodput512)  # the server runs its own engine core process; goodput.py sets that for the server
         python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
-            ${ASYNC:+--async-scheduling} || rc=1 ;;
+            ${SETTINGS:-} || rc=1 ;;  # SETTINGS unquoted on purpose: a list of options
     chat512)  # vLLM's defaults in every server; the learned bundle is prepared on the GPU unless BUNDLE names one
         python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \

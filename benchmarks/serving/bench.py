@@ -74,8 +74,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import interleave
+from benchmarks.serving import interleave, vllm_settings
 from benchmarks.serving.interleave import Turns
+from benchmarks.serving.vllm_settings import VllmSettings
 from benchmarks.serving.synthetic import lora_targets, write_model_config, write_random_adapters
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import installed_version as installed_vllm
@@ -116,9 +117,6 @@ OUTPUT_LEN = (20, 100)  # inclusive
 MAX_NUM_SEQS = 256  # running requests per engine (every mode)
 TARGET_SKIP = 0.5
 HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
-# Decode batches replay CUDA graphs (no torch.compile), as in tests/gpu/release_engines.py; mixed
-# prefill/decode steps run eagerly. All modes use the same settings but specialize_active_lora.
-CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
 # nolora: the backbone alone (enable_lora=False, the same requests without adapters), the ceiling
 # any LoRA speed-up is bounded by; opt-in through --modes.
@@ -408,42 +406,24 @@ def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, 
 
 # -- one engine (subprocess) ----------------------------------------------------------------------
 
-def engine_options(n_adapters: int, capture_sizes: Sequence[int] = CAPTURE_SIZES, mode: str = "stock",
-                   lora_target_modules: Sequence[str] | None = None,
-                   tensor_parallel_size: int = 1, compiled: bool = False,
-                   full_graphs: bool = False, max_loras: int | None = None,
-                   max_cpu_loras: int | None = None, rank: int = RANK,
-                   kv_cache_bytes: int | None = None, async_scheduling: bool = False) -> dict[str, Any]:
-    """The device README's engine options, with max_loras = N (or ``max_loras``: the slot-bound
-    workload), ``max_cpu_loras`` N (every adapter stays loaded in host memory after the warm-up
-    request per adapter) or the given one, at least max_loras, and the decode CUDA graph sizes;
-    ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional, the same for every mode:
-    ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``, ``config/lora.py:49-52``: which
-    module suffixes get LoRA layers at all, matched against the runtime names such as ``qkv_proj``
-    in ``lora/utils.py:271-301``; by default vLLM also wraps ``embed_tokens`` and ``lm_head``),
-    ``tensor_parallel_size``, and ``compiled``: vLLM's default compilation (torch.compile, and
-    ``FULL_AND_PIECEWISE`` CUDA graphs, ``config/vllm.py:267``, so mixed prefill/decode steps
-    replay piecewise graphs too) instead of eager execution with full graphs for decode batches
-    only, which starts faster; or ``full_graphs``: still no torch.compile, but ``cudagraph_mode``
-    ``FULL``, so every step, mixed prefill/decode ones included, replays a full CUDA graph of its
-    token count padded up to the next capture size (``v1/cudagraph_dispatcher.py:189-200``: mixed
-    keys for every capture size; steps above the largest size run eagerly, ``:274-280``). vLLM
-    allows full graphs without compilation (``config/compilation.py:635-638``) where the
-    attention backend supports mixed batches: FlashAttention 3, the H200's
-    (``v1/attention/backends/flash_attn.py:341-345``). ``nolora`` has the same options without
-    any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU, :func:`interleaved_kv_cache_bytes`)
-    the KV cache has that size and the engine asks only a tenth of the GPU free at start-up
-    (``kv_cache_memory_bytes``, docs/vllm_integration.md §13). ``async_scheduling`` turns vLLM's async
-    scheduling on (vLLM 0.33's default, ``config/vllm.py:1685-1719``) for every mode (steptrim and
-    both serve profiled bundles, which the plugin accepts under async scheduling)."""
-    if compiled and full_graphs:
-        raise ValueError("compiled and full_graphs are exclusive: pick one graph configuration")
-    compilation: dict[str, Any] = {"cudagraph_capture_sizes": list(capture_sizes)}
-    if not compiled:
-        compilation |= {"mode": 0, "cudagraph_mode": "FULL" if full_graphs else "FULL_DECODE_ONLY"}
+def engine_options(n_adapters: int, mode: str = "stock", lora_target_modules: Sequence[str] | None = None,
+                   tensor_parallel_size: int = 1, settings: VllmSettings = VllmSettings(),
+                   max_loras: int | None = None, max_cpu_loras: int | None = None, rank: int = RANK,
+                   kv_cache_bytes: int | None = None) -> dict[str, Any]:
+    """The engine options of a mode: the workload's batch limits, ``settings`` (vLLM's defaults
+    unless a table says otherwise: :class:`~benchmarks.serving.vllm_settings.VllmSettings`, the same
+    for every mode), max_loras = N (or ``max_loras``: the slot-bound workload), ``max_cpu_loras`` N
+    (every adapter stays loaded in host memory after the warm-up request per adapter) or the given
+    one, at least max_loras, and ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional,
+    the same for every mode: ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``,
+    ``config/lora.py:49-52``: which module suffixes get LoRA layers at all, matched against the
+    runtime names such as ``qkv_proj`` in ``lora/utils.py:271-301``; by default vLLM also wraps
+    ``embed_tokens`` and ``lm_head``) and ``tensor_parallel_size``. ``nolora`` has the same options
+    without any LoRA one. With ``kv_cache_bytes`` (engines sharing the GPU,
+    :func:`interleaved_kv_cache_bytes`) the KV cache has that size and the engine asks only a tenth
+    of the GPU free at start-up (``kv_cache_memory_bytes``, docs/vllm_integration.md §13)."""
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, async_scheduling=async_scheduling,
-                dtype="bfloat16", compilation_config=compilation)
+                dtype="bfloat16") | settings.engine_options()
     if kv_cache_bytes:
         opts |= {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": int(kv_cache_bytes)}
     if mode == "nolora":
@@ -702,12 +682,11 @@ def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras
 
 
 def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work: Path, result: Path,
-               capture_sizes: Sequence[int] = CAPTURE_SIZES, model: str = "llama3b",
+               settings: VllmSettings = VllmSettings(), model: str = "llama3b",
                arrival_rate: float | None = None, lora_target_modules: Sequence[str] | None = None,
-               tensor_parallel_size: int = 1, compiled: bool = False, profile_steps: int = 0,
-               full_graphs: bool = False, profile_python: bool = False, max_loras: int | None = None,
-               slots: bool = True, max_cpu_loras: int | None = None, rank: int = RANK, repeats: int = 1,
-               turns: Turns | None = None, async_scheduling: bool = False) -> None:
+               tensor_parallel_size: int = 1, profile_steps: int = 0, profile_python: bool = False,
+               max_loras: int | None = None, slots: bool = True, max_cpu_loras: int | None = None,
+               rank: int = RANK, repeats: int = 1, turns: Turns | None = None) -> None:
     """Start one engine, serve one warm-up request per adapter, then time the workload offline
     ``repeats`` times (:func:`timed_runs`; req/s from the median run; with ``turns``, each run when
     the orchestrator says, the engine sharing the GPU with the other modes' through a KV cache of
@@ -728,9 +707,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
         lora_manager.install()
     t0 = time.time()
-    opts = engine_options(n, capture_sizes, mode, lora_target_modules, tensor_parallel_size, compiled, full_graphs,
-                          max_loras, max_cpu_loras, rank,
-                          interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None, async_scheduling)
+    opts = engine_options(n, mode, lora_target_modules, tensor_parallel_size, settings, max_loras, max_cpu_loras, rank,
+                          interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None)
     llm = LLM(model=str(work / "model"), **opts)
     startup = time.time() - t0
     stats = SlotStats.attach(llm)
@@ -790,7 +768,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
-        want = expected_scheduler(slot_info["slot_release"], opts["async_scheduling"])
+        want = expected_scheduler(slot_info["slot_release"], settings.async_scheduling)
         if stats.scheduler_class != want:
             raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
         slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}
@@ -816,7 +794,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
-           "async_scheduling": opts["async_scheduling"],
+           "settings": settings.as_dict(),
            "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
@@ -904,9 +882,17 @@ def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[S
     return lines
 
 
+def settings_tag(r: dict[str, Any]) -> str:
+    """What the row's vLLM settings change from vLLM's defaults (a row names its settings; the
+    harness refuses to append rows of other settings to a table, so a row without them is the
+    table's, the defaults)."""
+    return VllmSettings(**r.get("settings", {})).tag
+
+
 def mode_label(r: dict[str, Any]) -> str:
-    """The row's mode as the table names it, with "async scheduling" where it ran with it."""
-    return MODE_LABEL[r["mode"]] + (" [async scheduling]" if r.get("async_scheduling") else "")
+    """The row's mode as the table names it, with what its vLLM settings change from the defaults."""
+    tag = settings_tag(r)
+    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "")
 
 
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
@@ -929,8 +915,8 @@ def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = 
 
 
 def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
-    def key(r: dict[str, Any]) -> tuple:
-        return r["adapters"], r["skewed"], r.get("pass", 0)
+    def key(r: dict[str, Any]) -> tuple:  # a row's ratio is to the stock row of its own settings too
+        return r["adapters"], r["skewed"], r.get("pass", 0), settings_tag(r)
 
     stock = {key(r): r for r in rows if r["mode"] == "stock"}
     header = LATENCY_HEADER if latency else HEADER
@@ -966,6 +952,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     start = time.time()
     out, work = args.out, args.work
     cfg = MODELS[args.model]
+    settings = vllm_settings.from_arguments(args)
     needed = max(host_bytes_needed(cfg, args.rank, n, args.max_loras, args.max_cpu_loras) for n in args.adapters)
     if args.interleave:  # every LoRA mode's engine alive at once
         needed *= max(1, sum(m != "nolora" for m in args.modes))
@@ -980,17 +967,15 @@ def orchestrate(args: argparse.Namespace) -> int:
     drop_stale_stamp(work, args.adapters, cfg, args.rank)
     common = ["--work", str(work), "--requests", str(args.requests), "--seed", str(args.seed), "--model", args.model,
               "--rank", str(args.rank),
-              "--capture-sizes", *map(str, args.capture_sizes)] + (["--skewed"] if args.skewed else []) + (
+              *settings.arguments()] + (["--skewed"] if args.skewed else []) + (
         ["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else []) + (
         ["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else []) + (
-        ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--compiled"] if args.compiled else []) + (
-        ["--full-graphs"] if args.full_graphs else []) + (["--profile-python"] if args.profile_python else []) + (
+        ["--tensor-parallel-size", str(args.tensor_parallel_size)]) + (["--profile-python"] if args.profile_python else []) + (
         ["--profile-steps", str(args.profile_steps)] if args.profile_steps else []) + (
         ["--max-loras", str(args.max_loras)] if args.max_loras else []) + (
         ["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []) + (
         ["--no-slot-release"] if args.no_slot_release else []) + (
-        ["--repeats", str(args.repeats)] if args.repeats > 1 else []) + (
-        ["--async-scheduling"] if args.async_scheduling else [])
+        ["--repeats", str(args.repeats)] if args.repeats > 1 else [])
     latency = bool(args.arrival_rate)
     me = [sys.executable, "-m", "benchmarks.serving.bench"]
     prep_log = open(out / "prepare.log", "w")
@@ -1000,7 +985,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     w0 = workloads[args.adapters[0]]
     preamble = [
         f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm()} vs the LoRazor plugin (GridTrim kernels, "
-        "StepTrim release, both), same machine, back-to-back subprocesses",
+        "StepTrim release, both), same machine, back-to-back subprocesses; vLLM settings of every mode: "
+        + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching)"),
         f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{args.rank} "
         f"random peft adapters on q,k,v,o,gate,up,down ({DISTINCT_WEIGHTS} distinct weight files hard-linked under the "
         "N adapter names: each name is loaded from disk and written into its slot on its own, as vLLM does)",
@@ -1017,10 +1003,9 @@ def orchestrate(args: argparse.Namespace) -> int:
               "every other round reversed" if args.interleave else "")),
         "schedule: profiled k per adapter for ~50% skipped decode forwards; planned skip "
         + ", ".join(f"N={n}: {w.planned_skip:.3f} (k {min(w.k)}-{max(w.k)})" for n, w in workloads.items()),
-        "engine: " + json.dumps(engine_options(0, args.capture_sizes, lora_target_modules=args.lora_target_modules,
-                                               tensor_parallel_size=args.tensor_parallel_size,
-                                               compiled=args.compiled, full_graphs=args.full_graphs, rank=args.rank,
-                                               async_scheduling=args.async_scheduling)
+        "engine: " + json.dumps(engine_options(0, lora_target_modules=args.lora_target_modules,
+                                               tensor_parallel_size=args.tensor_parallel_size, settings=settings,
+                                               rank=args.rank)
                                 | {"max_loras": args.max_loras or "N",
                                    "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
                                    "specialize_active_lora": "per mode"}),
@@ -1080,7 +1065,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                   f"{row['warmup_s']:.1f} s)", flush=True)
             notes.append(run_note(label, row, took_s))
         else:
-            row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_, "error": error}
+            row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_, "error": error,
+                   "settings": settings.as_dict()}
             print(f"{label}: {error}\n{stem.with_suffix('.log').read_text()[-3000:]}", flush=True)
         rows.append(row)
         flush()
@@ -1196,14 +1182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
-    graphs = ap.add_mutually_exclusive_group()
-    graphs.add_argument("--compiled", action="store_true",
-                        help="vLLM's default compilation (torch.compile, piecewise CUDA graphs for mixed steps) in "
-                             "every mode, instead of eager mixed steps and decode-only graphs (slower start-up)")
-    graphs.add_argument("--full-graphs", action="store_true",
-                        help="no torch.compile, but full CUDA graphs for every step, mixed ones included "
-                             "(cudagraph_mode FULL), in every mode; give --capture-sizes up to 2048 (the token "
-                             "budget) so that no step runs eagerly")
+    vllm_settings.add_arguments(ap)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default), Mistral-7B-v0.3 or Llama-3.1-8B")
     ap.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank (alpha = 2 × rank; default 8)")
@@ -1218,13 +1197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-slot-release", action="store_true",
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="vLLM's async scheduling (vLLM 0.33's default) for every mode")
     ap.add_argument("--requests", type=int, default=N_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
-                    help="decode CUDA graph batch sizes; each is captured once per adapter-count case, "
-                         "so fewer sizes start the engine faster (all modes use the same)")
     ap.add_argument("--arrival-rate", type=float, default=None, metavar="R",
                     help="serve open-loop with Poisson arrivals at R requests/s (LLMEngine add_request/step) "
                          "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate's loop)")
@@ -1261,10 +1235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.phase == "run":
         run_engine(args.mode, args.adapters[0], args.skewed, args.requests, args.seed, args.work, args.result,
-                   args.capture_sizes, args.model, args.arrival_rate, args.lora_target_modules,
-                   args.tensor_parallel_size, args.compiled, args.profile_steps, args.full_graphs,
-                   args.profile_python, args.max_loras, not args.no_slot_release, args.max_cpu_loras, args.rank,
-                   args.repeats, Turns.from_arg(args.turns) if args.turns else None, args.async_scheduling)
+                   vllm_settings.from_arguments(args), args.model, args.arrival_rate, args.lora_target_modules,
+                   args.tensor_parallel_size, args.profile_steps, args.profile_python, args.max_loras,
+                   not args.no_slot_release, args.max_cpu_loras, args.rank, args.repeats,
+                   Turns.from_arg(args.turns) if args.turns else None)
         return 0
     return orchestrate(args)
 

@@ -69,12 +69,12 @@ PROFILED_K = [0, 1, 2, 4, 8, 16]
 # at start-up (docs/vllm_integration.md §13). check_slots' engines and every GPU test's use it, so the
 # files of tests/gpu run side by side (scripts/gpu_tests.sh) and each run sizes its cache alike.
 ENGINE_MEMORY = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 4 << 30}
+# vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching) with the
+# workload's batch limits
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_loras=MAX_LORAS,
               max_lora_rank=RANK, max_cpu_loras=4 * N_ADAPTERS, max_num_seqs=128, max_num_batched_tokens=512,
-              max_model_len=1024, enable_prefix_caching=False, async_scheduling=False, dtype="bfloat16",
-              **ENGINE_MEMORY,
-              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]})
+              max_model_len=1024, dtype="bfloat16", **ENGINE_MEMORY)
+LEARNED_LAG = 1  # the learned heads' decision lag, as calibration exports it
 ENGINES = {"stock": ("full",), "slots": ("off", "prof", "learn"), "keep": ("prof", "learn")}
 EAGER = {"mode": 0, "cudagraph_mode": "NONE"}
 # --invariance: stock vLLM under other batch limits, graphs, LoRA settings and runners (engine option
@@ -131,7 +131,8 @@ def prepare(work: Path, n_requests: int, weights: str = "dummy") -> None:
         w = (rng.standard_normal(MODEL["hidden_size"]) / MODEL["hidden_size"] ** 0.5).astype(np.float32)
         entries += [AdapterEntry(name(a, "off"), fps[a], "none"),
                     AdapterEntry(name(a, "prof"), fps[a], "profiled", k=PROFILED_K[a % len(PROFILED_K)]),
-                    AdapterEntry(name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=learned_bias(a))]
+                    AdapterEntry(name(a, "learn"), fps[a], "learned", tau=0.0, weight=w, bias=learned_bias(a),
+                                 lag=LEARNED_LAG)]
     write_bundle(work / "bundle", backbone="tiny-llama-dummy", hidden_size=MODEL["hidden_size"],
                  config_fingerprint="0" * 64, adapters=entries)
     rnd = random.Random(0)
@@ -214,22 +215,25 @@ DECISION_TIE = 0.05  # |s_t − τ| in both runs within which a learned decision
 
 def decision_ties(on: dict[str, Any], keep: dict[str, Any], rows: list[int]) -> dict[int, int]:
     """Request → first token that the tie may change, for the ``rows`` whose release points differ
-    at a near-tie of the decision: at the earlier release t both runs recorded the head's margin
-    s_t − τ (``margins``: [[t, m], ...] per request) and both lie within DECISION_TIE of τ, so a
-    last-bit difference of h_t decides it; tokens from t + 1 on run with or without the adapter."""
+    at a near-tie of the decision: at the decision t of the earlier release r = t + LEARNED_LAG both
+    runs recorded the head's margin s_t − τ (``margins``: [[t, m], ...] per request) and both lie
+    within DECISION_TIE of τ, so a last-bit difference of h_t decides it; tokens from r + 1 on run
+    with or without the adapter."""
     out = {}
     for i in rows:
         if on["releases"][i] != keep["releases"][i]:
             t, margins = margins_at_release(on, keep, i)
             if all(m is not None and abs(m) <= DECISION_TIE for m in margins):
-                out[i] = t + 1
+                out[i] = t + LEARNED_LAG + 1
     return out
 
 
 def margins_at_release(on: dict[str, Any], keep: dict[str, Any], i: int) -> tuple[int | None, list[float | None]]:
-    """Request ``i``'s earlier release t of the two runs (None: neither released) and each run's
-    recorded margin s_t − τ there (None where that run recorded none at t)."""
-    t = min((x for x in (on["releases"][i], keep["releases"][i]) if x is not None), default=None)
+    """The decision t of request ``i``'s earlier release r = t + LEARNED_LAG of the two runs (None:
+    neither released) and each run's recorded margin s_t − τ there (None where that run recorded
+    none at t)."""
+    r = min((x for x in (on["releases"][i], keep["releases"][i]) if x is not None), default=None)
+    t = None if r is None else r - LEARNED_LAG
     return t, [dict(map(tuple, run["margins"][i])).get(t) if run.get("margins") else None for run in (on, keep)]
 
 

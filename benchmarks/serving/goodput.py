@@ -13,9 +13,9 @@ measured). The offline harness (:mod:`benchmarks.serving.bench`) stays the place
 statistics, which need the engine core in the harness's process.
 
 **One mode**, each in its own server, one after the other: the modes, environments and engine
-options are bench.py's (:func:`bench.mode_env`, :func:`bench.engine_options` with full CUDA graphs up
-to the 2048-token budget, as ``scripts/gpu_slot_bench.sh`` runs the offline tables) written as
-``vllm serve`` flags (:func:`cli_flags`), the N adapters registered with ``--lora-modules
+options are bench.py's (:func:`bench.mode_env`, :func:`bench.engine_options` with vLLM's defaults,
+or the second-line settings of ``--graphs``/``--sync``/``--no-prefix-caching``,
+:mod:`benchmarks.serving.vllm_settings`) written as ``vllm serve`` flags (:func:`cli_flags`), the N adapters registered with ``--lora-modules
 name=path`` (``max_loras`` M slots, every adapter kept in host memory), and for steptrim/both
 LoRazor's worker extension and ``VLLM_SERVER_DEV_MODE=1``, whose ``POST /collective_rpc`` reads
 the StepTrim counters around every rate (the realized skip). Before measuring, the harness checks
@@ -63,9 +63,12 @@ mismatch. Token-id prompts would not remove the need (docs/vllm_integration.md �
 (0.34.0 has every option used here). Any vLLM that LoRazor does not support is refused.
 
 **Time.** Everything of one mode fits a 10-minute call on an H200 (``--budget-s`` 560, the rest
-for the script around it): the server's start-up with full CUDA graphs and 512 adapters loaded
-(the offline engines took 16–52 s to start and 30–45 s to load the adapters on 0.33.0), the
-warm-up, the probe, and about six rates of 20 s of arrivals each plus the client's own start.
+for the script around it): the server's start-up with 512 adapters loaded (the offline engines
+took 16–52 s to start and 30–45 s to load the adapters on 0.33.0 with full CUDA graphs and no
+torch.compile; vLLM's default compilation adds its compile and piecewise capture, not yet
+measured for this model), the warm-up, the probe, and about six rates of 20 s of arrivals each
+plus the client's own start. A rate whose predicted wall time no longer fits is not started, and
+the table says so.
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import bench
+from benchmarks.serving import bench, vllm_settings
 from benchmarks.serving.synthetic import write_word_tokenizer
+from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import SUPPORTED, installed_version
 
@@ -95,8 +99,6 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]  # `vllm`, also with vLLM only on PYTHONPATH
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora")  # bench.py's, less stockfix (in-process only)
 DEFAULT_MODES = ("both", "gridtrim", "stock")
-# Full CUDA graphs for every step up to the 2048-token budget (scripts/gpu_slot_bench.sh's offline tables).
-CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 # (mean, range ratio) of vLLM's random dataset giving bench.PROMPT_LEN and bench.OUTPUT_LEN (module doc).
 RANDOM_INPUT = (200, 0.5)
 RANDOM_OUTPUT = (60, 0.66)
@@ -252,12 +254,11 @@ def cli_flags(opts: dict[str, Any]) -> list[str]:
 
 
 def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int,
-                   capture_sizes: Sequence[int] = CAPTURE_SIZES, async_scheduling: bool = False) -> list[str]:
-    """``vllm serve`` for a mode: bench.py's engine options with full CUDA graphs and the tokenizer
-    on (async scheduling as :func:`bench.engine_options` gives it), the adapters as
-    ``--lora-modules`` (not for nolora), LoRazor's worker extension for steptrim/both."""
-    opts = bench.engine_options(len(adapters), capture_sizes, mode, full_graphs=True, max_loras=max_loras,
-                                async_scheduling=async_scheduling)
+                   settings: VllmSettings = VllmSettings()) -> list[str]:
+    """``vllm serve`` for a mode: bench.py's engine options with ``settings`` (vLLM's defaults
+    unless a table says otherwise) and the tokenizer on, the adapters as ``--lora-modules`` (not
+    for nolora), LoRazor's worker extension for steptrim/both."""
+    opts = bench.engine_options(len(adapters), mode, settings=settings, max_loras=max_loras)
     cmd = [*VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--disable-uvicorn-access-log", *cli_flags(opts | {"skip_tokenizer_init": False})]
     if mode != "nolora":
@@ -585,10 +586,9 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     port = args.port or free_port()
     m = Mode(mode, f"http://127.0.0.1:{port}", work / "model", [] if mode == "nolora" else list(adapters),
              directory, deadline)
-    command = server_command(work / "model", mode, adapters, args.max_loras, port, args.capture_sizes,
-                             args.async_scheduling)
-    if args.async_scheduling:
-        entry["facts"].append("async scheduling (vLLM 0.33's default)")
+    settings = vllm_settings.from_arguments(args)
+    command = server_command(work / "model", mode, adapters, args.max_loras, port, settings)
+    entry["facts"].append(f"vLLM settings: {settings.tag or 'defaults'}")
 
     def body() -> None:
         warm_s = warm_up(m.base_url, m.adapters or [str(m.model_dir)] * args.adapters)
@@ -618,13 +618,15 @@ def identity() -> str:
 
 def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int], planned: float) -> list[str]:
     """The report's opening lines; the first three identify a table that ``--append`` may extend."""
-    server = bench.engine_options(args.adapters, args.capture_sizes, "stock", full_graphs=True,
-                                  max_loras=args.max_loras, async_scheduling=args.async_scheduling)
+    settings = vllm_settings.from_arguments(args)
+    server = bench.engine_options(args.adapters, "stock", settings=settings, max_loras=args.max_loras)
     first = (f"from {args.start_rate:g} req/s" if args.start_rate is not None else
              f"a probe of {args.probe_prompts} requests at once, then from {args.start_fraction:g} x its req/s")
     return [
         f"Goodput under a latency SLO: vLLM {version}, `vllm serve` with the LoRazor plugin (OpenAI HTTP server, "
-        "engine core in its own process) driven by `vllm bench serve`, one server per mode, back to back",
+        "engine core in its own process) driven by `vllm bench serve`, one server per mode, back to back; vLLM "
+        "settings of every server: " + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, "
+                                                       "async scheduling, prefix caching)"),
         f"model: {bench.MODEL_NAME['llama3b']} config, dummy weights, bf16, word-level tokenizer of its 128256 "
         f"tokens; {args.adapters} rank-{bench.RANK} random peft adapters "
         f"({min(bench.DISTINCT_WEIGHTS, args.adapters)} distinct weight files), --lora-modules, max_loras {args.max_loras}; server: "
@@ -768,13 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_table_arguments(ap, "goodput", MODES, DEFAULT_MODES)
     ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="every server schedules asynchronously (vLLM 0.33's default)")
     ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
                     help="requests of bench.py's workload the bundle's k are profiled on")
     ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")
-    ap.add_argument("--capture-sizes", type=int, nargs="+", default=CAPTURE_SIZES,
-                    help="CUDA graph sizes (full graphs for every step up to the largest)")
+    vllm_settings.add_arguments(ap)
     add_sweep_arguments(ap)
     return orchestrate(ap.parse_args(argv))
 

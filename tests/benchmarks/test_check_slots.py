@@ -208,21 +208,23 @@ def test_random_weights_are_a_complete_llama_checkpoint(tmp_path):
 
 
 def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp_path):
-    """Request 1 releases after forward 2 with hand-back and after 5 without, tokens equal up to
-    there, then far from token 3 (one run dropped the adapter): accepted when both runs' margins
-    s_2 − τ lie within DECISION_TIE, refused when one does not or none were recorded."""
-    requests = _requests(6, max_tokens=lambda i: 6)
-    tokens = [[10 * i] * 6 for i in range(6)]
-    dropped = [t if i != 1 else [10, 10, 10, 90, 90, 90] for i, t in enumerate(tokens)]
+    """Request 1's decision fires after forward 2 with hand-back (release at 3, the lag later) and
+    after 5 without (release at 6), tokens equal up to there, then far from token 4 (one run dropped
+    the adapter): accepted when both runs' margins s_2 − τ lie within DECISION_TIE, refused when one
+    does not or none were recorded."""
+    assert check_slots.LEARNED_LAG == 1
+    requests = _requests(6, max_tokens=lambda i: 7)
+    tokens = [[10 * i] * 7 for i in range(6)]
+    dropped = [t if i != 1 else [10, 10, 10, 10, 90, 90, 90] for i, t in enumerate(tokens)]
     rows = ("(c) learned: tokens with hand-back ≡ without, up to near-ties",
             "(c) learned: release points with hand-back ≡ without, where the tokens before them agree")
 
     def checked(margin_on, margin_keep, record=True):
-        _write(tmp_path, requests, learn_tokens=tokens, keep_tokens=tokens, keep_releases=[3, 5, 3, 3, 3, 3])
+        _write(tmp_path, requests, learn_tokens=tokens, keep_tokens=tokens, keep_releases=[4, 6, 4, 4, 4, 4])
         slots, keep = (json.loads((tmp_path / f"{e}.json").read_text()) for e in ("slots", "keep"))
         slots["learn"]["tokens"] = dropped
-        slots["learn"]["releases"] = [3, 2, 3, 3, 3, 3]
-        keep["learn"]["releases"] = [3, 5, 3, 3, 3, 3]
+        slots["learn"]["releases"] = [4, 3, 4, 4, 4, 4]
+        keep["learn"]["releases"] = [4, 6, 4, 4, 4, 4]
         if record:
             slots["learn"]["margins"] = [[[0, 1.0], [1, 0.7], [2, margin_on]]] * 6
             keep["learn"]["margins"] = [[[0, 1.0], [1, 0.7], [2, margin_keep]]] * 6
@@ -237,5 +239,5 @@ def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp
                                      "(0 diverged earlier); 6 released")
     for args, shown in (((-0.01, 0.4), "-0.010 / +0.400"), ((-0.3, 0.02), "-0.300 / +0.020"), ((0.0, 0.0, False), "— / —")):
         (tok_ok, tok_detail), (rel_ok, rel_detail) = checked(*args)
-        assert not tok_ok and not rel_ok and tok_detail.endswith("1 far (req 1: far at token 3, release 5)")
-        assert rel_detail.endswith(f"6 released (req 1: release 2 vs 5, margins {shown} at t = 2)")
+        assert not tok_ok and not rel_ok and tok_detail.endswith("1 far (req 1: far at token 4, release 6)")
+        assert rel_detail.endswith(f"6 released (req 1: release 3 vs 6, margins {shown} at t = 2)")

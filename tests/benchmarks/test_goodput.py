@@ -15,6 +15,7 @@ import pytest
 from benchmarks.serving import bench, goodput
 from benchmarks.serving.goodput import Slo, Sweep
 from benchmarks.serving.synthetic import write_word_tokenizer
+from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.steptrim import skip_fraction
 
 SLO = Slo()
@@ -129,10 +130,11 @@ def test_server_command(mode):
     assert not unknown
     assert f["--port"] == ["8123"] and f["--load-format"] == ["dummy"] and f["--dtype"] == ["bfloat16"]
     assert "--no-skip-tokenizer-init" in f and "--skip-tokenizer-init" not in f  # the server needs its tokenizer
-    assert "--no-enable-prefix-caching" in f and "--no-async-scheduling" in f  # the plugin refuses either
+    # nothing turns a vLLM default off (specialize_active_lora is off by default too)
+    assert not [k for k in f if k.startswith("--no-") and k not in ("--no-skip-tokenizer-init",
+                                                                   "--no-specialize-active-lora")]
+    assert "--compilation-config" not in f and "--async-scheduling" not in f  # nothing to turn on either
     assert f["--max-num-seqs"] == ["256"] and f["--max-num-batched-tokens"] == ["2048"]
-    assert json.loads(f["--compilation-config"][0]) == {"cudagraph_capture_sizes": goodput.CAPTURE_SIZES, "mode": 0,
-                                                        "cudagraph_mode": "FULL"}
     lora = mode != "nolora"
     assert ("--enable-lora" in f) == lora and ("--lora-modules" in f) == lora
     if lora:
@@ -141,8 +143,11 @@ def test_server_command(mode):
         specialize = mode in ("stock", "steptrim")  # bench.SPECIALIZE
         assert ("--specialize-active-lora" in f) == specialize and ("--no-specialize-active-lora" in f) != specialize
     assert ("--worker-extension-cls" in f) == (mode in ("steptrim", "both"))
-    on = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, async_scheduling=True))
-    assert "--async-scheduling" in on and "--no-async-scheduling" not in on
+    second = VllmSettings("full", async_scheduling=False, prefix_caching=False, capture_sizes=(1, 2048))
+    off = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, second))
+    assert "--no-async-scheduling" in off and "--no-enable-prefix-caching" in off  # a second line, named
+    assert json.loads(off["--compilation-config"][0]) == {"cudagraph_capture_sizes": [1, 2048], "mode": 0,
+                                                          "cudagraph_mode": "FULL"}
 
 
 @pytest.mark.parametrize("mode", goodput.MODES)
@@ -479,12 +484,13 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     assert goodput.main(common + ["--modes", "both", "gridtrim"]) == 0
     assert goodput.main(common + ["--modes", "stock", "--append"]) == 0
     table = (out / "goodput.json").read_text()
-    # a table of synchronous servers is not extended by an asynchronous one: one line, exit 2, table unchanged
-    assert goodput.main(common + ["--modes", "nolora", "--append", "--async-scheduling"]) == 2
+    # a table of vLLM's defaults is not extended by synchronous servers: one line, exit 2, table unchanged
+    assert goodput.main(common + ["--modes", "nolora", "--append", "--sync"]) == 2
     assert (out / "goodput.json").read_text() == table
 
     doc = json.loads(table)
-    assert '"async_scheduling": false' in doc["preamble"][1]
+    assert doc["preamble"][0].endswith("vLLM settings of every server: vLLM's defaults (torch.compile and its "
+                                       "CUDA-graph mode, async scheduling, prefix caching)")
     assert list(doc["modes"]) == ["both", "gridtrim", "stock"] and len(doc["notes"]) == 2
     for mode, limit in (("both", 30.0), ("gridtrim", 20.0), ("stock", 10.0)):
         entry = doc["modes"][mode]

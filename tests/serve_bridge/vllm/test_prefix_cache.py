@@ -7,6 +7,7 @@ the settings gate and the calibration runtime's refusal."""
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib
 import pickle
 import sys
@@ -224,3 +225,30 @@ def test_the_plugin_installs_the_keys_in_calibration_mode(vllm_core, monkeypatch
     assert prefix_cache.installed()
     keyed_frontend = getattr(sys.modules["vllm.v1.engine.core"].frontend_block_hashes, "lorazor_keyed", False)
     assert keyed_frontend is (version == "0.34.0")
+
+
+def to_event_extra_keys(extra_keys):
+    """vLLM 0.33.0's ``to_event_extra_keys`` (``v1/core/kv_cache_utils.py:678-704``), restated: one
+    untagged entry per block, a multimodal key without its tag, any other key as its second element."""
+    if not extra_keys:
+        return None
+    return [None if keys is None else tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
+            for keys in extra_keys] or None
+
+
+def test_kv_events_of_released_blocks_stay_plain_data(vllm_core):
+    """KV-cache events publish each block's extra keys untagged: a block past a release keeps its
+    LoRA name first and adds its release position, a plain int, so the event stays one entry per
+    block of JSON-able values for external indexers."""
+    kv, pool = vllm_core
+    prefix_cache.install()
+
+    def tagged(request, start, end, mm):  # 0.33.0's keys are tagged: ("lora", name, path)
+        return (("lora", request.lora_request.lora_name, "/p"),), mm
+
+    req = request(range(12))
+    prefix_cache.mark_release(req, 6)
+    keys = [prefix_cache.released_keys(tagged(req, s, s + BLOCK, 0)[0], req, s + BLOCK) for s in (0, 4, 8)]
+    events = to_event_extra_keys(keys)
+    assert events == [("a",), ("a", 6), ("a", 6)] and json.loads(json.dumps(events)) == [["a"], ["a", 6], ["a", 6]]
+    assert kv.generate_block_hash_extra_keys is pool.generate_block_hash_extra_keys  # events use the same keys

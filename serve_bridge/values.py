@@ -1,8 +1,8 @@
 """Value checks shared by every command: a named rule per value, one line per broken rule.
 
 The calibrate CLI applies these rules to its config (each option dataclass declares them,
-:mod:`labeling.options`); they live in the core that every package imports, so that every command can apply
-them to its arguments. A value that breaks its rule raises an
+:mod:`labeling.options`); the other commands apply them to their arguments
+(:func:`serve_bridge.command_line.check_args`). A value that breaks its rule raises an
 :class:`OptionError` whose message is ``key=value: what to use.``, with the value written as
 Python writes it (so a line break in a value stays on one line).
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+SEED_LIMIT = 1 << 63  # seeds are int64 in torch and numpy's generators
 
 
 class OptionError(ValueError):
@@ -42,10 +44,12 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                              "use a positive integer or auto"),
     "split_size": (lambda v: v is None or (_is_int(v) and v >= 1),
                    "use a positive integer (the split's first rows; 0 leaves it empty) or null (all rows)"),
+    "seed": (lambda v: _is_int(v) and 0 <= v < SEED_LIMIT, "use an integer from 0 to 2**63 - 1"),
     "positive_number": (lambda v: _is_number(v) and v > 0, "use a positive number"),
     "non_negative_number": (lambda v: _is_number(v) and v >= 0, "use a non-negative number"),
     "fraction": (lambda v: _is_number(v) and 0 < v <= 1, "use a number in (0, 1]"),
     "probability": (lambda v: _is_number(v) and 0 < v < 1, "use a number in (0, 1)"),
+    "share": (lambda v: _is_number(v) and 0 <= v < 1, "use a number in [0, 1)"),
     "text": (_is_text, "use a non-empty string"),
     "optional_text": (lambda v: v is None or _is_text(v), "use a non-empty string or null"),
     "texts": (lambda v: isinstance(v, (list, tuple)) and all(_is_text(s) for s in v), "use a list of non-empty strings"),
@@ -65,6 +69,12 @@ def check_value(key: str, value: Any, rule: str | tuple[Any, ...]) -> None:
     ok, wanted = RULES[rule]
     if not ok(value):
         raise OptionError(key, value, wanted)
+
+
+def check_at_most(key: str, value: int | float, limit: int | float, why: str) -> None:
+    """Raise an OptionError if ``value`` exceeds ``limit``; ``why`` says what the limit bounds."""
+    if value > limit:
+        raise OptionError(key, value, f"use at most {limit} ({why})")
 
 
 def check(options: Any, rules: dict[str, str | tuple[Any, ...]]) -> None:

@@ -5,7 +5,7 @@
 - the task's local data files (JSON lines or a JSON array): each line valid UTF-8 and strict,
   bounded JSON (no duplicate keys, lone surrogates, NaN, integers beyond int64, nesting past
   32 levels, lines past 16 MiB), an object with the task's fields of the right type, each
-  field of one type across rows;
+  field of one type across rows; each part of a mix task so;
 - Spider's databases: every database the splits name exists and reads as SQLite (opened
   read-only and immutable, so nothing is ever written next to it);
 - every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), and that the
@@ -21,7 +21,7 @@ anywhere.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -30,6 +30,7 @@ from calibrate.context import Context
 from calibrate.engine_check import check_engine
 from labeling.backbone import backbone_source
 from labeling.tasks import TaskError
+from labeling.tasks.mix import MixTask
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask, database_path
 from serve_bridge.strict_json import StrictJSONError, loads_strict
@@ -91,9 +92,11 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise TaskError(f"{path}:{lineno}: not valid JSON ({err}{at}).") from err
 
 
-def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) -> list[dict[str, Any]]:
-    """The rows of a local split file, each checked (see the module docstring); TaskError naming
-    ``file:line`` on the first bad one."""
+def check_rows_file(what: str, path: Path, fields: dict[str, tuple[type, ...]],
+                    row_problem: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """The rows of a local data file that ``what`` (e.g. "task 'gsm8k'") reads, each checked (see
+    the module docstring; ``row_problem`` says what else is wrong with a row, or None); TaskError
+    naming ``file:line`` on the first bad one."""
     rows, first_type = [], {}
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -101,10 +104,13 @@ def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) 
             raise TaskError(f"{where}: a JSON {_json_type(row)}, expected an object with fields {sorted(fields)}.")
         for key, types in fields.items():
             if row.get(key) is None:
-                raise TaskError(f"{where}: missing field {key!r}; task '{task}' needs {sorted(fields)}.")
+                raise TaskError(f"{where}: missing field {key!r}; {what} needs {sorted(fields)}.")
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and bool not in types):
                 raise TaskError(f"{where}: field {key!r} is a JSON {_json_type(row[key])}, expected "
                                 f"{' or '.join(_json_type(t()) for t in types)}.")
+        problem = row_problem(row) if row_problem is not None else None
+        if problem:
+            raise TaskError(f"{where}: {problem}.")
         for key, value in row.items():
             kind = _json_type(value)
             if kind == "null":
@@ -117,15 +123,35 @@ def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) 
     return rows
 
 
-def validate_task_data(task: Any) -> None:
-    """Check a task's local split files and, for Spider, every database its splits name."""
+def _split_files(task: Any) -> list[Path]:
+    """The local official split files a task reads (none for a generated task or a hub id)."""
     root = local_source(task.source) if hasattr(task, "source") else None  # arith generates its rows
-    rows: list[dict[str, Any]] = []
-    if root is not None:
-        for official in ("train", getattr(task, "test_split", "test")):
-            rows += check_rows_file(task.name, Path(official_file(task.name, root, official)), task.required_fields)
+    if root is None:
+        return []
+    return [Path(official_file(task.name, root, official)) for official in ("train", getattr(task, "test_split", "test"))]
+
+
+def task_inputs(task: Any) -> list[Path]:
+    """The local files and directories a task reads: its split files and Spider's database folder,
+    each part's for a mix task."""
+    if isinstance(task, MixTask):
+        return [p for part in task.parts.values() for p in task_inputs(part)]
+    db_dir = task.db_dir if isinstance(task, SpiderTask) else None
+    return _split_files(task) + ([Path(db_dir)] if db_dir else [])
+
+
+def validate_task_data(task: Any) -> None:
+    """Check a task's local split files and, for Spider, every database its splits name; each
+    part's for a mix task."""
+    if isinstance(task, MixTask):
+        for part in task.parts.values():
+            validate_task_data(part)
+        return
+    files, rows = _split_files(task), []
+    for path in files:
+        rows += check_rows_file(f"task '{task.name}'", path, task.required_fields)
     if isinstance(task, SpiderTask):
-        if root is None:
+        if not files:
             rows = [r for official in ("train", task.test_split)
                     for r in load_official(task.name, task.source, official, hub_config=task.hub_config)]
         for db_id in sorted({str(r.get("db_id")) for r in rows}):

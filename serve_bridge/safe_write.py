@@ -8,11 +8,13 @@
   system without storage such as /proc). Each refusal is an OptionError naming the argument.
 - :func:`write_atomic` writes a file under a fresh temporary name beside it and renames it into
   place: readers never see half a file, and a hard link or symbolic link at the path is replaced,
-  never written through.
+  never written through. :func:`scratch_dir_for` and :func:`publish_dir` do the same for a
+  directory.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -97,3 +99,31 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove(path: Path) -> None:
+    """Delete ``path``: a directory with its contents, or a file or symbolic link (not its target)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def scratch_dir_for(path: Path) -> Path:
+    """A new, empty directory beside ``path`` to assemble it in (then :func:`publish_dir`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    scratch.mkdir()
+    return scratch
+
+
+def publish_dir(scratch: Path, path: Path) -> None:
+    """Rename the assembled directory ``scratch`` to ``path``; an existing ``path`` (one the user
+    asked to replace, :func:`check_output`) is moved aside first and deleted afterwards."""
+    old = None
+    if os.path.lexists(path):
+        old = path.with_name(f".{path.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(path, old)
+    os.rename(scratch, path)
+    if old is not None:
+        remove(old)

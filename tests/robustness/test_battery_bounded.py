@@ -1,7 +1,7 @@
 """Bounded work: every loop a user's number drives has a bound or a check before it starts. Engine
-limits of zero or less (which served nothing, forever) and arrivals or lengths past the capacity
-model's bounds are refused before any work; each case runs under a time limit, so work that would
-not end fails instead of hanging."""
+limits of zero or less (which served nothing, forever), arrivals or lengths past the capacity
+model's bounds, and a training response limit at or past the backbone's context are refused before
+any work; each case runs under a time limit, so work that would not end fails instead of hanging."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from serve_bridge import capacity
-from tests.robustness.helpers import assert_one_error_line, exit_code, time_limit
-from tests.robustness.test_battery_commands import QUICK, tiny_bundle
+from tests.robustness.helpers import assert_one_error_line, exit_code, time_limit, write_jsonl
+from tests.robustness.test_battery_commands import QUICK, ROW, SMALL, run_train_adapter, tiny_bundle
 
 LIMIT_S = 30
 
@@ -51,3 +51,13 @@ def test_simulate_serves_every_request_with_the_smallest_limits() -> None:
     with time_limit(LIMIT_S):
         result = capacity.simulate(reqs, 1, max_num_seqs=1, token_budget=1)
     assert result.steps == int((reqs.prompt + reqs.output - 1).sum())  # one request, one token per step
+
+
+def test_train_adapter_refuses_a_response_limit_past_the_context(tmp_path: Path, monkeypatch, capsys) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", [ROW])
+    argv = ["train", "--data", str(data), "--out", str(tmp_path / "adapter"), *SMALL, "--n-eval", "0",
+            "--max-new-tokens", "8192"]
+    with time_limit(LIMIT_S):
+        assert run_train_adapter(monkeypatch, *argv) == 2
+    assert_one_error_line(capsys.readouterr().err, "--max-new-tokens=8192: use fewer than the backbone's context")
+    assert not (tmp_path / "adapter").exists()

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from serve_bridge import capacity
-from tests.robustness.helpers import assert_one_error_line, digest, exit_code, sha256
-from tests.robustness.test_battery_commands import QUICK, tiny_bundle
+from tests.conftest import DEMO_ADAPTER
+from tests.robustness.helpers import assert_one_error_line, digest, exit_code, sha256, write_jsonl
+from tests.robustness.test_battery_commands import EVAL_ROW, QUICK, ROW, SMALL, run_train_adapter, tiny_bundle
 
 
 # --- python -m serve_bridge.capacity: --bundle in, --plot and --json out --------------------------
@@ -64,3 +66,60 @@ def test_capacity_replace_renames_a_new_file_into_place(tmp_path: Path) -> None:
     os.link(other, out)  # the old output shares its inode with another name
     assert capacity.main(["--bundle", str(bundle), "--adapters", "4", *QUICK, "--json", str(out), "--replace"]) == 0
     assert json.loads(out.read_text())["results"] and other.read_text() == "kept"
+
+
+# --- scripts/train_adapter.py train: --data (and --gguf-dir) in, --out out ---------------------------
+
+@pytest.mark.parametrize("case", ["out_is_the_data_file", "out_holds_the_data_file", "out_is_an_existing_adapter"])
+def test_train_never_writes_its_input_or_a_user_directory(tmp_path: Path, monkeypatch, capsys, case: str) -> None:
+    data = write_jsonl(tmp_path / "work" / "data.jsonl", [ROW, EVAL_ROW])
+    existing = shutil.copytree(DEMO_ADAPTER, tmp_path / "adapter")
+    out, extra, fragment = {"out_is_the_data_file": (data, ["--replace"], "is the command's input"),
+                            "out_holds_the_data_file": (data.parent, ["--replace"], "holds the command's input"),
+                            "out_is_an_existing_adapter": (existing, [], "exists; choose a new path")}[case]
+    before = digest(tmp_path)
+    argv = ["train", "--data", str(data), "--out", str(out), *SMALL, *extra]
+    assert run_train_adapter(monkeypatch, *argv) == 2
+    assert_one_error_line(capsys.readouterr().err, fragment)
+    assert digest(tmp_path) == before and sha256(data) == before["work/data.jsonl"]
+
+
+def test_train_replace_swaps_the_adapter_directory(tmp_path: Path, monkeypatch) -> None:
+    """`--replace` trains, then renames the new adapter into place of the old directory."""
+    data = write_jsonl(tmp_path / "data.jsonl", [ROW, EVAL_ROW])
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    assert run_train_adapter(monkeypatch, "train", "--data", str(data), "--out", str(out), *SMALL, "--replace") == 0
+    assert {"TRAINING.json", "adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not (out / "stale.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "data.jsonl"]
+
+
+# --- scripts/train_adapter.py prepare: the task's data in, --out out ---------------------------------
+
+GSM8K = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+@pytest.mark.parametrize("case", ["out_is_the_train_file", "out_is_the_train_file_replace",
+                                  "out_is_a_hard_link_to_the_train_file", "out_is_a_symlink_to_the_test_file",
+                                  "out_is_a_file_of_the_user"])
+def test_prepare_never_writes_the_task_data_or_a_user_file(tmp_path: Path, monkeypatch, capsys, case: str) -> None:
+    src = tmp_path / "gsm8k"
+    write_jsonl(src / "train.jsonl", [GSM8K] * 3)
+    write_jsonl(src / "test.jsonl", [GSM8K])
+    (tmp_path / "notes").write_text("mine")
+    make, extra = {"out_is_the_train_file": (lambda: src / "train.jsonl", []),
+                   "out_is_the_train_file_replace": (lambda: src / "train.jsonl", ["--replace"]),
+                   "out_is_a_hard_link_to_the_train_file": (
+                       lambda: _link("hard", src / "train.jsonl", tmp_path / "t.jsonl"), ["--replace"]),
+                   "out_is_a_symlink_to_the_test_file": (
+                       lambda: _link("soft", src / "test.jsonl", tmp_path / "t.jsonl"), ["--replace"]),
+                   "out_is_a_file_of_the_user": (lambda: tmp_path / "notes", [])}[case]
+    out = make()
+    before = digest(tmp_path)
+    argv = ["prepare", "--task", "gsm8k", "--task-options", json.dumps({"source": str(src), "val_size": 1}),
+            "--out", str(out), *extra]
+    assert run_train_adapter(monkeypatch, *argv) == 2
+    fragment = "exists; choose a new path" if case == "out_is_a_file_of_the_user" else "the command's input"
+    assert_one_error_line(capsys.readouterr().err, fragment)
+    assert digest(tmp_path) == before and sha256(src / "train.jsonl") == before["gsm8k/train.jsonl"]

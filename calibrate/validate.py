@@ -10,6 +10,9 @@
   read-only and immutable, so nothing is ever written next to it);
 - every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), and that the
   backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`);
+- that the run directory and the run's inputs (data files, databases, adapters, the backbone's
+  local source) are disjoint, compared by identity (:func:`serve_bridge.safe_write.inside`): the
+  run never writes over, deletes or adds to an input;
 - the engines the run will use, against this machine (:mod:`calibrate.engine_check`).
 
 The config's own values are checked earlier: Hydra checks keys and types while composing, and
@@ -28,11 +31,13 @@ from urllib.parse import quote
 
 from calibrate.context import Context
 from calibrate.engine_check import check_engine
+from calibrate.rundir_access import RunDirError
 from labeling.backbone import backbone_source
 from labeling.tasks import TaskError
 from labeling.tasks.mix import MixTask
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask, database_path
+from serve_bridge.safe_write import inside
 from serve_bridge.strict_json import StrictJSONError, loads_strict
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -46,6 +51,7 @@ def validate(ctx: Context) -> None:
     if ctx.cfg.agreement or "agreement" in ctx.cfg.stages:
         check_engine("agreement=true", ctx.agreement_options, ctx.facts)
     validate_task_data(ctx.task)
+    check_disjoint(ctx.run.root, run_inputs(ctx))
     ctx.check_adapters()
     print(f"backbone {ctx.backbone_spec.name}: {backbone_source(ctx.backbone_spec)}", flush=True)
 
@@ -138,6 +144,27 @@ def task_inputs(task: Any) -> list[Path]:
         return [p for part in task.parts.values() for p in task_inputs(part)]
     db_dir = task.db_dir if isinstance(task, SpiderTask) else None
     return _split_files(task) + ([Path(db_dir)] if db_dir else [])
+
+
+def run_inputs(ctx: Context) -> list[Path]:
+    """Every local input of the run: the task's (:func:`task_inputs`), the adapters, and the
+    backbone's GGUF folder or local model directory."""
+    b = ctx.backbone_spec
+    backbone = [Path(b.gguf_dir)] if b.gguf_dir else [Path(b.hf_id)] if b.hf_id and local_source(b.hf_id) else []
+    return task_inputs(ctx.task) + [Path(a.path) for a in ctx.adapters] + backbone
+
+
+def check_disjoint(root: Path, inputs: list[Path]) -> None:
+    """RunDirError unless the run directory ``root`` and every input lie apart (by identity): an
+    input inside the run directory would be replaced by the run's outputs, and a run directory
+    inside an input would add the run's files to it."""
+    for source in inputs:
+        if inside(source, root):
+            raise RunDirError(f"{source} is an input of the run but lies inside its run directory {root}, whose "
+                              f"entries the run replaces; move the input out, or choose another hydra.run.dir.")
+        if inside(root, source):
+            raise RunDirError(f"run directory {root} lies inside {source}, an input of the run; choose a "
+                              f"hydra.run.dir outside the run's inputs.")
 
 
 def validate_task_data(task: Any) -> None:

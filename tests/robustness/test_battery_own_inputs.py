@@ -1,18 +1,23 @@
 """No command writes over its own inputs or over a file it did not create (serve_bridge/safe_write.py):
 an output named as an input (by its path, a hard link or a symbolic link), inside an input directory
 or holding an input is refused in one line with exit code 2 and every input keeps its sha256; an
-existing output is replaced only with ``--replace``, and then by a rename."""
+existing output is replaced only with ``--replace``, and then by a rename. The run directory of
+`python -m calibrate` and the run's inputs are disjoint (calibrate/validate.py)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from calibrate.rundir_access import RunDirError
 from serve_bridge import capacity
-from tests.conftest import DEMO_ADAPTER
+from tests.calibrate.test_pipeline import run
+from tests.conftest import DEMO_ADAPTER, ROOT
 from tests.robustness.helpers import assert_one_error_line, digest, exit_code, sha256, write_jsonl
 from tests.robustness.test_battery_commands import EVAL_ROW, QUICK, ROW, SMALL, run_train_adapter, tiny_bundle
 
@@ -123,3 +128,55 @@ def test_prepare_never_writes_the_task_data_or_a_user_file(tmp_path: Path, monke
     fragment = "exists; choose a new path" if case == "out_is_a_file_of_the_user" else "the command's input"
     assert_one_error_line(capsys.readouterr().err, fragment)
     assert digest(tmp_path) == before and sha256(src / "train.jsonl") == before["gsm8k/train.jsonl"]
+
+
+# --- python -m calibrate: the run directory and the run's inputs ------------------------------------
+
+def _gsm8k_in(run_dir: Path) -> tuple[Path, list[str]]:
+    """A local GSM8K source at ``run_dir/data``, where the run keeps its own split files."""
+    src = run_dir / "data"
+    write_jsonl(src / "train.jsonl", [GSM8K] * 3)
+    write_jsonl(src / "test.jsonl", [GSM8K])
+    return src, ["task=gsm8k", f"task.options.source={src}", "task.options.val_size=1", "adapter=arith_demo",
+                 "stages=[data]", "engine.progress=false"]
+
+
+def test_calibrate_refuses_task_data_inside_its_run_directory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    src, overrides = _gsm8k_in(run_dir)
+    before = digest(tmp_path)
+    with pytest.raises(RunDirError, match=f"{src / 'train.jsonl'} is an input of the run but lies inside its run "
+                                          f"directory {run_dir}"):
+        run(run_dir, overrides)
+    assert digest(tmp_path) == before and sha256(src / "train.jsonl") == before["run/data/train.jsonl"]
+
+
+def test_calibrate_cli_refuses_task_data_inside_its_run_directory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    src, overrides = _gsm8k_in(run_dir)
+    before = digest(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "calibrate", f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    assert_one_error_line(done.stderr, "is an input of the run but lies inside its run directory")
+    assert digest(tmp_path) == before
+
+
+def test_calibrate_refuses_an_adapter_inside_its_run_directory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    adapter = shutil.copytree(DEMO_ADAPTER, run_dir / "data" / "arith-a")
+    before = digest(tmp_path)
+    with pytest.raises(RunDirError, match="is an input of the run but lies inside its run directory"):
+        run(run_dir, ["task=arith", "adapter=arith_demo", f"adapter.adapters=[{{name: arith-a, path: {adapter}}}]",
+                      "stages=[data]", "engine.progress=false"])
+    assert digest(tmp_path) == before
+
+
+def test_calibrate_refuses_a_run_directory_inside_an_adapter(tmp_path: Path) -> None:
+    adapter = shutil.copytree(DEMO_ADAPTER, tmp_path / "arith-a")
+    before = digest(tmp_path)
+    with pytest.raises(RunDirError, match=f"run directory {adapter / 'run'} lies inside {adapter}, an input"):
+        run(adapter / "run", ["task=arith", "adapter=arith_demo",
+                              f"adapter.adapters=[{{name: arith-a, path: {adapter}}}]", "stages=[data]",
+                              "engine.progress=false"])
+    assert digest(tmp_path) == before

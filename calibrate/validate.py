@@ -8,8 +8,9 @@
   field of one type across rows; each part of a mix task so;
 - Spider's databases: every database the splits name exists and reads as SQLite (opened
   read-only and immutable, so nothing is ever written next to it);
-- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), and that the
-  backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`);
+- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), that the
+  backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`), and that
+  the task's ``max_new_tokens`` lies below the backbone's context (every generation is bounded);
 - that the run directory and the run's inputs (data files, databases, adapters, the backbone's
   local source) are disjoint, compared by identity (:func:`serve_bridge.safe_write.inside`): the
   run never writes over, deletes or adds to an input;
@@ -53,6 +54,7 @@ def validate(ctx: Context) -> None:
     validate_task_data(ctx.task)
     check_disjoint(ctx.run.root, run_inputs(ctx))
     ctx.check_adapters()
+    ctx.check_response_limit()
     print(f"backbone {ctx.backbone_spec.name}: {backbone_source(ctx.backbone_spec)}", flush=True)
 
 

@@ -1,14 +1,19 @@
 """Bounded work: every loop a user's number drives has a bound or a check before it starts. Engine
 limits of zero or less (which served nothing, forever), arrivals or lengths past the capacity
-model's bounds, and a training response limit at or past the backbone's context are refused before
-any work; each case runs under a time limit, so work that would not end fails instead of hanging."""
+model's bounds, and a response limit at or past the backbone's context are refused before any work;
+each case runs under a time limit, so work that would not end fails instead of hanging."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
+from calibrate.context import Context
+from calibrate.errors import ConfigError
+from calibrate.rundir import RunDir
+from calibrate.validate import validate
 from serve_bridge import capacity
+from tests.calibrate.test_pipeline import TINY, compose_cfg
 from tests.robustness.helpers import assert_one_error_line, exit_code, time_limit, write_jsonl
 from tests.robustness.test_battery_commands import QUICK, ROW, SMALL, run_train_adapter, tiny_bundle
 
@@ -51,6 +56,14 @@ def test_simulate_serves_every_request_with_the_smallest_limits() -> None:
     with time_limit(LIMIT_S):
         result = capacity.simulate(reqs, 1, max_num_seqs=1, token_budget=1)
     assert result.steps == int((reqs.prompt + reqs.output - 1).sum())  # one request, one token per step
+
+
+def test_calibrate_refuses_a_response_limit_past_the_context(tmp_path: Path) -> None:
+    ctx = Context(compose_cfg([*TINY, "task.options.max_new_tokens=8192"]), RunDir(tmp_path / "run"))
+    with time_limit(LIMIT_S), pytest.raises(ConfigError, match="max_new_tokens=8192 .* is not below the context of "
+                                                             "backbone 'smollm2' \\(8192 tokens\\)"):
+        validate(ctx)
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_adapter_refuses_a_response_limit_past_the_context(tmp_path: Path, monkeypatch, capsys) -> None:

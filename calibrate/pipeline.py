@@ -22,7 +22,7 @@ import pandas as pd
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.preview import PreviewDone, Workload, estimate, format_preview
-from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint, write_atomic
+from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint
 from calibrate.rundir_access import STORAGE_ERRNOS, storage_error
 from calibrate.validate import validate
 from labeling.engines.vllm.options import VLLMOptions
@@ -38,6 +38,7 @@ from predictors.plots import (plot_agreement, plot_frontier, plot_k_curves, plot
 from predictors.report import explain
 from predictors.sweep import ForkPlanner, load_trees, price, release_points, save_trees, sweep_cost
 from serve_bridge.bundle import Bundle, load_bundle
+from serve_bridge.safe_write import write_atomic
 from serve_bridge.steptrim import StepTrim, skip_fraction
 
 

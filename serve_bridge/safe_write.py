@@ -10,11 +10,14 @@
   place: readers never see half a file, and a hard link or symbolic link at the path is replaced,
   never written through. :func:`scratch_dir_for` and :func:`publish_dir` do the same for a
   directory.
+- :func:`own_file` gives a file that shares its inode with another name a copy of its own, so
+  that appending to it changes nothing outside.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -127,3 +130,15 @@ def publish_dir(scratch: Path, path: Path) -> None:
     os.rename(scratch, path)
     if old is not None:
         remove(old)
+
+
+def own_file(path: Path) -> None:
+    """If ``path`` is a regular file with more than one name (a hard link, e.g. in a ``cp -al``
+    copy), replace it with a copy of its own (:func:`write_atomic`), so that writing to it changes
+    no other name's file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        write_atomic(path, path.read_bytes())

@@ -1,9 +1,9 @@
 """One writer per run directory, and a directory checked before a run writes anything there.
 
 :func:`acquire` is the first thing a run does to its directory (docs/design.md §3): it creates
-the directory if needed, checks that it can be used (a directory, not under a file, writable,
-its bookkeeping entries directories and its lock record not one, :data:`FREE_SPACE_FLOOR` bytes
-free for the stages' scratch output), then takes an exclusive
+the directory if needed, checks that it can be used (a directory, not under a file, on a file
+system with storage, writable, its bookkeeping entries directories and its lock record not one,
+:data:`FREE_SPACE_FLOOR` bytes free for the stages' scratch output), then takes an exclusive
 ``flock`` on the run directory itself and records its PID in ``<run>/.lock``; :func:`release`
 records that nobody holds it (an empty ``.lock``) and drops the lock. The lock is a property of
 the directory, not of the file at ``.lock``: the record is replaced by a rename, never written
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from serve_bridge.safe_write import write_atomic
+from serve_bridge.safe_write import without_storage, write_atomic
 
 LOCK_FILE = ".lock"
 FREE_SPACE_FLOOR = 64 << 20  # bytes a run needs free before it starts (scratch output, markers, shards)
@@ -35,6 +35,7 @@ PID_WAIT_S = 2.0  # how long a refused run waits for the holder to finish writin
 # environment, not a bug, wherever they happen; and those of a directory this process may not write
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 DENIED_ERRNOS = (errno.EACCES, errno.EPERM)
+PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)  # a hydra.run.dir that cannot name a directory
 
 
 class RunDirError(ValueError):
@@ -42,25 +43,33 @@ class RunDirError(ValueError):
 
 
 def storage_error(err: OSError, doing: str) -> RunDirError:
-    """``err`` (one of :data:`STORAGE_ERRNOS` or :data:`DENIED_ERRNOS`) while ``doing`` as one line
-    with the fix."""
+    """``err`` (one of :data:`STORAGE_ERRNOS`, :data:`DENIED_ERRNOS` or :data:`PATH_ERRNOS`) while
+    ``doing`` as one line with the fix."""
     where = f" ({err.filename})" if err.filename else ""
-    fix = ("free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT)
-           else "choose a writable hydra.run.dir, or copy the run directory to a writable place")
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free some space"
+    elif err.errno in PATH_ERRNOS:
+        fix = "choose another hydra.run.dir"
+    else:
+        fix = "choose a writable hydra.run.dir, or copy the run directory to a writable place"
     return RunDirError(f"{doing}: {err.strerror or err}{where}; {fix} and run again (finished stages are kept).")
 
 
 def make_run_dir(root: Path) -> None:
-    """Create ``root`` (and its parents) if missing; RunDirError naming the file in the way, or
-    why it cannot be created."""
+    """Create ``root`` (and its parents) if missing; RunDirError naming the file in the way, a
+    file system without storage (a pseudo-file system), or why it cannot be created."""
     for p in (root, *root.parents):
-        if p.exists() and not p.is_dir():
-            what = "is a file" if p == root else f"is under {p}, which is a file"
+        if os.path.lexists(p) and not os.path.isdir(p):
+            kind = "a file" if os.path.exists(p) else "a symbolic link to nothing (or a loop of them)"
+            what = f"is {kind}" if p == root else f"is under {p}, which is {kind}"
             raise RunDirError(f"run directory {root} {what}; choose another hydra.run.dir or move the file away.")
+    if without_storage(root):
+        raise RunDirError(f"run directory {root} is on a file system without storage (a pseudo-file system such as "
+                          f"/proc or /sys); choose another hydra.run.dir.")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        if err.errno not in (*STORAGE_ERRNOS, *DENIED_ERRNOS):
+        if err.errno not in (*STORAGE_ERRNOS, *DENIED_ERRNOS, *PATH_ERRNOS):
             raise
         raise storage_error(err, f"run directory {root} cannot be created") from None
 

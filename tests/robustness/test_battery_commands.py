@@ -1,11 +1,14 @@
 """Every user-facing command keeps `python -m calibrate`'s contract (serve_bridge/command_line.py): a
 user mistake is one line on stderr naming the argument or file:line, exit code 2, before any model
 loads and before anything is written. The capacity model's command and scripts/train_adapter.py run
-in process through their ``main``."""
+in process through their ``main``; `python -m calibrate` as a process, where Hydra creates the run
+directory before LoRazor's code runs."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -193,3 +196,24 @@ def test_train_adapter_prepare_then_train_checks_pass(tmp_path: Path, monkeypatc
     args = script.parser().parse_args(["train", "--data", str(out), "--out", str(tmp_path / "adapter")])
     _, rows, targets = script.check_train(args)
     assert len(rows) > 2 and rows[-1]["split"] == "validation" and "q_proj" in targets
+
+
+# --- python -m calibrate: run directories Hydra cannot create -----------------------------------
+
+def _calibrate(run_dir: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "calibrate", f"hydra.run.dir={run_dir}", "task=arith",
+                           "adapter=arith_demo", "stages=[data]"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("case", ["name_too_long", "symlink_loop"])
+def test_calibrate_run_directory_hydra_cannot_create(tmp_path: Path, case: str) -> None:
+    if case == "name_too_long":
+        run_dir, fragment = tmp_path / ("x" * 300) / "run", "File name too long"
+    else:
+        os.symlink(tmp_path / "b", tmp_path / "a")
+        os.symlink(tmp_path / "a", tmp_path / "b")
+        run_dir, fragment = tmp_path / "a" / "run", "a symbolic link to nothing"
+    done = _calibrate(str(run_dir))
+    assert done.returncode == 2
+    assert_one_error_line(done.stderr, fragment)

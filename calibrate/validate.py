@@ -5,7 +5,8 @@
 - the task's local data files (JSON lines or a JSON array): each line valid UTF-8 and strict,
   bounded JSON (no duplicate keys, lone surrogates, NaN, integers beyond int64, nesting past
   32 levels, lines past 16 MiB), an object with the task's fields of the right type, each
-  field of one type across rows; each part of a mix task so;
+  field of one type across rows, and what the task itself asks of a row (a GSM8K answer's
+  reference is not a special number such as NaN or Infinity); each part of a mix task so;
 - Spider's databases: every database the splits name exists and reads as SQLite (opened
   read-only and immutable, so nothing is ever written next to it);
 - every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), that the
@@ -178,7 +179,7 @@ def validate_task_data(task: Any) -> None:
         return
     files, rows = _split_files(task), []
     for path in files:
-        rows += check_rows_file(f"task '{task.name}'", path, task.required_fields)
+        rows += check_rows_file(f"task '{task.name}'", path, task.required_fields, task.row_problem)
     if isinstance(task, SpiderTask):
         if not files:
             rows = [r for official in ("train", task.test_split)

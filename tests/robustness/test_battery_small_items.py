@@ -1,18 +1,23 @@
-"""The smaller holes: a run directory on a pseudo-file system (/proc, /sys) is one line, exit code 2
-on the command line, before anything is written."""
+"""The smaller holes: a run directory on a pseudo-file system (/proc, /sys), and a data file whose
+reference reads as a special number (which passed the data check and crashed the labels stage after
+the model had loaded). Each is one line, exit code 2 on the command line, before any work."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks.robustness.kill_resume import KILL_CONFIG
 from calibrate.rundir import RunDir
 from calibrate.rundir_access import RunDirError
+from calibrate.validate import validate_task_data
+from labeling.evaluators.numeric import numeric_decided, numeric_match
+from labeling.tasks import TaskError, build_task
 from tests.conftest import ROOT
-from tests.robustness.helpers import assert_one_error_line
+from tests.robustness.helpers import assert_one_error_line, write_jsonl
 
 
 def _pseudo(path: str) -> str:
@@ -36,3 +41,25 @@ def test_calibrate_cli_on_a_pseudo_file_system() -> None:
                            *KILL_CONFIG], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2
     assert_one_error_line(done.stderr, "is on a file system without storage")
+
+
+# --- references that read as special numbers -----------------------------------------------------
+
+GOOD = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+@pytest.mark.parametrize("reference", ["sNaN", "NaN", "Infinity", "-inf"])
+def test_special_number_reference_is_refused_by_the_data_check(tmp_path: Path, reference: str) -> None:
+    src = tmp_path / "gsm8k"
+    write_jsonl(src / "train.jsonl", [GOOD, {"question": "How many?", "answer": f"none\n#### {reference}"}])
+    write_jsonl(src / "test.jsonl", [GOOD])
+    with pytest.raises(TaskError, match=f"{src / 'train.jsonl'}:2: field 'answer' gives the reference "
+                                        f"'{reference}', which is not a finite number") as info:
+        validate_task_data(build_task("gsm8k", source=str(src)))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("reference", ["sNaN", "-sNaN7"])
+def test_special_number_reference_scores_zero_without_raising(reference: str) -> None:
+    assert numeric_match("#### 5", reference) == 0 and numeric_match("#### sNaN 5", reference) == 0
+    assert numeric_decided("#### 5 ", reference)

@@ -10,6 +10,8 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 accepts vLLM's async scheduling on vLLM 0.33's V2 runner for a bundle whose policies are all
 profiled (on by default with a bundle, refused in calibration mode; 0 requires async scheduling off;
 docs/vllm_integration.md §9).
+``LORAZOR_BUNDLE_DIGEST`` pins the served bundle: its :func:`serve_bridge.bundle.bundle_digest`, as the
+export stage prints it; the runtime then refuses any other bundle (an edited manifest included).
 ``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
 agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
 so this is tested on CPU without vLLM.
@@ -17,12 +19,14 @@ so this is tested on CPU without vLLM.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 BUNDLE_ENV = "LORAZOR_BUNDLE"
+DIGEST_ENV = "LORAZOR_BUNDLE_DIGEST"
 ADAPTERS_ENV = "LORAZOR_ADAPTERS"
 LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -52,6 +56,7 @@ class BridgeSettings:
     slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
     async_scheduling: vLLM's async scheduling accepted for profiled bundles
         (``LORAZOR_ASYNC_SCHEDULING``; on by default when serving, off in calibration).
+    bundle_digest: the digest the bundle must have (``LORAZOR_BUNDLE_DIGEST``), or None.
     """
 
     bundle: Path | None
@@ -60,6 +65,7 @@ class BridgeSettings:
     calibration: bool = False
     slots: bool = False
     async_scheduling: bool = False
+    bundle_digest: str | None = None
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
@@ -71,6 +77,10 @@ class BridgeSettings:
         if calibration and bundle:
             raise BridgeError(f"{CALIBRATION_ENV} and {BUNDLE_ENV} are both set: calibration runs without a bundle "
                               f"(its policies come over collective_rpc); unset one of them.")
+        digest = digest_from_env(env)
+        if digest is not None and not bundle:
+            raise BridgeError(f"{DIGEST_ENV} is set but {BUNDLE_ENV} is not: name the bundle it pins in {BUNDLE_ENV}, "
+                              f"or unset {DIGEST_ENV}.")
         if not (bundle or calibration):
             return None
         slots = _serving_switch(SLOTS_ENV, "for slot hand-back", "slot hand-back serves a bundle's releases",
@@ -81,7 +91,8 @@ class BridgeSettings:
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
-                              calibration=calibration, slots=slots, async_scheduling=async_scheduling)
+                              calibration=calibration, slots=slots, async_scheduling=async_scheduling,
+                              bundle_digest=digest)
 
 
 def _switch(name: str, purpose: str, environ: Mapping[str, str] | None, default: bool = False) -> bool:
@@ -113,6 +124,19 @@ def _serving_switch(name: str, purpose: str, why_not_calibrating: str, environ: 
 def calibration_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``LORAZOR_CALIBRATION`` is on (see :func:`_switch`)."""
     return _switch(CALIBRATION_ENV, "for the calibration runtime (labeling.engines.vllm sets it)", environ)
+
+
+def digest_from_env(environ: Mapping[str, str]) -> str | None:
+    """``LORAZOR_BUNDLE_DIGEST`` as 64 lowercase hex digits, or None when unset or empty; anything
+    else is refused."""
+    raw = environ.get(DIGEST_ENV, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise BridgeError(f"{DIGEST_ENV}={raw!r}: give the bundle's 64-hex digest as the export printed it "
+                          f"(serve_bridge.bundle.bundle_digest), or unset it.")
+    return value
 
 
 def parse_adapters(text: str) -> dict[str, str]:

@@ -149,13 +149,15 @@ def stage_sweep(ctx: Context) -> dict:
 def stage_export(ctx: Context) -> dict:
     """Choose the operating point, write the bundle, the plots, the selection of every rule and the
     learned-vs-profiled comparison at ``export.budget`` (so another budget re-runs only this stage
-    and the test); print the bundle's digest."""
+    and the test); print the bundle's digest. The bundle's config fingerprint covers the config as
+    the stages' fingerprints see it (:meth:`Context.fingerprint_section`): a switch that changes no
+    output, such as ``labeling.early_stop``, leaves the bundle byte for byte the same."""
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
     trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
     entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads,
-                            config={s: ctx.section(s) for s in CONFIG_SECTIONS},
+                            config={s: ctx.fingerprint_section(s) for s in CONFIG_SECTIONS},
                             adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees)
     digest = bundle_digest(ctx.run.out("bundle"))
     rule = resolve_rule(ex["rule"], ex["budget"])

@@ -1,9 +1,10 @@
-"""The smaller holes: a run directory on a pseudo-file system (/proc, /sys), and a data file whose
-reference reads as a special number (which passed the data check and crashed the labels stage after
-the model had loaded). Each is one line, exit code 2 on the command line, before any work."""
+"""The smaller holes: a run directory on a pseudo-file system, a data file whose reference reads as a
+special number, and the early-stop switch in the bundle's config fingerprint. Each is one line
+(exit code 2 on a command line) before any work, or no difference."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from calibrate.rundir_access import RunDirError
 from calibrate.validate import validate_task_data
 from labeling.evaluators.numeric import numeric_decided, numeric_match
 from labeling.tasks import TaskError, build_task
+from tests.calibrate.test_pipeline import run
 from tests.conftest import ROOT
-from tests.robustness.helpers import assert_one_error_line, write_jsonl
+from tests.robustness.helpers import assert_one_error_line, digest, write_jsonl
 
 
 def _pseudo(path: str) -> str:
@@ -63,3 +65,17 @@ def test_special_number_reference_is_refused_by_the_data_check(tmp_path: Path, r
 def test_special_number_reference_scores_zero_without_raising(reference: str) -> None:
     assert numeric_match("#### 5", reference) == 0 and numeric_match("#### sNaN 5", reference) == 0
     assert numeric_decided("#### 5 ", reference)
+
+
+# --- labeling.early_stop and the bundle ------------------------------------------------------------
+
+def test_early_stop_leaves_the_bundle_byte_for_byte_the_same(tmp_path: Path, small_run) -> None:
+    """The switch changes how much is generated, never a result (docs/pipeline.md): the bundles
+    exported with it on and off are the same files, the config fingerprint in the manifest too."""
+    bundles = {}
+    for early_stop in ("true", "false"):
+        run_dir = Path(shutil.copytree(small_run[0], tmp_path / early_stop))
+        (run_dir / "stages" / "export.json").unlink()
+        run(run_dir, [*KILL_CONFIG, f"labeling.early_stop={early_stop}", "stages=[export]"])
+        bundles[early_stop] = digest(run_dir / "bundle")
+    assert bundles["true"] == bundles["false"]

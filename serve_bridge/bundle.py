@@ -53,6 +53,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load, save_file
 
+from serve_bridge.command_line import one_line
 from serve_bridge.steptrim import K_LIMIT, LearnedPolicy, Policy, ProfiledPolicy
 from serve_bridge.strict_json import MAX_JSON_DEPTH, StrictJSONError, loads_strict, short_repr  # noqa: F401 (MAX_JSON_DEPTH: part of this API)
 
@@ -70,7 +71,11 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BundleError(ValueError):
-    """A bundle that cannot be written or loaded; the message names the file, field and fix."""
+    """A bundle that cannot be written or loaded; the message (one line: a line break in a path is
+    escaped) names the file, field and fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class BundleWarning(UserWarning):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve_bridge.command_line import one_line
+
 BUNDLE_ENV = "LORAZOR_BUNDLE"
 DIGEST_ENV = "LORAZOR_BUNDLE_DIGEST"
 ADAPTERS_ENV = "LORAZOR_ADAPTERS"
@@ -41,7 +43,10 @@ RELEASES_ATTR = "lorazor_releases"  # ModelRunnerOutput attribute: {req_id: r} d
 
 
 class BridgeError(RuntimeError):
-    """The bridge cannot run with this vLLM or these engine settings; the message says the fix."""
+    """The bridge cannot run with this vLLM or these engine settings; the message (one line) says the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The smaller holes: a run directory on a pseudo-file system, a data file whose reference reads as a
-special number, and the early-stop switch in the bundle's config fingerprint. Each is one line
-(exit code 2 on a command line) before any work, or no difference."""
+special number, the early-stop switch in the bundle's config fingerprint, and a line break in a
+bundle's path. Each is one line (exit code 2 on a command line) before any work, or no difference."""
 from __future__ import annotations
 
 import os
@@ -17,9 +17,11 @@ from calibrate.rundir_access import RunDirError
 from calibrate.validate import validate_task_data
 from labeling.evaluators.numeric import numeric_decided, numeric_match
 from labeling.tasks import TaskError, build_task
+from serve_bridge import capacity
+from serve_bridge.bundle import BundleError, load_bundle
 from tests.calibrate.test_pipeline import run
 from tests.conftest import ROOT
-from tests.robustness.helpers import assert_one_error_line, digest, write_jsonl
+from tests.robustness.helpers import assert_one_error_line, digest, exit_code, write_jsonl
 
 
 def _pseudo(path: str) -> str:
@@ -79,3 +81,24 @@ def test_early_stop_leaves_the_bundle_byte_for_byte_the_same(tmp_path: Path, sma
         run(run_dir, [*KILL_CONFIG, f"labeling.early_stop={early_stop}", "stages=[export]"])
         bundles[early_stop] = digest(run_dir / "bundle")
     assert bundles["true"] == bundles["false"]
+
+
+# --- a line break in a bundle's path ---------------------------------------------------------------
+
+def test_bundle_path_with_a_line_break_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BundleError) as info:
+        load_bundle(tmp_path / "runs\nbundle")
+    assert "\n" not in str(info.value) and "runs\\nbundle" in str(info.value)
+
+
+def test_served_bundle_path_with_a_line_break_is_one_line(tmp_path: Path) -> None:
+    from serve_bridge.runtime import build_runtime
+
+    with pytest.raises(BundleError) as info:
+        build_runtime(tmp_path / "runs\nbundle", 8, "cpu")
+    assert "\n" not in str(info.value)
+
+
+def test_capacity_bundle_path_with_a_line_break_is_one_line(tmp_path: Path, capsys) -> None:
+    assert exit_code(lambda: capacity.main(["--bundle", str(tmp_path / "runs\nbundle"), "--adapters", "8"])) == 2
+    assert_one_error_line(capsys.readouterr().err, "runs\\nbundle")

@@ -369,8 +369,7 @@ def parser() -> Parser:
 
 
 def check_arguments(args: Namespace) -> None:
-    """OptionError naming the first argument out of range, or an output that may not be written
-    (module doc), before any work."""
+    """OptionError naming the first argument out of range (module doc), before any work."""
     check_args(args, ARG_RULES)
     for dest in ("prompt_len", "output_len", "max_loras"):
         for value in getattr(args, dest) or ():
@@ -399,6 +398,11 @@ def check_arguments(args: Namespace) -> None:
                               f"--step-ms")
     if not args.bundle.is_dir():
         raise OptionError("--bundle", str(args.bundle), "not a directory")
+
+
+def check_outputs(args: Namespace) -> None:
+    """OptionError unless ``--plot`` and ``--json`` may be written (module doc); after the bundle
+    loaded, so its directory holds its files and nothing else."""
     if args.plot and args.json and os.path.abspath(args.plot) == os.path.abspath(args.json):
         raise OptionError("--json", str(args.json), "is also --plot; give each output its own path")
     inputs = [args.bundle, *args.bundle.iterdir()]  # its files too: a hard link to one is that file
@@ -414,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_arguments(args)
         names, dists, notes = distributions_from_bundle(args.bundle)
+        check_outputs(args)
     except (OptionError, BundleError) as err:
         return report(str(err))
     if not names:

@@ -41,11 +41,15 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 
 def inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
     """Whether ``path`` (existing or not) is ``root`` or lies below it, by identity: each of its
-    ancestors, symbolic links resolved, is compared with ``root``'s device and inode."""
+    ancestors, symbolic links resolved, is compared with ``root``'s device and inode. A path whose
+    links loop leads nowhere, so into no ``root``."""
     target = _identity(root)
     if target is None:
         return False
-    p = Path(path).resolve()
+    try:
+        p = Path(path).resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links (RuntimeError before Python 3.13)
+        return False
     return any(_identity(a) == target for a in (p, *p.parents))
 
 

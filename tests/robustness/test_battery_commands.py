@@ -52,6 +52,7 @@ CAPACITY_MISTAKES = {  # name: (arguments besides --bundle and QUICK, message fr
     "prompt_length_past_int64": (["--adapters", "8", "--prompt-len", "1", str(10 ** 20)], "--prompt-len="),
     "json_under_a_file": (["--adapters", "8", "--json", "{tmp}/notes/out.json"], "which is not a directory"),
     "json_is_a_directory": (["--adapters", "8", "--json", "{tmp}/shelf"], "is a directory; name a file"),
+    "json_is_a_symlink_loop": (["--adapters", "8", "--json", "{tmp}/loop"], "exists; choose a new path"),
     "plot_on_a_pseudo_file_system": (["--adapters", "8", "--plot", "/proc/lorazor-slots.png"],
                                      "on a file system without storage"),
 }
@@ -63,6 +64,7 @@ def test_capacity_mistake_is_one_line(tmp_path: Path, capsys, case: str) -> None
     bundle = tiny_bundle(tmp_path / "bundle")
     (tmp_path / "notes").write_text("mine")
     (tmp_path / "shelf").mkdir()
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
     before = digest(tmp_path)
     argv = ["--bundle", str(bundle), *QUICK, *(a.format(tmp=tmp_path) for a in args)]
     assert exit_code(lambda: capacity.main(argv)) == 2

@@ -6,9 +6,9 @@
   lies inside an input directory or holds an input; one that already exists unless the user
   asked to replace it; and one whose place cannot take it (under a file, not writable, on a file
   system without storage such as /proc). Each refusal is an OptionError naming the argument.
-- :func:`write_atomic` writes a file under a fresh temporary name beside it and renames it into
-  place: readers never see half a file, and a hard link or symbolic link at the path is replaced,
-  never written through. :func:`scratch_dir_for` and :func:`publish_dir` do the same for a
+- :func:`write_atomic` writes a file under a temporary name beside it, created afresh, and renames
+  it into place: readers never see half a file, and a hard link or symbolic link at the path (or at
+  the temporary name, left by an interrupted write) is replaced, never written through. :func:`scratch_dir_for` and :func:`publish_dir` do the same for a
   directory.
 - :func:`own_file` gives a file that shares its inode with another name a copy of its own, so
   that appending to it changes nothing outside.
@@ -94,10 +94,12 @@ def check_output(key: str, path: Path, inputs: Iterable[Path], *, directory: boo
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` under a fresh temporary name beside it, then rename it into place
-    (creating the parent directories)."""
+    """Write ``data`` to ``path`` under the temporary name ``.<name>.tmp`` beside it, created afresh
+    (what an interrupted write left there is unlinked first), then rename it into place (creating
+    the parent directories)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -109,8 +109,8 @@ def check_train(args: Namespace) -> tuple[BackboneSpec, list[dict[str, Any]], li
     """Check every argument and input of ``train`` before any model loads (module doc); return the
     backbone, the data rows and the target module names."""
     check_args(args, TRAIN_RULES)
-    targets = args.targets.split(",")
-    check_value("--targets", [t.strip() for t in targets], "texts")
+    targets = [t.strip() for t in args.targets.split(",")]
+    check_value("--targets", targets, "texts")
     data = Path(args.data)
     if not data.is_file():
         raise OptionError("--data", args.data, "not a file; give the JSONL that `prepare` wrote")
@@ -121,7 +121,7 @@ def check_train(args: Namespace) -> tuple[BackboneSpec, list[dict[str, Any]], li
     backbone_source(spec)  # BackboneError naming a GGUF that is not there
     inputs = [data] + ([Path(args.gguf_dir)] if args.gguf_dir else [])
     check_output("--out", Path(args.out), inputs, directory=True, replace=args.replace)
-    return spec, rows, [t.strip() for t in targets]
+    return spec, rows, targets
 
 
 def check_against_backbone(spec: BackboneSpec, targets: list[str], max_new_tokens: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import hydra
@@ -23,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.config import register
-from calibrate.rundir import write_atomic
 from calibrate.rundir_access import RunDirError, make_run_dir
+from serve_bridge.command_line import fail
+from serve_bridge.safe_write import own_file, write_atomic
 
 register()
 _composed = False  # set once Hydra composed a config: later errors are not config errors
@@ -59,14 +59,11 @@ def record_job(cfg: DictConfig, root: Path) -> None:
     hydra_cfg = HydraConfig.instance().cfg
     for name, node in (("config", cfg), ("hydra", hydra_cfg), ("overrides", hydra_cfg.hydra.overrides.task)):
         write_atomic(root / ".hydra" / f"{name}.yaml", OmegaConf.to_yaml(node))
-    handler = logging.FileHandler(root / f"{HydraConfig.get().job.name}.log")
+    log = root / f"{HydraConfig.get().job.name}.log"
+    own_file(log)  # a copy made with `cp -al` shares it with the original: appending must not reach that
+    handler = logging.FileHandler(log)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
-
-
-def fail(message: str) -> None:
-    print("error: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)  # one line
-    sys.exit(2)
 
 
 def config_error(err: Exception) -> str:

@@ -25,11 +25,12 @@ from labeling.backbone import BackboneSpec
 from labeling.engines.auto import AutoOptions
 from labeling.engines.hf import HFOptions
 from labeling.engines.vllm.options import VLLMOptions
-from labeling.options import CheckedOptions, OptionError, check_value
+from labeling.options import CheckedOptions
 from labeling.tasks import REGISTRY, SplitSizes, task_class
 from labeling.tasks.mix import MixOptions, MixTask
 from predictors.frontier import POLICIES, parse_rule, resolve_rule
 from serve_bridge.steptrim import MAX_LAG
+from serve_bridge.values import OptionError, check_value
 
 
 @dataclass

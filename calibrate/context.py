@@ -184,18 +184,32 @@ class Context:
         b = self.section("backbone")
         return BackboneSpec(**{**b, "extra_stop_tokens": tuple(b["extra_stop_tokens"])})
 
-    def check_adapters(self) -> None:
-        """Validate every adapter against the backbone (hidden size, base model), before loading weights."""
+    @cached_property
+    def backbone_config(self) -> Any:
+        """The backbone's transformers config (no weights read); BackboneError if it cannot be read."""
         from transformers import AutoConfig
 
         b = self.backbone_spec
         try:
-            config = AutoConfig.from_pretrained(resolve_backbone_dir(b))
+            return AutoConfig.from_pretrained(resolve_backbone_dir(b))
         except OSError as err:
             raise BackboneError(f"backbone '{b.name}': cannot read its config ({str(err).splitlines()[0]}).") from err
+
+    def check_adapters(self) -> None:
+        """Validate every adapter against the backbone (hidden size, base model), before loading weights."""
+        b, config = self.backbone_spec, self.backbone_config
         names = [n for n in (b.name, b.hf_id, b.gguf_file, config.name_or_path) if n]
         for spec in self.adapters:
             validate_adapter(spec, config.hidden_size, names)
+
+    def check_response_limit(self) -> None:
+        """The task's ``max_new_tokens`` lies below the backbone's context (``max_position_embeddings``),
+        which bounds every generation; ConfigError otherwise."""
+        context = getattr(self.backbone_config, "max_position_embeddings", None)
+        n = self.task.max_new_tokens
+        if context is not None and n >= context:
+            raise ConfigError(f"task '{self.task.name}': max_new_tokens={n} (task.options.max_new_tokens) is not below "
+                              f"the context of backbone '{self.backbone_spec.name}' ({context} tokens); use fewer.")
 
     @cached_property
     def engine(self):

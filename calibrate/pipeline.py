@@ -22,7 +22,7 @@ import pandas as pd
 from calibrate.context import Context
 from calibrate.errors import ConfigError
 from calibrate.preview import PreviewDone, Workload, estimate, format_preview
-from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint, write_atomic
+from calibrate.rundir import CONFIG_CHANGED, NOT_RUN, fingerprint
 from calibrate.rundir_access import STORAGE_ERRNOS, storage_error
 from calibrate.validate import validate
 from labeling.engines.vllm.options import VLLMOptions
@@ -37,7 +37,8 @@ from predictors.plots import (plot_agreement, plot_frontier, plot_k_curves, plot
                               plot_release_histogram)
 from predictors.report import explain
 from predictors.sweep import ForkPlanner, load_trees, price, release_points, save_trees, sweep_cost
-from serve_bridge.bundle import Bundle, load_bundle
+from serve_bridge.bundle import Bundle, bundle_digest, load_bundle
+from serve_bridge.safe_write import write_atomic
 from serve_bridge.steptrim import StepTrim, skip_fraction
 
 
@@ -148,15 +149,18 @@ def stage_sweep(ctx: Context) -> dict:
 def stage_export(ctx: Context) -> dict:
     """Choose the operating point, write the bundle, the plots, the selection of every rule and the
     learned-vs-profiled comparison at ``export.budget`` (so another budget re-runs only this stage
-    and the test)."""
+    and the test); print the bundle's digest. The bundle's config fingerprint covers the config as
+    the stages' fingerprints see it (:meth:`Context.fingerprint_section`): a switch that changes no
+    output, such as ``labeling.early_stop``, leaves the bundle byte for byte the same."""
     ex = ctx.section("export")
     priced = pd.read_csv(ctx.run.path("sweep", "candidates.csv"))
     heads = load_heads(ctx.run.path("heads", "heads.safetensors"))
     trees = load_trees(ctx.run.path("sweep", "trees.parquet"))
     lag = Candidates.load(ctx.run.path("heads", "candidates.json")).lag  # the lag the sweep priced
     entries = export_bundle(ctx.run.out("bundle"), priced=priced, heads=heads,
-                            config={s: ctx.section(s) for s in CONFIG_SECTIONS},
+                            config={s: ctx.fingerprint_section(s) for s in CONFIG_SECTIONS},
                             adapter_weights={a.name: a.path for a in ctx.adapters}, trees=trees, lag=lag)
+    digest = bundle_digest(ctx.run.out("bundle"))
     rule = resolve_rule(ex["rule"], ex["budget"])
     front, sel = pareto(priced), select(priced, list(dict.fromkeys([*DEFAULT_RULES, rule, f"budget={ex['budget']:g}"])))
     budget = parse_rule(rule).max_loss
@@ -176,8 +180,9 @@ def stage_export(ctx: Context) -> dict:
     chosen = {e.name: {"policy": e.policy, "tau": e.tau, "k": e.k, "val_skip": e.stats["val_skip"],
                        "val_loss_points": e.stats["val_loss_points"], "val_loss_high": e.stats["val_loss_high"],
                        "why": why[e.name]} for e in entries}
-    _say(f"export: bundle at {ctx.run.path('bundle')} (rule {rule}, policy {ex['policy']})")
-    return {"rule": rule, "policy": ex["policy"], "adapters": chosen}
+    _say(f"export: bundle at {ctx.run.path('bundle')} (rule {rule}, policy {ex['policy']}), digest {digest} "
+         f"(serve it pinned with LORAZOR_BUNDLE_DIGEST={digest})")
+    return {"rule": rule, "policy": ex["policy"], "adapters": chosen, "bundle_digest": digest}
 
 
 def _bundle_steptrim(ctx: Context, engine) -> tuple[Bundle, StepTrim]:
@@ -402,7 +407,8 @@ def _run_stages(ctx: Context, wanted: list[str]) -> dict[str, dict]:
 
 
 def format_final(summaries: dict[str, dict]) -> str:
-    """The end-of-run table per adapter: policy, τ or k, validation skip and loss, test realized."""
+    """The end-of-run table per adapter: policy, τ or k, validation skip and loss, test realized; the
+    bundle's digest."""
     if "export" not in summaries:
         return ""
     test = {r["adapter"]: r for r in summaries.get("test", {}).get("rows", [])}
@@ -418,4 +424,6 @@ def format_final(summaries: dict[str, dict]) -> str:
         lines.append(f"{a:<16}{c['policy']:<10}{param:>10}{100 * c['val_skip']:>9.1f}%{c['val_loss_points']:>10.1f}"
                      f"{c['val_loss_high']:>8.1f}{ts:>11}{tl:>11}")
     lines += [f"- {c['why']}" for c in ex["adapters"].values()]
+    if "bundle_digest" in ex:  # exports cached before the digest was printed lack it
+        lines.append(f"bundle digest (LORAZOR_BUNDLE_DIGEST): {ex['bundle_digest']}")
     return "\n".join(lines)

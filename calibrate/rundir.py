@@ -16,7 +16,7 @@ Layout (all paths relative to the run directory)::
     plots/*.png             frontier, k curves, positive rate per t, release histogram
     test/*.csv              realized test skip/accuracy of the exported policy
     agreement/agreement.csv with agreement=true: predicted vs realized on vLLM (plots/agreement.png)
-    .lock                   the writer's lock and PID (calibrate/rundir_access.py)
+    .lock                   the PID of the run holding the directory's lock (calibrate/rundir_access.py)
     .scratch/<stage>/       a running stage's outputs, laid out like the run directory
     .publishing/<stage>/    a finished stage's outputs while they are moved into place
     .trash/<stage>/         the outputs they replace, deleted once the move is complete
@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +54,7 @@ from typing import Any
 
 from calibrate.rundir_access import acquire, release
 from serve_bridge.bundle import file_sha256
+from serve_bridge.safe_write import remove, write_atomic
 
 SHARED_DIRS = ("labels", "plots")
 SCRATCH, PUBLISHING, TRASH = ".scratch", ".publishing", ".trash"
@@ -68,14 +68,6 @@ def fingerprint(*parts: Any) -> str:
     """A stable short hash of JSON-serializable parts."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -103,13 +95,6 @@ def entries_of(outputs: dict[str, str]) -> list[str]:
     return sorted(out)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 class RunDir:
     """A calibration run directory with verified, atomically published stage outputs."""
 
@@ -126,7 +111,7 @@ class RunDir:
         try:
             yield
         finally:
-            release(fd)
+            release(self.root, fd)
 
     def path(self, *parts: str) -> Path:
         """A published path (read upstream outputs here); its parent directory exists."""
@@ -195,13 +180,13 @@ class RunDir:
     def begin(self, stage: str) -> Path:
         """Start ``stage``: a fresh, empty scratch directory that :meth:`out` writes into."""
         self.scratch = self.root / SCRATCH / stage
-        _remove(self.scratch)
+        remove(self.scratch)
         self.scratch.mkdir(parents=True)
         return self.scratch
 
     def discard(self, stage: str) -> None:
         """Drop the scratch output of a stage that failed or was interrupted."""
-        _remove(self.root / SCRATCH / stage)
+        remove(self.root / SCRATCH / stage)
         self.scratch = None
         self._tidy()
 
@@ -242,15 +227,15 @@ class RunDir:
                 if entry in replaced or src.exists():
                     if dst.exists() or dst.is_symlink():
                         (trash / entry).parent.mkdir(parents=True, exist_ok=True)
-                        _remove(trash / entry)
+                        remove(trash / entry)
                         os.rename(dst, trash / entry)
                 if src.exists():
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     os.rename(src, dst)
             self._marker(stage).parent.mkdir(exist_ok=True)
             os.replace(marker, self._marker(stage))
-        _remove(pending)
-        _remove(trash)
+        remove(pending)
+        remove(trash)
         self._tidy()
 
     def _tidy(self) -> None:
@@ -269,7 +254,7 @@ class RunDir:
             for pending in sorted(pending_root.iterdir()):
                 self._publish(pending.name)
                 done.append(pending.name)
-        _remove(self.root / SCRATCH)
-        _remove(self.root / TRASH)
+        remove(self.root / SCRATCH)
+        remove(self.root / TRASH)
         self._tidy()
         return done

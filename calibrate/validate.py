@@ -5,11 +5,16 @@
 - the task's local data files (JSON lines or a JSON array): each line valid UTF-8 and strict,
   bounded JSON (no duplicate keys, lone surrogates, NaN, integers beyond int64, nesting past
   32 levels, lines past 16 MiB), an object with the task's fields of the right type, each
-  field of one type across rows;
+  field of one type across rows, and what the task itself asks of a row (a GSM8K answer's
+  reference is not a special number such as NaN or Infinity); each part of a mix task so;
 - Spider's databases: every database the splits name exists and reads as SQLite (opened
   read-only and immutable, so nothing is ever written next to it);
-- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), and that the
-  backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`);
+- every adapter against the backbone (:func:`labeling.adapters.validate_adapter`), that the
+  backbone's configured source exists (:func:`labeling.backbone.resolve_backbone_dir`), and that
+  the task's ``max_new_tokens`` lies below the backbone's context (every generation is bounded);
+- that the run directory and the run's inputs (data files, databases, adapters, the backbone's
+  local source) are disjoint, compared by identity (:func:`serve_bridge.safe_write.inside`): the
+  run never writes over, deletes or adds to an input;
 - the engines the run will use, against this machine (:mod:`calibrate.engine_check`).
 
 The config's own values are checked earlier: Hydra checks keys and types while composing, and
@@ -21,17 +26,20 @@ anywhere.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from calibrate.context import Context
 from calibrate.engine_check import check_engine
+from calibrate.rundir_access import RunDirError
 from labeling.backbone import backbone_source
 from labeling.tasks import TaskError
+from labeling.tasks.mix import MixTask
 from labeling.tasks.sources import load_official, local_source, official_file
 from labeling.tasks.spider import SCHEMA_SQL, SpiderTask, database_path
+from serve_bridge.safe_write import inside
 from serve_bridge.strict_json import StrictJSONError, loads_strict
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -45,7 +53,9 @@ def validate(ctx: Context) -> None:
     if ctx.cfg.agreement or "agreement" in ctx.cfg.stages:
         check_engine("agreement=true", ctx.agreement_options, ctx.facts)
     validate_task_data(ctx.task)
+    check_disjoint(ctx.run.root, run_inputs(ctx))
     ctx.check_adapters()
+    ctx.check_response_limit()
     print(f"backbone {ctx.backbone_spec.name}: {backbone_source(ctx.backbone_spec)}", flush=True)
 
 
@@ -91,9 +101,11 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise TaskError(f"{path}:{lineno}: not valid JSON ({err}{at}).") from err
 
 
-def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) -> list[dict[str, Any]]:
-    """The rows of a local split file, each checked (see the module docstring); TaskError naming
-    ``file:line`` on the first bad one."""
+def check_rows_file(what: str, path: Path, fields: dict[str, tuple[type, ...]],
+                    row_problem: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """The rows of a local data file that ``what`` (e.g. "task 'gsm8k'") reads, each checked (see
+    the module docstring; ``row_problem`` says what else is wrong with a row, or None); TaskError
+    naming ``file:line`` on the first bad one."""
     rows, first_type = [], {}
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -101,10 +113,13 @@ def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) 
             raise TaskError(f"{where}: a JSON {_json_type(row)}, expected an object with fields {sorted(fields)}.")
         for key, types in fields.items():
             if row.get(key) is None:
-                raise TaskError(f"{where}: missing field {key!r}; task '{task}' needs {sorted(fields)}.")
+                raise TaskError(f"{where}: missing field {key!r}; {what} needs {sorted(fields)}.")
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and bool not in types):
                 raise TaskError(f"{where}: field {key!r} is a JSON {_json_type(row[key])}, expected "
                                 f"{' or '.join(_json_type(t()) for t in types)}.")
+        problem = row_problem(row) if row_problem is not None else None
+        if problem:
+            raise TaskError(f"{where}: {problem}.")
         for key, value in row.items():
             kind = _json_type(value)
             if kind == "null":
@@ -117,15 +132,56 @@ def check_rows_file(task: str, path: Path, fields: dict[str, tuple[type, ...]]) 
     return rows
 
 
-def validate_task_data(task: Any) -> None:
-    """Check a task's local split files and, for Spider, every database its splits name."""
+def _split_files(task: Any) -> list[Path]:
+    """The local official split files a task reads (none for a generated task or a hub id)."""
     root = local_source(task.source) if hasattr(task, "source") else None  # arith generates its rows
-    rows: list[dict[str, Any]] = []
-    if root is not None:
-        for official in ("train", getattr(task, "test_split", "test")):
-            rows += check_rows_file(task.name, Path(official_file(task.name, root, official)), task.required_fields)
+    if root is None:
+        return []
+    return [Path(official_file(task.name, root, official)) for official in ("train", getattr(task, "test_split", "test"))]
+
+
+def task_inputs(task: Any) -> list[Path]:
+    """The local files and directories a task reads: its split files and Spider's database folder,
+    each part's for a mix task."""
+    if isinstance(task, MixTask):
+        return [p for part in task.parts.values() for p in task_inputs(part)]
+    db_dir = task.db_dir if isinstance(task, SpiderTask) else None
+    return _split_files(task) + ([Path(db_dir)] if db_dir else [])
+
+
+def run_inputs(ctx: Context) -> list[Path]:
+    """Every local input of the run: the task's (:func:`task_inputs`), the adapters, and the
+    backbone's GGUF folder or local model directory."""
+    b = ctx.backbone_spec
+    backbone = [Path(b.gguf_dir)] if b.gguf_dir else [Path(b.hf_id)] if b.hf_id and local_source(b.hf_id) else []
+    return task_inputs(ctx.task) + [Path(a.path) for a in ctx.adapters] + backbone
+
+
+def check_disjoint(root: Path, inputs: list[Path]) -> None:
+    """RunDirError unless the run directory ``root`` and every input lie apart (by identity): an
+    input inside the run directory would be replaced by the run's outputs, and a run directory
+    inside an input would add the run's files to it."""
+    for source in inputs:
+        if inside(source, root):
+            raise RunDirError(f"{source} is an input of the run but lies inside its run directory {root}, whose "
+                              f"entries the run replaces; move the input out, or choose another hydra.run.dir.")
+        if inside(root, source):
+            raise RunDirError(f"run directory {root} lies inside {source}, an input of the run; choose a "
+                              f"hydra.run.dir outside the run's inputs.")
+
+
+def validate_task_data(task: Any) -> None:
+    """Check a task's local split files and, for Spider, every database its splits name; each
+    part's for a mix task."""
+    if isinstance(task, MixTask):
+        for part in task.parts.values():
+            validate_task_data(part)
+        return
+    files, rows = _split_files(task), []
+    for path in files:
+        rows += check_rows_file(f"task '{task.name}'", path, task.required_fields, task.row_problem)
     if isinstance(task, SpiderTask):
-        if root is None:
+        if not files:
             rows = [r for official in ("train", task.test_split)
                     for r in load_official(task.name, task.source, official, hub_config=task.hub_config)]
         for db_id in sorted({str(r.get("db_id")) for r in rows}):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from labeling.options import CheckedOptions, OptionError
+from labeling.options import CheckedOptions
+from serve_bridge.values import OptionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

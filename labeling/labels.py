@@ -28,10 +28,10 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from calibrate.rundir import write_atomic
 from labeling.tasks import Example, Task
 from labeling.tasks.mix import PART_KEY
 from serve_bridge.bundle import file_sha256
+from serve_bridge.safe_write import write_atomic
 
 if TYPE_CHECKING:  # the engine pulls in transformers/peft; summaries and readers need neither
     from labeling.engines.hf import GenRequest, GenResult, HFEngine

@@ -1,76 +1,17 @@
 """Value checks of option dataclasses, run in their ``__post_init__`` (as peft's configs do).
 
 An options dataclass inherits :class:`CheckedOptions` and declares ``rules``: field → the name of
-a rule in :data:`RULES`, or a tuple of the allowed values. Construction checks every rule of the
-class and of its bases, whether the options come from Python or from Hydra
+a rule in :data:`serve_bridge.values.RULES`, or a tuple of the allowed values. Construction checks
+every rule of the class and of its bases, whether the options come from Python or from Hydra
 (``OmegaConf.to_object`` runs ``__post_init__``); the first broken one raises an
-:class:`OptionError`. Hydra checks the types while composing; these are the ranges.
+:class:`~serve_bridge.values.OptionError`. Hydra checks the types while composing; these are the
+ranges. The rules are those every other command checks its arguments with.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
-
-class OptionError(ValueError):
-    """An option's value is out of range: ``key=value: what to use.`` (``key``: the field)."""
-
-    def __init__(self, key: str, value: Any, wanted: str) -> None:
-        super().__init__(f"{key}={value!r}: {wanted}.")
-        self.key = key
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def _is_text(v: Any) -> bool:
-    return isinstance(v, str) and v.strip() != ""
-
-
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "integer": (_is_int, "use an integer"),
-    "positive_int": (lambda v: _is_int(v) and v >= 1, "use a positive integer"),
-    "non_negative_int": (lambda v: _is_int(v) and v >= 0, "use a non-negative integer"),
-    "optional_positive_int": (lambda v: v is None or (_is_int(v) and v >= 1), "use a positive integer or null"),
-    "auto_or_positive_int": (lambda v: v == "auto" or (str(v).isdigit() and int(v) >= 1),
-                             "use a positive integer or auto"),
-    "split_size": (lambda v: v is None or (_is_int(v) and v >= 1),
-                   "use a positive integer (the split's first rows; 0 leaves it empty) or null (all rows)"),
-    "positive_number": (lambda v: _is_number(v) and v > 0, "use a positive number"),
-    "non_negative_number": (lambda v: _is_number(v) and v >= 0, "use a non-negative number"),
-    "fraction": (lambda v: _is_number(v) and 0 < v <= 1, "use a number in (0, 1]"),
-    "probability": (lambda v: _is_number(v) and 0 < v < 1, "use a number in (0, 1)"),
-    "text": (_is_text, "use a non-empty string"),
-    "optional_text": (lambda v: v is None or _is_text(v), "use a non-empty string or null"),
-    "texts": (lambda v: isinstance(v, (list, tuple)) and all(_is_text(s) for s in v), "use a list of non-empty strings"),
-    "fractions": (lambda v: isinstance(v, (list, tuple)) and all(_is_number(x) and 0 < x <= 1 for x in v),
-                  "use a list of numbers in (0, 1]"),
-    "points": (lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x) and x >= 0 for x in v),
-               "use a non-empty list of non-negative integers"),
-}
-
-
-def check_value(key: str, value: Any, rule: str | tuple[Any, ...]) -> None:
-    """Raise an OptionError unless ``value`` keeps ``rule`` (a name in RULES, or the allowed values)."""
-    if isinstance(rule, tuple):
-        if value not in rule:
-            raise OptionError(key, value, f"use one of {list(rule)}")
-        return
-    ok, wanted = RULES[rule]
-    if not ok(value):
-        raise OptionError(key, value, wanted)
-
-
-def check(options: Any, rules: dict[str, str | tuple[Any, ...]]) -> None:
-    """Raise an OptionError for the first field of ``options`` that breaks its rule."""
-    for key, rule in rules.items():
-        check_value(key, getattr(options, key), rule)
+from serve_bridge.values import check
 
 
 class CheckedOptions:

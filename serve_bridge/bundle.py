@@ -28,6 +28,10 @@ float32, a hidden size outside 1…:data:`MAX_HIDDEN_SIZE`). An adapter the serv
 the bundle lacks is not an error: it runs full LoRA (docs/design.md §2) and a :class:`BundleWarning`
 says so.
 
+Nothing in the manifest is covered by its own hashes, so a bundle is pinned as a whole:
+:func:`bundle_digest` is a sha256 over every file of the bundle, the manifest included, computed
+by :func:`load_bundle` from the very bytes it parsed (:attr:`Bundle.digest`).
+
 This module imports no vLLM and nothing from the calibration packages.
 """
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load, save_file
 
+from serve_bridge.command_line import one_line
 from serve_bridge.steptrim import K_LIMIT, MAX_LAG, LearnedPolicy, Policy, ProfiledPolicy
 from serve_bridge.strict_json import MAX_JSON_DEPTH, StrictJSONError, loads_strict, short_repr  # noqa: F401 (MAX_JSON_DEPTH: part of this API)
 
@@ -69,7 +74,11 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BundleError(ValueError):
-    """A bundle that cannot be written or loaded; the message names the file, field and fix."""
+    """A bundle that cannot be written or loaded; the message (one line: a line break in a path is
+    escaped) names the file, field and fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class BundleWarning(UserWarning):
@@ -127,6 +136,7 @@ class Bundle:
     config_fingerprint: str
     adapters: dict[str, AdapterEntry]
     policies: dict[str, Policy]
+    digest: str = ""  # :func:`bundle_digest`, of the bytes this load read
 
 
 def file_sha256(path: str | Path) -> str:
@@ -136,6 +146,21 @@ def file_sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _digest(files: Mapping[str, bytes]) -> str:
+    """sha256 over each file's name and sha256, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{hashlib.sha256(files[name]).hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def bundle_digest(directory: str | Path) -> str:
+    """The digest that pins a bundle: sha256 over the name and sha256 of every file of the bundle,
+    ``manifest.json`` included, of a bundle that loads (:func:`load_bundle`). The export stage
+    prints it; a server given it (``LORAZOR_BUNDLE_DIGEST``) serves no other bundle."""
+    return load_bundle(directory).digest
 
 
 def adapter_fingerprint(path: str | Path) -> str:
@@ -414,7 +439,8 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     if not root.is_dir() or not os.path.lexists(mpath):
         raise BundleError(f"{mpath} not found: {root} is not a policy bundle. Point the server at the "
                           f"directory written by the calibration export stage.")
-    manifest = _strict_json(_read_regular(mpath, MAX_MANIFEST_BYTES), str(mpath))
+    raw = _read_regular(mpath, MAX_MANIFEST_BYTES)
+    manifest = _strict_json(raw, str(mpath))
     if not isinstance(manifest, dict):
         raise BundleError(f"{mpath}: expected a JSON object; re-export the bundle.")
     where = str(mpath)
@@ -466,4 +492,4 @@ def load_bundle(directory: str | Path, expected_hidden_size: int | None = None,
     return Bundle(path=root, schema_version=version, toolkit_version=_field(manifest, "toolkit_version", str, where),
                   backbone=backbone, hidden_size=hidden_size,
                   config_fingerprint=_field(manifest, "config_fingerprint", str, where),
-                  adapters=adapters, policies=policies)
+                  adapters=adapters, policies=policies, digest=_digest({MANIFEST: raw, **data}))

@@ -2,7 +2,7 @@
 
     python -m serve_bridge.capacity --bundle DIR --adapters 512 --skew 0.8 --max-num-seqs 256 \\
         [--requests 2048 | --rate R --step-ms MS] [--prompt-len 100 300] [--output-len 20 100] \\
-        [--max-loras 16 32 64] [--plot slots.png] [--json slots.json]
+        [--max-loras 16 32 64] [--plot slots.png] [--json slots.json] [--replace]
 
 The model is a discrete-time simulation of vLLM 0.26's admission rules (the scheduler's, see
 :mod:`serve_bridge.vllm.scheduler`), one step per engine step. vLLM 0.33 also counts the adapters
@@ -32,13 +32,24 @@ adapter without policy (or a learned one exported without the distribution) neve
 Traffic adapter i uses bundle adapter i mod B (sorted names), and a request's r is drawn from its
 adapter's distribution independently of its output length. The needed max_loras is the smallest
 candidate whose throughput (requests per step) is within ``--tolerance`` of unlimited slots.
+
+The command keeps the contract of every LoRazor command (:mod:`serve_bridge.command_line`): a
+bad argument, a bundle it cannot read or whose recorded release points are malformed, or an
+output it may not write is one line on stderr and exit code 2, before any simulation. The work
+is bounded before it starts: engine limits are positive (so every step with requests serves a
+token), at most :data:`MAX_REQUESTS` requests of at most :data:`MAX_LENGTH` prompt and output
+tokens each and :data:`MAX_FORWARDS` token forwards in all, arriving within :data:`MAX_STEPS`
+steps. ``--plot`` and ``--json`` are new files (``--replace`` replaces existing ones) outside the
+bundle, written under a temporary name and renamed (:mod:`serve_bridge.safe_write`).
 """
 from __future__ import annotations
 
-import argparse
 import heapq
+import io
 import json
+import os
 import sys
+from argparse import Namespace
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -46,8 +57,17 @@ from pathlib import Path
 
 import numpy as np
 
+from serve_bridge.command_line import Parser, check_args, option_name, report
+from serve_bridge.safe_write import check_output, write_atomic
+from serve_bridge.values import OptionError, check_at_most, check_value
+
 NEVER = -1  # release point of a request that is never released
 HOT_ADAPTERS = 0.2  # skewed traffic: a share ``skew`` of requests on 20% of the adapters
+MAX_ADAPTERS = 1 << 20
+MAX_REQUESTS = 1 << 20
+MAX_LENGTH = 1 << 24  # prompt or output tokens of one request (release points are exact below 2**24)
+MAX_FORWARDS = 1 << 30  # requests × (longest prompt + longest output): the token forwards one simulation may serve
+MAX_STEPS = 1 << 30  # engine steps until the last request arrives (open loop)
 
 
 @dataclass(frozen=True)
@@ -103,9 +123,32 @@ class Result:
     slot_loads: int
 
 
+def _counts(value: object, limit: int) -> bool:
+    """Whether ``value`` is a list of integers in 0…limit−1."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < limit
+                                           for v in value)
+
+
+def release_histogram(hist: object, where: str) -> ReleaseDistribution:
+    """``stats['release_points']`` (``{"r": [...], "count": [...], "never": n}``, written by
+    ``predictors.export``) as a distribution; BundleError naming ``where`` unless ``r`` are release
+    points below :data:`MAX_LENGTH`, ``count`` as many non-negative counts and ``never`` a
+    non-negative count, with at least one request counted."""
+    from serve_bridge.bundle import BundleError
+
+    ok = (isinstance(hist, dict) and _counts(hist.get("r"), MAX_LENGTH) and _counts(hist.get("count"), 1 << 53)
+          and _counts([hist.get("never")], 1 << 53) and len(hist["r"]) == len(hist["count"]))
+    total = sum(hist["count"]) + hist["never"] if ok else 0
+    if not total:
+        raise BundleError(f"{where}: stats['release_points'] is not {{'r': [release points], 'count': [as many "
+                          f"counts ≥ 0], 'never': count ≥ 0}} with a request in it; re-export the bundle.")
+    return ReleaseDistribution(tuple(hist["r"]), tuple(c / total for c in hist["count"]), hist["never"] / total)
+
+
 def distributions_from_bundle(directory: str | Path) -> tuple[list[str], list[ReleaseDistribution], list[str]]:
-    """Adapter names (sorted), their release distributions, and notes on approximations."""
-    from serve_bridge.bundle import load_bundle  # torch and safetensors, only for the bundle
+    """Adapter names (sorted), their release distributions, and notes on approximations; a
+    BundleError for a bundle that does not load or whose release points are malformed."""
+    from serve_bridge.bundle import MANIFEST, load_bundle  # torch and safetensors, only for the bundle
 
     bundle = load_bundle(directory)
     names, dists, notes = sorted(bundle.adapters), [], []
@@ -114,10 +157,8 @@ def distributions_from_bundle(directory: str | Path) -> tuple[list[str], list[Re
         hist = e.stats.get("release_points")
         if e.policy == "none":
             dists.append(ReleaseDistribution.no_release())
-        elif hist:
-            total = sum(hist["count"]) + hist["never"]
-            dists.append(ReleaseDistribution(tuple(hist["r"]), tuple(c / total for c in hist["count"]),
-                                             hist["never"] / total))
+        elif hist is not None:
+            dists.append(release_histogram(hist, f"{bundle.path / MANIFEST} adapter '{name}'"))
         elif e.policy == "profiled":
             dists.append(ReleaseDistribution.point(e.k))
         else:
@@ -160,8 +201,12 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
     vLLM scans the waiting queue in order, skipping requests whose adapter has no slot. Slots only
     fill up during a scan, so the scan admits every request in order until all ``max_loras``
     slots are held, then only requests of held adapters, in order; that is what this does, with
-    one queue per adapter and a heap of the held adapters' oldest requests.
+    one queue per adapter and a heap of the held adapters' oldest requests. Every limit must be
+    positive (ValueError otherwise): then each step with a request present serves a token.
     """
+    if min(max_loras, max_num_seqs, token_budget) < 1:
+        raise ValueError(f"max_loras {max_loras}, max_num_seqs {max_num_seqs} and token_budget {token_budget} must "
+                         f"be ≥ 1: with one of them 0 no request is ever served")
     n = reqs.adapter.size
     adapter, prompt, output = reqs.adapter.tolist(), reqs.prompt.tolist(), reqs.output.tolist()
     end = [p + (r if r != NEVER and release else 1 << 60) for p, r in zip(prompt, reqs.release.tolist())]
@@ -267,8 +312,9 @@ def needed_max_loras(results: Sequence[Result], unlimited: dict[bool, Result],
     return out
 
 
-def plot(results: Sequence[Result], path: str | Path, title: str) -> Path:
-    """Admitted concurrency, slot occupancy and slot loads vs max_loras, with and without release (PNG)."""
+def plot(results: Sequence[Result], path: Path, title: str) -> Path:
+    """Admitted concurrency, slot occupancy and slot loads vs max_loras, with and without release,
+    written to ``path`` as a PNG (:func:`serve_bridge.safe_write.write_atomic`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -288,14 +334,19 @@ def plot(results: Sequence[Result], path: str | Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize=9)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, format="png")
-    return out
+    png = io.BytesIO()
+    fig.savefig(png, dpi=120, format="png")
+    write_atomic(path, png.getvalue())
+    return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve_bridge.capacity", description=__doc__.split("\n")[0])
+ARG_RULES = {"adapters": "positive_int", "skew": "probability", "requests": "positive_int", "rate": "positive_number",
+             "step_ms": "positive_number", "max_num_seqs": "positive_int", "max_num_batched_tokens": "positive_int",
+             "tolerance": "share", "seed": "seed"}
+
+
+def parser() -> Parser:
+    ap = Parser(prog="python -m serve_bridge.capacity", description=__doc__.split("\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="policy bundle directory")
     ap.add_argument("--adapters", type=int, required=True, help="adapters the traffic spreads over")
     ap.add_argument("--skew", type=float, default=None, help="share of requests on 20%% of the adapters (e.g. 0.8)")
@@ -313,29 +364,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=Path, default=None, help="PNG of concurrency, occupancy and slot loads vs max_loras")
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON")
-    args = ap.parse_args(argv)
-    problems = [msg for bad, msg in (
-        (args.adapters < 1, "--adapters must be ≥ 1"),
-        (args.skew is not None and not 0 < args.skew < 1, "--skew must lie strictly between 0 and 1"),
-        (args.rate is not None and not (args.rate > 0 and args.step_ms and args.step_ms > 0),
-         "--rate needs a positive rate and --step-ms (the engine's step time) > 0"),
-        (min(*args.prompt_len, *args.output_len) < 1 or args.prompt_len[0] > args.prompt_len[1]
-         or args.output_len[0] > args.output_len[1], "--prompt-len and --output-len take MIN ≤ MAX, both ≥ 1"),
-        (args.max_loras is not None and min(args.max_loras) < 1, "--max-loras values must be ≥ 1"),
-        (not args.bundle.is_dir(), f"--bundle {args.bundle}: not a directory")) if bad]
-    if problems:
-        print(f"serve_bridge.capacity: {problems[0]}", file=sys.stderr)
-        return 2
+    ap.add_argument("--replace", action="store_true", help="replace existing --plot and --json files")
+    return ap
+
+
+def check_arguments(args: Namespace) -> None:
+    """OptionError naming the first argument out of range (module doc), before any work."""
+    check_args(args, ARG_RULES)
+    for dest in ("prompt_len", "output_len", "max_loras"):
+        for value in getattr(args, dest) or ():
+            check_value(option_name(dest), value, "positive_int")
+    for dest in ("prompt_len", "output_len"):
+        low, high = getattr(args, dest)
+        if low > high:
+            raise OptionError(option_name(dest), [low, high], "give MIN ≤ MAX")
+        check_at_most(option_name(dest), high, MAX_LENGTH, "tokens of one request")
+    check_at_most("--adapters", args.adapters, MAX_ADAPTERS, "adapters one simulation spreads traffic over")
+    check_at_most("--requests", args.requests, MAX_REQUESTS, "requests one simulation serves")
+    forwards = args.requests * (args.prompt_len[1] + args.output_len[1])
+    if forwards > MAX_FORWARDS:
+        raise OptionError("--requests", args.requests, f"with prompts and outputs up to {args.prompt_len[1]} and "
+                          f"{args.output_len[1]} tokens a simulation may serve {forwards} token forwards, more than "
+                          f"{MAX_FORWARDS}; simulate fewer or shorter requests")
+    if args.skew is not None and args.adapters < 2:
+        raise OptionError("--skew", args.skew, "needs --adapters ≥ 2 (a hot and a cold share)")
+    if args.rate is not None:
+        if args.step_ms is None:
+            raise OptionError("--rate", args.rate, "needs --step-ms, the engine's step time")
+        last = args.requests / args.rate * 1e3 / args.step_ms
+        if last > MAX_STEPS:
+            raise OptionError("--rate", args.rate, f"the last of {args.requests} requests would arrive after about "
+                              f"{last:.3g} steps of {args.step_ms:g} ms, more than {MAX_STEPS}; raise --rate or "
+                              f"--step-ms")
+    if not args.bundle.is_dir():
+        raise OptionError("--bundle", str(args.bundle), "not a directory")
+
+
+def check_outputs(args: Namespace) -> None:
+    """OptionError unless ``--plot`` and ``--json`` may be written (module doc); after the bundle
+    loaded, so its directory holds its files and nothing else."""
+    if args.plot and args.json and os.path.abspath(args.plot) == os.path.abspath(args.json):
+        raise OptionError("--json", str(args.json), "is also --plot; give each output its own path")
+    inputs = [args.bundle, *args.bundle.iterdir()]  # its files too: a hard link to one is that file
+    for key, path in (("--plot", args.plot), ("--json", args.json)):
+        if path is not None:
+            check_output(key, path, inputs, directory=False, replace=args.replace)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from serve_bridge.bundle import BundleError
 
     try:
+        check_arguments(args)
         names, dists, notes = distributions_from_bundle(args.bundle)
-    except BundleError as err:
-        print(f"serve_bridge.capacity: {err}", file=sys.stderr)
-        return 2
+        check_outputs(args)
+    except (OptionError, BundleError) as err:
+        return report(str(err))
     if not names:
-        print(f"serve_bridge.capacity: bundle {args.bundle} has no adapters", file=sys.stderr)
-        return 2
+        return report(f"bundle {args.bundle} has no adapters")
     reqs = draw_requests(args.requests, dists, args.adapters, skew=args.skew, prompt_len=tuple(args.prompt_len),
                          output_len=tuple(args.output_len), rate=args.rate, step_ms=args.step_ms, seed=args.seed)
     powers = [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]
@@ -367,9 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         print(f"plot: {plot(results, args.plot, traffic)}")
     if args.json:
-        args.json.write_text(json.dumps({"traffic": traffic, "notes": notes, "needed": {"without_release": need[False],
-                                         "with_release": need[True]}, "results": [asdict(r) for r in results]},
-                                        indent=1))
+        write_atomic(args.json, json.dumps({"traffic": traffic, "notes": notes, "needed": {
+            "without_release": need[False], "with_release": need[True]}, "results": [asdict(r) for r in results]},
+            indent=1))
     return 0
 
 

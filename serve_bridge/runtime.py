@@ -611,16 +611,21 @@ class CalibratedAdapters:
 
 
 def load_served_bundle(bundle_dir: str | os.PathLike[str], hidden_size: int, adapters: Mapping[str, str] | None = None,
-                       hash_weights: bool = True) -> tuple[Bundle, dict[str, str]]:
-    """The bundle in ``bundle_dir`` checked for a model of ``hidden_size`` and, with ``adapters``
-    (served name → local directory), against the served adapters (a bundle adapter not served, or
-    served with other weights, is one BundleError); returns it and the served adapters it verified.
-    Without ``hash_weights`` the served adapters are taken as verified unread: for a caller in
-    an engine whose workers run this check in full at start-up (the scheduler)."""
+                       hash_weights: bool = True, digest: str | None = None) -> tuple[Bundle, dict[str, str]]:
+    """The bundle in ``bundle_dir`` checked for a model of ``hidden_size``, against ``digest`` (the
+    pinned :func:`serve_bridge.bundle.bundle_digest`, if given: any other bundle is one
+    BundleError) and, with ``adapters`` (served name → local directory), against the served
+    adapters (a bundle adapter not served, or served with other weights, is one BundleError);
+    returns it and the served adapters it verified. Without ``hash_weights`` the served adapters
+    are taken as verified unread: for a caller in an engine whose workers run this check in full
+    at start-up (the scheduler)."""
     adapters = dict(adapters or {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BundleWarning)
         bundle = load_bundle(bundle_dir, expected_hidden_size=hidden_size, known_adapters=list(adapters) or None)
+    if digest is not None and bundle.digest != digest:
+        raise BundleError(f"bundle {bundle.path} has digest {bundle.digest}, not the pinned {digest} "
+                          f"(LORAZOR_BUNDLE_DIGEST): serve the bundle that digest names, or pin this one.")
     for w in caught:
         logger.warning(str(w.message))
     verified = {}
@@ -637,10 +642,12 @@ def load_served_bundle(bundle_dir: str | os.PathLike[str], hidden_size: int, ada
 
 
 def build_runtime(bundle_dir: str | os.PathLike[str], hidden_size: int, device: torch.device | str,
-                  adapters: Mapping[str, str] | None = None, log_interval_s: float = 60.0) -> ReleaseRuntime:
-    """The serving runtime of the bundle in ``bundle_dir`` (:func:`load_served_bundle`'s checks; one
-    BundleError on the first problem). A served adapter the bundle lacks runs full LoRA, with a warning."""
-    bundle, verified = load_served_bundle(bundle_dir, hidden_size, adapters)
+                  adapters: Mapping[str, str] | None = None, log_interval_s: float = 60.0,
+                  digest: str | None = None) -> ReleaseRuntime:
+    """The serving runtime of the bundle in ``bundle_dir`` (:func:`load_served_bundle`'s checks, with
+    the pinned ``digest``; one BundleError on the first problem). A served adapter the bundle lacks
+    runs full LoRA, with a warning."""
+    bundle, verified = load_served_bundle(bundle_dir, hidden_size, adapters, digest=digest)
     names = sorted(bundle.adapters)
     steptrim = StepTrim([bundle.policies[n] for n in names], bundle.hidden_size, device)
     return ReleaseRuntime(bundle, steptrim, names, verified, log_interval_s)

@@ -8,7 +8,8 @@ Two extractors, as lm-eval's ``gsm8k`` task defines them (facts, not code, taken
 
 ``mode="strict_then_flexible"`` (the default) uses strict when the response has a
 ``#### N`` line and falls back to flexible otherwise. Values are compared as numbers after
-removing ``,`` and ``$`` and a trailing ``.``, so ``1,000`` == ``1000`` == ``1000.0``.
+removing ``,`` and ``$`` and a trailing ``.``, so ``1,000`` == ``1000`` == ``1000.0``; NaN and the
+infinities are no numbers (a reference that reads as one matches nothing).
 
 :func:`numeric_decided` says when no continuation of a response prefix can change its score:
 once the first ``#### N`` match is followed by a character that ends ``N`` (strict, and
@@ -29,12 +30,25 @@ Mode = Literal["strict", "flexible", "strict_then_flexible"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 
-def _to_number(text: str) -> Decimal | None:
+def _decimal(text: str) -> Decimal | None:
     cleaned = text.replace(",", "").replace("$", "").strip().rstrip(".")
     try:
         return Decimal(cleaned)
     except InvalidOperation:
         return None
+
+
+def _to_number(text: str) -> Decimal | None:
+    """``text`` as a finite number, else None (NaN and the infinities, which Decimal reads, are
+    no numbers: no answer equals them, and a signaling NaN cannot even be compared)."""
+    value = _decimal(text)
+    return value if value is not None and value.is_finite() else None
+
+
+def is_special_number(text: str) -> bool:
+    """Whether ``text`` reads as a NaN or an infinity (``nan``, ``sNaN``, ``-Infinity``...)."""
+    value = _decimal(text)
+    return value is not None and not value.is_finite()
 
 
 def is_number(text: str) -> bool:

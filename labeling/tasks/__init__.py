@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from labeling.options import OptionError
 from labeling.tasks.arith import ArithTask
 from labeling.tasks.base import SPLITS, Example, SplitSizes, Task, TaskError
 from labeling.tasks.gsm8k import GSM8KTask
@@ -17,6 +16,7 @@ from labeling.tasks.medqa4 import MedQA4Task
 from labeling.tasks.mix import MixTask
 from labeling.tasks.scienceqa import ScienceQATask
 from labeling.tasks.spider import SpiderTask
+from serve_bridge.values import OptionError
 
 REGISTRY: dict[str, type] = {
     ArithTask.name: ArithTask,

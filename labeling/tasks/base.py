@@ -100,6 +100,11 @@ class BaseTask:
         """No answer-decided rule: every response is generated to its end."""
         return False
 
+    def row_problem(self, row: dict[str, Any]) -> str | None:
+        """What is wrong with a row of the task's local data beyond its ``required_fields`` (checked
+        before any work, calibrate/validate.py), or None."""
+        return None
+
 
 @dataclass
 class GeneratedTask(BaseTask):

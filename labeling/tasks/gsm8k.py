@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from labeling.evaluators.numeric import MODES, numeric_decided, numeric_match
+from labeling.evaluators.numeric import MODES, is_special_number, numeric_decided, numeric_match
 from labeling.tasks.base import BaseTask, Example, require_nonempty
 from labeling.tasks.sources import PaperSplitOptions, paper_split
 
@@ -20,6 +21,11 @@ CALC_RE = re.compile(r"<<[^>]*>>")
 def clean_solution(answer: str) -> str:
     """The GSM8K solution without its ``<<a*b=c>>`` calculator annotations."""
     return CALC_RE.sub("", answer)
+
+
+def reference_of(answer: str) -> str:
+    """The reference of a GSM8K answer: what follows its last ``####``."""
+    return answer.split("####")[-1].strip()
 
 
 @dataclass
@@ -44,7 +50,7 @@ class GSM8KTask(BaseTask, GSM8KOptions):
         rows = paper_split(self.name, self.source, split, self.val_size, self.seed, hub_config="main")
         examples = [
             Example(uid=f"gsm8k-{split}-{i}", question=r["question"],
-                    reference=r["answer"].split("####")[-1].strip(),
+                    reference=reference_of(r["answer"]),
                     meta={"solution": clean_solution(r["answer"])})
             for i, r in enumerate(rows)
         ]
@@ -58,3 +64,10 @@ class GSM8KTask(BaseTask, GSM8KOptions):
 
     def decided(self, ex: Example, prefix: str) -> bool:
         return numeric_decided(prefix, ex.reference, self.extractor)  # type: ignore[arg-type]
+
+    def row_problem(self, row: dict[str, Any]) -> str | None:
+        """A reference that reads as NaN or an infinity: no answer could ever match it."""
+        ref = reference_of(row["answer"])
+        if is_special_number(ref):
+            return f"field 'answer' gives the reference {ref!r}, which is not a finite number; end it with '#### <number>'"
+        return None

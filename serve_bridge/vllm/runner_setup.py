@@ -45,7 +45,8 @@ def start_runtime(vllm_config: Any, device: Any, async_capable: bool = False) ->
         logger.info("LoRazor calibration runtime active (hidden size %d); policies come over collective_rpc.",
                     hidden_size)
     else:
-        runtime = build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s)
+        runtime = build_runtime(settings.bundle, hidden_size, device, settings.adapters, settings.log_interval_s,
+                                settings.bundle_digest)
         async_scheduling = vllm_config.scheduler_config.async_scheduling
         if async_scheduling:
             warn_if_waiting(runtime, settings.bundle)

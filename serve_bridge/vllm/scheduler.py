@@ -135,7 +135,7 @@ def slot_tracker(vllm_config: Any, settings: BridgeSettings | None = None) -> Sl
     # The workers hash LORAZOR_ADAPTERS' weights at start-up and refuse a mismatch (before the
     # engine core builds its scheduler); no second read here.
     bundle, verified = load_served_bundle(settings.bundle, vllm_config.model_config.get_hidden_size(),
-                                          settings.adapters, hash_weights=False)
+                                          settings.adapters, hash_weights=False, digest=settings.bundle_digest)
     if settings.slots:
         logger.info("LoRazor slot hand-back active: released requests stop counting against max_loras=%d.",
                     vllm_config.lora_config.max_loras)

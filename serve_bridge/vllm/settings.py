@@ -7,6 +7,8 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 ``LORAZOR_LOG_INTERVAL_S`` sets the seconds between counter summaries (default 60, 0: never);
 ``LORAZOR_SLOTS`` switches slot hand-back (a released request stops counting against
 ``max_loras``; on by default with a bundle, refused in calibration mode).
+``LORAZOR_BUNDLE_DIGEST`` pins the served bundle: its :func:`serve_bridge.bundle.bundle_digest`, as the
+export stage prints it; the runtime then refuses any other bundle (an edited manifest included).
 ``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
 agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
 so this is tested on CPU without vLLM.
@@ -14,12 +16,16 @@ so this is tested on CPU without vLLM.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve_bridge.command_line import one_line
+
 BUNDLE_ENV = "LORAZOR_BUNDLE"
+DIGEST_ENV = "LORAZOR_BUNDLE_DIGEST"
 ADAPTERS_ENV = "LORAZOR_ADAPTERS"
 LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -33,7 +39,10 @@ RELEASES_ATTR = "lorazor_releases"  # ModelRunnerOutput attribute: {req_id: r} d
 
 
 class BridgeError(RuntimeError):
-    """The bridge cannot run with this vLLM or these engine settings; the message says the fix."""
+    """The bridge cannot run with this vLLM or these engine settings; the message (one line) says the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class BridgeSettings:
     calibration: calibration mode (``LORAZOR_CALIBRATION``): no bundle; the runtime's
         policies, scorer and capture set are set over ``collective_rpc``.
     slots: slot hand-back (``LORAZOR_SLOTS``; serving only).
+    bundle_digest: the digest the bundle must have (``LORAZOR_BUNDLE_DIGEST``), or None.
     """
 
     bundle: Path | None
@@ -53,6 +63,7 @@ class BridgeSettings:
     log_interval_s: float = 60.0
     calibration: bool = False
     slots: bool = False
+    bundle_digest: str | None = None
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> BridgeSettings | None:
@@ -64,6 +75,10 @@ class BridgeSettings:
         if calibration and bundle:
             raise BridgeError(f"{CALIBRATION_ENV} and {BUNDLE_ENV} are both set: calibration runs without a bundle "
                               f"(its policies come over collective_rpc); unset one of them.")
+        digest = digest_from_env(env)
+        if digest is not None and not bundle:
+            raise BridgeError(f"{DIGEST_ENV} is set but {BUNDLE_ENV} is not: name the bundle it pins in {BUNDLE_ENV}, "
+                              f"or unset {DIGEST_ENV}.")
         if not (bundle or calibration):
             return None
         slots = _serving_switch(SLOTS_ENV, "for slot hand-back", "slot hand-back serves a bundle's releases",
@@ -71,7 +86,7 @@ class BridgeSettings:
         return BridgeSettings(bundle=Path(bundle).expanduser() if bundle else None,
                               adapters=parse_adapters(env.get(ADAPTERS_ENV, "")),
                               log_interval_s=_parse_interval(env.get(LOG_INTERVAL_ENV, "")),
-                              calibration=calibration, slots=slots)
+                              calibration=calibration, slots=slots, bundle_digest=digest)
 
 
 def _switch(name: str, purpose: str, environ: Mapping[str, str] | None, default: bool = False) -> bool:
@@ -103,6 +118,19 @@ def _serving_switch(name: str, purpose: str, why_not_calibrating: str, environ: 
 def calibration_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``LORAZOR_CALIBRATION`` is on (see :func:`_switch`)."""
     return _switch(CALIBRATION_ENV, "for the calibration runtime (labeling.engines.vllm sets it)", environ)
+
+
+def digest_from_env(environ: Mapping[str, str]) -> str | None:
+    """``LORAZOR_BUNDLE_DIGEST`` as 64 lowercase hex digits, or None when unset or empty; anything
+    else is refused."""
+    raw = environ.get(DIGEST_ENV, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise BridgeError(f"{DIGEST_ENV}={raw!r}: give the bundle's 64-hex digest as the export printed it "
+                          f"(serve_bridge.bundle.bundle_digest), or unset it.")
+    return value
 
 
 def parse_adapters(text: str) -> dict[str, str]:

@@ -15,8 +15,8 @@ from calibrate.errors import ConfigError
 from labeling.backbone import BackboneSpec
 from labeling.engines.hf import HFOptions
 from labeling.engines.vllm.options import VLLMOptions
-from labeling.options import OptionError
 from labeling.tasks import SplitSizes, TaskError, build_task
+from serve_bridge.values import OptionError
 from tests.calibrate.test_pipeline import TINY, cli, compose_cfg
 
 

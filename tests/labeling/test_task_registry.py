@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from labeling.options import OptionError
 from labeling.tasks import REGISTRY, SplitSizes, Task, TaskError, build_task
 from labeling.tasks.gsm8k import GSM8KTask
+from serve_bridge.values import OptionError
 
 
 def test_registry_holds_all_paper_tasks() -> None:

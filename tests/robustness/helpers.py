@@ -1,9 +1,13 @@
-"""Builders and checks shared by the robustness battery: small adapters, Spider data, tree digests."""
+"""Builders and checks shared by the robustness battery: small adapters, Spider data, tree digests,
+the one-line contract of a command and a time limit for work that must be bounded."""
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +71,42 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def exit_code(call: Callable[[], int | None]) -> int:
+    """What a command's ``main`` ends with: its return value, or the code it exits with."""
+    try:
+        return call() or 0
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 1
+
+
+def assert_one_error_line(err: str, fragment: str) -> None:
+    """``err`` (a command's stderr) is exactly one line, ``error: …`` holding ``fragment``."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
+
+
+class Overran(Exception):
+    """Raised into a block that ran past its :func:`time_limit`."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Stop the block with a TimeoutError once it has run ``seconds`` (SIGALRM: main thread only)."""
+    def expire(signum: int, frame: Any) -> None:
+        raise Overran
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except Overran:
+        raise TimeoutError(f"still running after {seconds} s") from None  # where it stopped says nothing
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

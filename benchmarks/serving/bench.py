@@ -703,9 +703,9 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
 
     wl = workload_for(n, n_requests, skewed, seed, MODELS[model])
     if mode == "stockfix":  # in this process, where the in-process engine's worker runs
-        from serve_bridge.vllm import lora_manager
+        from serve_bridge.vllm import lora_manager, versions
 
-        lora_manager.install()
+        lora_manager.install(versions.current().sync_allowed)
     t0 = time.time()
     opts = engine_options(n, mode, lora_target_modules, tensor_parallel_size, settings, max_loras, max_cpu_loras, rank,
                           interleaved_kv_cache_bytes(MODELS[model]) if turns is not None else None)

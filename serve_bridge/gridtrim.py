@@ -51,8 +51,8 @@ EXPAND_OP = "gridtrim_expand"
 _T = TypeVar("_T")
 _warned: set[tuple[str, str]] = set()
 # Eligibility per layer (and, for LoRA linears, the launch config it allows), keyed by the identity
-# of its stacked-weight tuples (vLLM builds them once per layer) and the activation's dtype, widths and strides; each value
-# keeps the tuples alive, so an id is never reused while its entry exists.
+# of its stacked-weight tensors (vLLM allocates them once per layer) and the activation's dtype, widths and strides;
+# each value keeps the tensors alive, so an id is never reused while its entry exists.
 _eligibility: dict[tuple, tuple[tuple[object, ...], Any]] = {}
 _CACHE_LIMIT = 4096  # entries; a model has ~100 LoRA layers of a few layouts each, so only churn reaches it
 
@@ -201,13 +201,15 @@ def _expand_io_reason(y: torch.Tensor, x: torch.Tensor, slices: int) -> str | No
     return None
 
 
-def _cached(weights: tuple[object, ...], key: tuple, compute: Callable[[], _T]) -> _T:
+def _cached(weights: tuple[torch.Tensor, ...], key: tuple, compute: Callable[[], _T]) -> _T:
     """``compute()`` (an eligibility check, with the launch arguments it allows), once per layer
-    in eager mode (about 25 µs a call otherwise for the check alone, i.e. ~3 ms per eager step of
-    a 28-layer model); torch.compile traces it once anyway.
+    and layout, in eager mode and in a compiled graph's op calls (about 25 µs a call otherwise for
+    the check alone, i.e. ~3 ms per eager step of a 28-layer model); torch.compile traces it once
+    anyway.
 
-    ``weights`` are the layer's stacked-weight tuples (keyed by identity, kept alive by the
-    entry), ``key`` the rest of what the result depends on."""
+    ``weights`` are the layer's stacked-weight tensors (keyed by identity, kept alive by the
+    entry: the same tensors whatever sequence the caller holds them in), ``key`` the rest of what
+    the result depends on."""
     if torch.compiler.is_compiling():
         return compute()
     full = (*map(id, weights), *key)
@@ -240,7 +242,7 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
 
         return None, linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
 
-    return _cached((lora_a, lora_b), key, compute)
+    return _cached((*lora_a, *lora_b), key, compute)
 
 
 def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
@@ -317,10 +319,9 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     then all-gather or all-reduce y. Returns False, after a one-time warning, when ineligible.
     """
     x2 = x.view(-1, x.shape[-1])
-    layer = lora_a  # the cache key: the caller's own object (a new tuple would be a new key every call)
     if isinstance(lora_a, torch.Tensor):  # a bare tensor: one slice
         lora_a = (lora_a,)
-    reason = _cached((layer,), ("shrink", x2.dtype, x2.shape[-1], x2.device),
+    reason = _cached(tuple(lora_a), ("shrink", x2.dtype, x2.shape[-1], x2.device),
                      lambda: _static_shrink_reason(x2, lora_a))
     if reason is None:
         reason = _shrink_output_reason(y, x2, as_3d(lora_a[0]).shape[1], len(lora_a))
@@ -347,12 +348,11 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     when ineligible.
     """
     y2 = y.view(-1, y.shape[-1])
-    layer = lora_b
     if isinstance(lora_b, torch.Tensor):
         lora_b = (lora_b,)
     key = ("expand", x.dtype, x.dim(), x.shape[-1], y2.dtype, y2.shape[-1], tuple(output_slices), offset_start,
            x.device)
-    reason = _cached((layer,), key, lambda: _static_expand_reason(y2, x, lora_b, output_slices, offset_start))
+    reason = _cached(tuple(lora_b), key, lambda: _static_expand_reason(y2, x, lora_b, output_slices, offset_start))
     if reason is None:
         reason = _expand_io_reason(y2, x, len(lora_b))
     if reason is not None:
@@ -432,7 +432,7 @@ _N_META = 9  # metadata and work-list tensors in each schema, then block_m
 def _op_impl(name: str) -> Callable[..., None]:
     """The registered kernel of op ``name``: rebuilds the metadata and work list from the schema's
     flat arguments and calls the implementation (the linear op with its layer's cached launch
-    config, as the eager path)."""
+    config, the eager path's)."""
     impl, n_head = _DIRECT[name]
 
     def run(*args: object) -> None:
@@ -440,20 +440,15 @@ def _op_impl(name: str) -> Callable[..., None]:
         block_m = args[n_head + _N_META]
         meta, worklist = LoRABatchMeta(*tensors[:5]), RowTileWorklist(block_m, *tensors[5:])
         tail = args[n_head + _N_META + 1:]
-        extra = {"config": _op_linear_config(*args[:4], tail[1])} if name == OP_NAME else {}
+        if name == OP_NAME:  # the layer's cached plan, as the eager path reads it (the traced call was eligible)
+            y, x, lora_a, lora_b = args[:4]
+            widths = tuple(as_3d(b).shape[1] for b in lora_b)
+            extra = {"config": _linear_plan(y, x, lora_a, lora_b, widths, tail[1])[1]}
+        else:
+            extra = {}
         impl(*args[:n_head], meta, worklist, *tail, **extra)
 
     return run
-
-
-def _op_linear_config(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
-                      lora_b: Sequence[torch.Tensor], offset_start: int) -> Any:
-    """The launch config of a compiled graph's ``gridtrim_lora_linear`` call, once per layer and
-    x/y layout: the graph passes the layer's own weight tensors, so they key it by identity."""
-    from lora_kernels.linear import linear_config
-
-    key = ("op-linear", x.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), offset_start, x.device)
-    return _cached((*lora_a, *lora_b), key, lambda: linear_config(y, x, lora_a, lora_b, offset_start=offset_start))
 
 
 def _fake(*args: object) -> None:

@@ -32,9 +32,6 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         # the tokens' (token_mapping_meta) for the linears, the sampler's (prompt_mapping_meta) for the logits.
         self.gridtrim_meta = HostPunicaMetadata(self)
         self.gridtrim_worklist, self.gridtrim_prompt_worklist = self.gridtrim_meta.worklists
-        # One-slice tuples of the logits layer's stacks, kept so gridtrim's per-layer eligibility
-        # cache (keyed by the tuples' identity) sees the same objects every step.
-        self._gridtrim_logits_stacks: tuple[tuple[torch.Tensor], tuple[torch.Tensor]] | None = None
         self.gridtrim_programs = persistent_programs(device)
         gridtrim.logger.info("LoRazor GridTrim active: LoRA linears use the work-list kernels (%d tokens, "
                              "%d slots, %d persistent programs).", max_num_batched_tokens, self.max_loras + 1,
@@ -74,11 +71,9 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         assert buffer is None, "the buffer is created inside add_lora_logits, as in the stock method"
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         meta_args = self.prompt_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
-        stacks = self._gridtrim_logits_stacks
-        if stacks is None or stacks[0][0] is not lora_a_stacked or stacks[1][0] is not lora_b_stacked:
-            stacks = self._gridtrim_logits_stacks = ((lora_a_stacked,), (lora_b_stacked,))
-        done = gridtrim.add_lora_linear(y2, x2, stacks[0], stacks[1], scale, (lora_b_stacked.shape[-2],), meta_args,
-                                        self.gridtrim_prompt_worklist, num_programs=self.gridtrim_programs)
+        done = gridtrim.add_lora_linear(y2, x2, (lora_a_stacked,), (lora_b_stacked,), scale,
+                                        (lora_b_stacked.shape[-2],), meta_args, self.gridtrim_prompt_worklist,
+                                        num_programs=self.gridtrim_programs)
         if not done:
             super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs)
 

@@ -227,8 +227,9 @@ def test_launch_config_follows_the_output_layout():
         assert gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
         _check(y, y0, x, a, b, mapping, 0.5, True)
         assert torch.equal(base[:, :pad // 3], y.as_strided(base.shape, base.stride(), 0)[:, :pad // 3])
-    # key: id(A), id(B), "linear", dtypes, widths, x.stride(), y.stride(), ...
-    layouts = {k[8] for k in gridtrim._eligibility if k[:2] == (id(a), id(b))}
+    # key: the ids of A's and B's tensors, "linear", dtypes, widths, x.stride(), y.stride(), ...
+    ids = tuple(map(id, [*a, *b]))
+    layouts = {k[len(ids) + 6] for k in gridtrim._eligibility if k[:len(ids)] == ids}
     assert layouts == {(n + 24, 1), (n, 1)}
 
 

@@ -163,11 +163,15 @@ def bundle_digest(directory: str | Path) -> str:
     return load_bundle(directory).digest
 
 
+def adapter_weights_file(path: str | Path) -> Path:
+    """An adapter's weights file: ``path`` itself, or the peft directory's :data:`ADAPTER_WEIGHTS_FILE`."""
+    p = Path(path)
+    return p / ADAPTER_WEIGHTS_FILE if p.is_dir() else p
+
+
 def adapter_fingerprint(path: str | Path) -> str:
     """sha256 of an adapter's weights: ``path`` is its safetensors file or its peft directory."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / ADAPTER_WEIGHTS_FILE
+    p = adapter_weights_file(path)
     if not p.is_file() or p.suffix != ".safetensors":
         raise BundleError(f"adapter weights {p} not found: pass the adapter's .safetensors file or a "
                           f"peft directory holding {ADAPTER_WEIGHTS_FILE}.")

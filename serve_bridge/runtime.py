@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve_bridge.bundle import (ADAPTER_WEIGHTS_FILE, Bundle, BundleError, BundleWarning, adapter_fingerprint,
+from serve_bridge.bundle import (Bundle, BundleError, BundleWarning, adapter_fingerprint, adapter_weights_file,
                                  load_bundle)
 from serve_bridge.decision import DecisionLauncher
 from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, StepTrim
@@ -560,12 +560,7 @@ def _weights_identity(path: str) -> tuple[int, int, int, int] | None:
     if not path:
         return None
     try:
-        st = os.stat(os.path.join(path, ADAPTER_WEIGHTS_FILE))
-    except NotADirectoryError:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
+        st = adapter_weights_file(path).stat()
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

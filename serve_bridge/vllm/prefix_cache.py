@@ -9,7 +9,7 @@ apart, per p (and the parent-hash chain separates every later block). p comes fr
 forced release (``SamplingParams.extra_args``, known when the request is created) and from what the
 release-aware scheduler knows (:func:`mark_release`: a profiled k at admission, a learned decision
 with the step output that precedes the hashing of the first block it reaches;
-docs/vllm_integration.md §7). :class:`HitCounter` counts the scheduler's prefix-cache hits, and
+docs/vllm_integration.md §7). :func:`count_hits` counts the scheduler's prefix-cache hits, and
 those on blocks that reach the hitting request's release position.
 """
 from __future__ import annotations
@@ -97,38 +97,36 @@ class HitStats:
     released_hit_blocks: int = 0
 
 
-class HitCounter:
-    """Counts a KV-cache manager's prefix-cache hits into :data:`HITS` (:meth:`attach`)."""
-
-    @staticmethod
-    def attach(manager: Any, block_size: int) -> None:
-        """Wrap ``manager.get_computed_blocks`` (``v1/core/kv_cache_manager.py:266``, 0.33.0: it
-        returns the cached blocks and the number of cached tokens first) on this instance."""
-        original = manager.get_computed_blocks
-
-        def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(request, *args, **kwargs)
-            HITS.lookups += 1
-            tokens = int(result[1])
-            if tokens:
-                blocks = tokens // block_size
-                HITS.hit_tokens += tokens
-                HITS.hit_blocks += blocks
-                p = release_position(request)
-                if p < tokens:
-                    HITS.released_hit_blocks += blocks - p // block_size
-            return result
-
-        manager.get_computed_blocks = get_computed_blocks
-        global _attached
-        _attached = True
+HITS: HitStats | None = None  # set by the first count_hits in this process
 
 
-HITS = HitStats()
-_attached = False
+def count_hits(manager: Any, block_size: int) -> None:
+    """Count ``manager``'s prefix-cache hits into :data:`HITS`: wraps ``manager.get_computed_blocks``
+    (``v1/core/kv_cache_manager.py:266``, 0.33.0: it returns the cached blocks and the number of
+    cached tokens first) on this instance."""
+    global HITS
+    if HITS is None:
+        HITS = HitStats()
+    stats = HITS
+    original = manager.get_computed_blocks
+
+    def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(request, *args, **kwargs)
+        stats.lookups += 1
+        tokens = int(result[1])
+        if tokens:
+            blocks = tokens // block_size
+            stats.hit_tokens += tokens
+            stats.hit_blocks += blocks
+            p = release_position(request)
+            if p < tokens:
+                stats.released_hit_blocks += blocks - p // block_size
+        return result
+
+    manager.get_computed_blocks = get_computed_blocks
 
 
 def hit_stats() -> dict[str, int] | None:
     """:data:`HITS` as plain data: the counters of the scheduler in this process, None where no
     release-aware scheduler with prefix caching runs in it (a tensor-parallel worker process)."""
-    return asdict(HITS) if _attached else None
+    return None if HITS is None else asdict(HITS)

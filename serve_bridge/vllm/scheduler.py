@@ -22,7 +22,7 @@ without a usable policy always holds its slot. Each known p is marked on vLLM's 
 an :class:`UncountedLoRA` in place of the ``lora_request`` of running requests that hold no slot
 (with hand-back on), reads learned releases from each step's output in
 ``update_from_output``, keeps per-request state from ``add_request`` to ``_free_request``, and
-counts prefix-cache hits (:class:`serve_bridge.vllm.prefix_cache.HitCounter`);
+counts prefix-cache hits (:func:`serve_bridge.vllm.prefix_cache.count_hits`);
 :class:`ReleaseAsyncScheduler` is the same over vLLM's ``AsyncScheduler``. :func:`install` makes
 them vLLM's default scheduler classes. Which vLLM code this relies on, per line:
 docs/vllm_integration.md §7, §9, §11.
@@ -157,7 +157,7 @@ class ReleaseScheduler(_BaseScheduler):
         self._adapter_of: dict[str, int] = {}  # req_id → LoRA id, for requests with an adapter
         self._adapters: Counter[int] = Counter()  # LoRA id → requests in the scheduler
         if self.lorazor_slots is not None and vllm_config.cache_config.enable_prefix_caching:
-            prefix_cache.HitCounter.attach(self.kv_cache_manager, vllm_config.cache_config.block_size)
+            prefix_cache.count_hits(self.kv_cache_manager, vllm_config.cache_config.block_size)
 
     def add_request(self, request: Any) -> None:
         known = request.request_id in self.requests

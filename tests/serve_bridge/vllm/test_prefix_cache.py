@@ -160,12 +160,11 @@ class _Manager:
 
 
 def test_hit_counter_counts_hits_and_hits_past_the_release(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "HITS", prefix_cache.HitStats())
-    monkeypatch.setattr(prefix_cache, "_attached", False)
+    monkeypatch.setattr(prefix_cache, "HITS", None)
     assert prefix_cache.hit_stats() is None
     warm, none = _Manager(12), _Manager(0)
-    prefix_cache.HitCounter.attach(warm, BLOCK)
-    prefix_cache.HitCounter.attach(none, BLOCK)
+    prefix_cache.count_hits(warm, BLOCK)
+    prefix_cache.count_hits(none, BLOCK)
     assert warm.get_computed_blocks(request(range(16))) == (["block"] * 3, 12, 0)  # the result is vLLM's
     none.get_computed_blocks(request(range(16)))
     resumed = request(range(16))

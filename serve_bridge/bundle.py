@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import stat
-import uuid
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -56,6 +55,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load, save_file
 
 from serve_bridge.command_line import one_line
+from serve_bridge.safe_write import scratch_dir_for
 from serve_bridge.steptrim import K_LIMIT, MAX_LAG, LearnedPolicy, Policy, ProfiledPolicy
 from serve_bridge.strict_json import MAX_JSON_DEPTH, StrictJSONError, loads_strict, short_repr  # noqa: F401 (MAX_JSON_DEPTH: part of this API)
 
@@ -270,9 +270,7 @@ def write_bundle(directory: str | Path, *, backbone: str, hidden_size: int, conf
                         "tau": None if e.tau is None else float(e.tau),
                         "lag": int(e.lag or 0) if e.policy == "learned" else None, "k": e.k, "head": head,
                         "stats": e.stats})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    scratch.mkdir()
+    scratch = scratch_dir_for(out)
     try:
         save_file(tensors, str(scratch / HEADS_FILE))
         manifest = {

@@ -8,8 +8,8 @@
   system without storage such as /proc). Each refusal is an OptionError naming the argument.
 - :func:`write_atomic` writes a file under a temporary name beside it, created afresh, and renames
   it into place: readers never see half a file, and a hard link or symbolic link at the path (or at
-  the temporary name, left by an interrupted write) is replaced, never written through. :func:`scratch_dir_for` and :func:`publish_dir` do the same for a
-  directory.
+  the temporary name, left by an interrupted write) is replaced, never written through.
+  :func:`scratch_dir_for` and :func:`publish_dir` do the same for a directory.
 - :func:`own_file` gives a file that shares its inode with another name a copy of its own, so
   that appending to it changes nothing outside.
 """

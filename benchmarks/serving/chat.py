@@ -198,10 +198,6 @@ SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | 
                   "prefix-cache hits | adapters meeting the SLO | decode batch | realized skip | vs stock |")
 
 
-def _rule(header: str) -> str:
-    return "|" + "---|" * header.count(" | ") + "---|"
-
-
 def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:
     """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch and skip cells."""
     lat = " | ".join(f"{row[f'{m}_p{p}_ms']:.1f}" for m in ("ttft", "tpot") for p in percentiles)
@@ -256,16 +252,9 @@ def render(doc: dict[str, Any], slo: Slo) -> str:
     """The report: preamble, the summary, each mode's rates, notes, the ratio lines."""
     modes = doc["modes"]
     stock = rates(modes, slo).get("stock")
-    lines = doc["preamble"] + ["", SUMMARY_HEADER, _rule(SUMMARY_HEADER)]
+    lines = doc["preamble"] + ["", SUMMARY_HEADER, goodput.table_rule(SUMMARY_HEADER)]
     lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
-    for mode, entry in modes.items():
-        lines += ["", "; ".join([LABEL[mode], *entry["facts"]]), "", HEADER, _rule(HEADER)]
-        lines += [format_row(r, slo) for r in entry["rows"]]
-        noise = goodput.held_above_a_miss(goodput.points_of(entry, slo))
-        if noise:
-            lines.append(f"met the SLO above a missed rate (noise, not counted): {', '.join(f'{r:g}' for r in noise)}")
-        if entry.get("error"):
-            lines.append(f"stopped: {entry['error']}")
+    lines += goodput.mode_sections(modes, slo, LABEL, HEADER, format_row)
     return "\n".join(lines + [""] + doc["notes"] + [""] + doc["ratio"]) + "\n"
 
 

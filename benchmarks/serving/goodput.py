@@ -83,7 +83,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,7 +332,8 @@ HEADER = ("| rate req/s | prompts | completed | req/s | goodput req/s | TTFT P50
 SUMMARY_HEADER = "| mode | goodput rate req/s | lowest rate missing the SLO | probe req/s (all at once) | vs stock |"
 
 
-def _rule(header: str) -> str:
+def table_rule(header: str) -> str:
+    """The markdown rule under table ``header``."""
     return "|" + "---|" * header.count(" | ") + "---|"
 
 
@@ -373,20 +374,29 @@ def ratio_line(n_adapters: int, max_loras: int, modes: dict[str, dict[str, Any]]
                                                      f"(a goodput rate so far: {have})")
 
 
-def render(doc: dict[str, Any], slo: Slo) -> str:
-    """The report: preamble, the summary over modes, each mode's rates, notes, the ratio line."""
-    modes = doc["modes"]
-    stock = goodput_rate(points_of(modes["stock"], slo))[0] if "stock" in modes else None
-    lines = doc["preamble"] + ["", SUMMARY_HEADER, _rule(SUMMARY_HEADER)]
-    lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
+def mode_sections(modes: dict[str, dict[str, Any]], slo: Slo, labels: Mapping[str, str], header: str,
+                  row: Callable[[dict[str, Any], Slo], str]) -> list[str]:
+    """Each mode's part of a report: its label and facts, the table of its rates (``row`` formats
+    one under ``header``), the rates that met the SLO above a missed one, and why it stopped."""
+    lines: list[str] = []
     for mode, entry in modes.items():
-        lines += ["", "; ".join([bench.MODE_LABEL[mode], *entry["facts"]]), "", HEADER, _rule(HEADER)]
-        lines += [format_row(r, slo) for r in entry["rows"]]
+        lines += ["", "; ".join([labels[mode], *entry["facts"]]), "", header, table_rule(header)]
+        lines += [row(r, slo) for r in entry["rows"]]
         noise = held_above_a_miss(points_of(entry, slo))
         if noise:
             lines.append(f"met the SLO above a missed rate (noise, not counted): {', '.join(f'{r:g}' for r in noise)}")
         if entry.get("error"):
             lines.append(f"stopped: {entry['error']}")
+    return lines
+
+
+def render(doc: dict[str, Any], slo: Slo) -> str:
+    """The report: preamble, the summary over modes, each mode's rates, notes, the ratio line."""
+    modes = doc["modes"]
+    stock = goodput_rate(points_of(modes["stock"], slo))[0] if "stock" in modes else None
+    lines = doc["preamble"] + ["", SUMMARY_HEADER, table_rule(SUMMARY_HEADER)]
+    lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
+    lines += mode_sections(modes, slo, bench.MODE_LABEL, HEADER, format_row)
     return "\n".join(lines + [""] + doc["notes"] + ["", doc["ratio"]]) + "\n"
 
 

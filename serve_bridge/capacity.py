@@ -67,7 +67,7 @@ MAX_ADAPTERS = 1 << 20
 MAX_REQUESTS = 1 << 20
 MAX_LENGTH = 1 << 24  # prompt or output tokens of one request (release points are exact below 2**24)
 MAX_FORWARDS = 1 << 30  # requests × (longest prompt + longest output): the token forwards one simulation may serve
-MAX_STEPS = 1 << 30  # engine steps until the last request arrives (open loop)
+MAX_STEPS = 1 << 53  # engine steps until the last request arrives (open loop): exact as float64; idle steps cost no work
 
 
 @dataclass(frozen=True)
@@ -216,15 +216,18 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
     running: list[int] = []
     order: deque[int] = deque()  # waiting requests in arrival order (admitted ones dropped lazily)
     queues: dict[int, deque[int]] = {}  # adapter → its waiting requests in arrival order
-    nxt, done, step = 0, 0, 0
+    nxt, done, step, waiting = 0, 0, 0, 0
     sum_running = sum_occupied = max_occupied = work_steps = tokens = lora_tokens = loads = 0
     resident: OrderedDict[int, None] = OrderedDict()  # adapters in GPU slots, least recently used first
     while done < n:
+        if not running and waiting == 0:
+            step = max(step, arrival[nxt])  # an idle engine: on to the next arrival (those steps serve nothing)
         while nxt < n and arrival[nxt] <= step:
             order.append(nxt)
             queues.setdefault(adapter[nxt], deque()).append(nxt)
             is_waiting[nxt] = True
             nxt += 1
+            waiting += 1
         budget, scheduled, holders = token_budget, [], set()
         for i in running:
             if budget == 0:
@@ -252,6 +255,7 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
             a = adapter[i]
             queues[a].popleft()
             is_waiting[i] = False
+            waiting -= 1
             if heads is not None and queues[a]:
                 heapq.heappush(heads, (queues[a][0], a))
             k = min(prompt[i], budget)

@@ -84,6 +84,18 @@ def test_model_matches_brute_force(sched, monkeypatch, bundle, max_loras, skew):
         assert model.max_occupancy <= max_loras
 
 
+def test_idle_time_between_arrivals_is_skipped_not_stepped():
+    """Arrivals 10**12 steps apart: each request is served alone as soon as it arrives (one step
+    for its prompt and first token, one per further token), and the idle steps between them count
+    in ``steps`` without being simulated one by one."""
+    gap = 10 ** 12
+    reqs = capacity.Requests(np.array([0, 1, 2]), np.array([7, 3, 5]), np.array([4, 2, 6]),
+                             np.full(3, capacity.NEVER), np.array([0, gap, 2 * gap]))
+    result = capacity.simulate(reqs, 1, max_num_seqs=4, token_budget=16)
+    assert result.steps == 2 * gap + 6
+    assert result.mean_wait_steps == 0 and result.mean_running == 1 and result.slot_loads == 3
+
+
 def test_release_admits_more_and_unlimited_slots_do_not_care():
     dists = [capacity.ReleaseDistribution.point(2)]
     reqs = capacity.draw_requests(400, dists, 64, prompt_len=(5, 20), output_len=(10, 30), seed=1)

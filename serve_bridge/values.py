@@ -47,6 +47,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: _is_int(v) and 0 <= v < SEED_LIMIT, "use an integer from 0 to 2**63 - 1"),
     "positive_number": (lambda v: _is_number(v) and v > 0, "use a positive number"),
     "non_negative_number": (lambda v: _is_number(v) and v >= 0, "use a non-negative number"),
+    "above_one": (lambda v: _is_number(v) and v > 1, "use a number above 1"),
+    "port": (lambda v: _is_int(v) and 0 <= v <= 65535, "use a port from 0 (a free one) to 65535"),
     "fraction": (lambda v: _is_number(v) and 0 < v <= 1, "use a number in (0, 1]"),
     "probability": (lambda v: _is_number(v) and 0 < v < 1, "use a number in (0, 1)"),
     "share": (lambda v: _is_number(v) and 0 <= v < 1, "use a number in [0, 1)"),

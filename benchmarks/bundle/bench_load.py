@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from serve_bridge.bundle import AdapterEntry, load_bundle, write_bundle
+from serve_bridge.command_line import Parser, number
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--adapters", type=int, nargs="+", default=[1, 32, 128])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[576, 3072, 4096])
-    ap.add_argument("--repeat", type=int, default=30)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--adapters", type=number("positive_int"), nargs="+", default=[1, 32, 128])
+    ap.add_argument("--hidden", type=number("positive_int"), nargs="+", default=[576, 3072, 4096])
+    ap.add_argument("--repeat", type=number("positive_int"), default=30)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'adapters':>9}{'hidden':>8}{'median ms':>11}{'max ms':>9}")

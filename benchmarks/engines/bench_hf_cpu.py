@@ -13,19 +13,20 @@ order). Wall times depend on what else the machine runs: compare rows of one run
 """
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from serve_bridge.command_line import Parser, number
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=number("positive_int"), default=48)
+    ap.add_argument("--max-new-tokens", type=number("positive_int"), default=48)
     ap.add_argument("--matmul", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 48])
+    ap.add_argument("--threads", type=number("positive_int"), nargs="+", default=[1, 2])
+    ap.add_argument("--batch-sizes", type=number("positive_int"), nargs="+", default=[16, 48])
     args = ap.parse_args(argv)
 
     import torch

@@ -10,17 +10,18 @@ paired differences, and whether the logits are bit-identical. Wall times depend 
 """
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from serve_bridge.command_line import Parser, number
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=number("positive_int"), nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=number("positive_int"), default=20)
+    ap.add_argument("--repeats", type=number("positive_int"), default=5)
     args = ap.parse_args(argv)
 
     import statistics

@@ -47,6 +47,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from serve_bridge.command_line import Parser, existing_dir, need_files, number
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -177,12 +179,12 @@ def table(rows: list[tuple[str, str, str]], same: list[tuple[str, str]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", type=Path, required=True, help="a calibration run directory")
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", type=existing_dir, required=True, help="a calibration run directory")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dtype", default="bfloat16", help="both engines' dtype")
-    ap.add_argument("--hf-batch-size", type=int, default=64)
-    ap.add_argument("--limit", type=int, default=0, help="first N train examples (0 = all)")
+    ap.add_argument("--hf-batch-size", type=number("positive_int"), default=64)
+    ap.add_argument("--limit", type=number("non_negative_int"), default=0, help="first N train examples (0 = all)")
     ap.add_argument("--vllm-option", action="append", default=[], metavar="KEY=VALUE",
                     help="override a VLLMOptions key (engine=vllm) for the vllm engine (repeatable), "
                          "e.g. max_num_seqs=1024")
@@ -190,6 +192,7 @@ def main() -> None:
                     help="engines to run now; the other's results are read from --out (an earlier run)")
     ap.add_argument("--phase", choices=["all", "hf", "vllm"], default="all", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    need_files("--run", args.run, [".hydra/config.yaml"], "a calibration run directory")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase != "all":
         return phase(args.phase, args)

@@ -28,7 +28,6 @@ alone at 128 × 2, against the bytes that kernel must move.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import os
@@ -50,6 +49,7 @@ from lora_kernels.metadata import LoRABatchMeta, build_metadata
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.shrink import launch_shrink
 from lora_kernels.worklist import PROGRAMS_PER_SM, RowTileWorklist, persistent_programs
+from serve_bridge.command_line import Parser
 
 DEVICE = "cuda"
 MAX_LORAS = 128
@@ -345,7 +345,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     parser.add_argument("--quick", action="store_true",
                         help="skip the knob sweep (use the defaults); the fused sweep and the "

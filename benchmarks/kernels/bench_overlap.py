@@ -19,7 +19,6 @@ in-order one (the same kernels in another order give the same bits) and with
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.shrink import launch_shrink
 from lora_kernels.worklist import persistent_programs
+from serve_bridge.command_line import Parser
 
 VARIANTS = ("base", "in order", "shrink beside", "shrink beside, 4/SM", "vLLM dual stream")
 
@@ -134,7 +134,7 @@ class Overlap:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     args = parser.parse_args()
     lines: list[str] = []

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from labeling.evaluators.sql import QueryTimeout, ResultTooLarge, SqlSandbox
+from serve_bridge.command_line import Parser, number
 
 RUNAWAY = {
     "endless CTE": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
@@ -109,10 +110,10 @@ def start_cost(db: Path, repeat: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--timeouts", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0, 2.0])
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--caps", type=int, nargs="+", default=[4096, 1 << 20])
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--timeouts", type=number("positive_number"), nargs="+", default=[0.1, 0.25, 0.5, 1.0, 2.0])
+    ap.add_argument("--repeat", type=number("positive_int"), default=5)
+    ap.add_argument("--caps", type=number("positive_int"), nargs="+", default=[4096, 1 << 20])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         db = make_db(Path(tmp) / "bench.sqlite")

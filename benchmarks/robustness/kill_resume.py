@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve_bridge.command_line import Parser, number
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_ORDER = ("data", "labels", "heads", "sweep", "export", "test")
 KILL_CONFIG = ["task=arith", "adapter=arith_demo", "task.sizes.train=3", "task.sizes.validation=1", "task.sizes.test=1",
@@ -180,10 +182,12 @@ def reference_run(run_dir: Path, overrides: list[str]) -> tuple[dict[str, str], 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kills", type=int, default=36, help="kill targets over all chains (default 36)")
-    ap.add_argument("--per-stage", type=int, default=2, help="kills per stage in one chain (default 2)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=number("positive_int"), default=36,
+                    help="kill targets over all chains (default 36)")
+    ap.add_argument("--per-stage", type=number("positive_int"), default=2,
+                    help="kills per stage in one chain (default 2)")
+    ap.add_argument("--seed", type=number("seed"), default=0)
     ap.add_argument("--work", type=Path, default=None, help="where run directories go (default: a temp dir)")
     ap.add_argument("overrides", nargs="*", default=KILL_CONFIG, help="calibrate overrides (default: a tiny run)")
     args = ap.parse_args()

@@ -32,7 +32,6 @@ of τ (the GPU kernel's float32 row sum may round differently from the CPU's).
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
@@ -46,6 +45,7 @@ import torch
 
 
 from serve_bridge.bundle import AdapterEntry, Bundle
+from serve_bridge.command_line import Parser, number
 from serve_bridge.decision import DecisionLauncher
 from serve_bridge.runtime import ReleaseRuntime, _Pending
 from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim
@@ -267,16 +267,16 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (500 on CUDA, 20 on CPU)")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--rows", type=int, nargs="+", default=[32, 128, 256])
-    ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--steps", type=number("positive_int"), default=None, help="timed steps (500 on CUDA, 20 on CPU)")
+    ap.add_argument("--warmup", type=number("non_negative_int"), default=20)
+    ap.add_argument("--rows", type=number("positive_int"), nargs="+", default=[32, 128, 256])
+    ap.add_argument("--heads", type=number("positive_int"), default=128)
+    ap.add_argument("--hidden", type=number("positive_int"), default=3072)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--forward-ms", type=float, default=1.0)
+    ap.add_argument("--forward-ms", type=number("non_negative_number"), default=1.0)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.steps is None:

@@ -12,7 +12,6 @@ Reports the best of ``--repeats`` means, in µs per call.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -23,6 +22,7 @@ import lora_kernels.shrink
 from lora_kernels.metadata import build_metadata
 from lora_kernels.worklist import RowTileWorklist
 from serve_bridge import gridtrim
+from serve_bridge.command_line import Parser, number
 
 
 class _NoLaunch:
@@ -36,9 +36,9 @@ ROWS, HIDDEN, SLICE, RANK, ADAPTERS = 256, 3072, 1024, 8, 128
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=number("positive_int"), default=2000)
+    ap.add_argument("--repeats", type=number("positive_int"), default=3)
     args = ap.parse_args()
     lora_kernels.shrink._shrink_worklist_kernel = lora_kernels.expand._expand_worklist_kernel = _NoLaunch()
     g = torch.Generator().manual_seed(0)

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.serve_bridge.bench_decision import make_runtime
 
+from serve_bridge.command_line import Parser, number
 from serve_bridge.runtime import lora_ids
 
 HIDDEN, ADAPTERS, PROMPT = 576, 128, 200
@@ -91,10 +92,10 @@ def run(version: str, rows: int, tokens: int, steps: int) -> dict[str, float]:
 
 def step_args(description: str) -> argparse.Namespace:
     """--steps, --tokens and --rows, the step shape of the host benchmarks of this directory."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=256)
+    ap = Parser(description=description)
+    ap.add_argument("--steps", type=number("positive_int"), default=200)
+    ap.add_argument("--tokens", type=number("positive_int"), default=2048)
+    ap.add_argument("--rows", type=number("positive_int"), default=256)
     return ap.parse_args()
 
 

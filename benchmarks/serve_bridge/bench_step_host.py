@@ -18,7 +18,6 @@ timed steps, in ms.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
@@ -33,6 +32,7 @@ import torch
 from benchmarks.serve_bridge.bench_decision import make_runtime
 
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
+from serve_bridge.command_line import Parser, number
 from serve_bridge.runtime import ReleaseRuntime
 from serve_bridge.steptrim import LearnedPolicy, StepTrim
 
@@ -78,9 +78,9 @@ def time_steps(rt: ReleaseRuntime, ids: list[str], lora: list[int], steps: int) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--steps", type=int, default=200)
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=number("positive_int"), nargs="+", default=[256, 1024])
+    ap.add_argument("--steps", type=number("positive_int"), default=200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)

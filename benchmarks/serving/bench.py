@@ -78,6 +78,7 @@ from benchmarks.serving import interleave, vllm_settings
 from benchmarks.serving.interleave import Turns
 from benchmarks.serving.vllm_settings import VllmSettings
 from benchmarks.serving.synthetic import lora_targets, write_model_config, write_random_adapters
+from serve_bridge.command_line import Parser, number
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import installed_version as installed_vllm
 
@@ -1155,10 +1156,11 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/lorazor_bench_out")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_bench"))
-    ap.add_argument("--adapters", type=int, nargs="+", default=[128, 4], help="adapter counts, run in this order")
+    ap.add_argument("--adapters", type=number("positive_int"), nargs="+", default=[128, 4],
+                    help="adapter counts, run in this order")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
                     help="modes to run, in this order (default: stock gridtrim steptrim both; nolora, the "
                          "backbone without LoRA, is the ceiling; stockfix, stock with the plugin's registry fix "
@@ -1166,10 +1168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of OUT/bench.json (same model and workload) from other modes: a table "
                          "built over several calls, one mode or two each")
-    ap.add_argument("--passes", type=int, default=1,
+    ap.add_argument("--passes", type=number("positive_int"), default=1,
                     help="run the modes this many times per adapter count, each pass in the reverse order of "
                          "the one before; each row's ratio is to the stock row of its own pass")
-    ap.add_argument("--repeats", type=int, default=1, metavar="R",
+    ap.add_argument("--repeats", type=number("positive_int"), default=1, metavar="R",
                     help="offline: time the workload R times in each engine, back to back, and report the "
                          "median run's req/s (steps, slot statistics and counters are the first run's); each "
                          "repeat costs one run, not an engine start")
@@ -1181,36 +1183,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (every mode)")
+    ap.add_argument("--tensor-parallel-size", type=number("positive_int"), default=1,
+                    help="GPUs per engine (every mode)")
     vllm_settings.add_arguments(ap)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3b",
                     help="dummy-weight model shape: Llama-3.2-3B (default), Mistral-7B-v0.3 or Llama-3.1-8B")
-    ap.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank (alpha = 2 × rank; default 8)")
+    ap.add_argument("--rank", type=number("positive_int"), default=RANK,
+                    help="the adapters' LoRA rank (alpha = 2 × rank; default 8)")
     ap.add_argument("--skewed", action="store_true", help="80%% of requests on 20%% of the adapters")
-    ap.add_argument("--max-loras", type=int, default=None, metavar="M",
+    ap.add_argument("--max-loras", type=number("positive_int"), default=None, metavar="M",
                     help="adapter slots (vLLM's max_loras) in every LoRA mode; default: one per adapter. The "
                          "slot-bound workload: e.g. --adapters 512 --max-loras 32")
-    ap.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+    ap.add_argument("--max-cpu-loras", type=number("positive_int"), default=None, metavar="C",
                     help="adapters vLLM keeps loaded in host memory (default: all of them, as a server that keeps "
                          "its tenants' adapters in host memory; raised to max_loras); with fewer than the adapters "
                          "served, adapters are reloaded from disk while serving")
     ap.add_argument("--no-slot-release", action="store_true",
                     help="steptrim/both keep vLLM's slot accounting (LORAZOR_SLOTS=0): released requests keep "
                          "their adapter's slot")
-    ap.add_argument("--requests", type=int, default=N_REQUESTS)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+    ap.add_argument("--requests", type=number("positive_int"), default=N_REQUESTS)
+    ap.add_argument("--seed", type=number("seed"), default=0)
+    ap.add_argument("--arrival-rate", type=number("positive_number"), default=None, metavar="R",
                     help="serve open-loop with Poisson arrivals at R requests/s (LLMEngine add_request/step) "
                          "and report P50/P90 TTFT and TPOT; default: offline throughput (LLM.generate's loop)")
-    ap.add_argument("--profile-steps", type=int, default=0, metavar="S",
+    ap.add_argument("--profile-steps", type=number("non_negative_int"), default=0, metavar="S",
                     help="after each timed run, profile S engine steps of a fresh copy of the workload "
                          "(torch.profiler: GPU busy fraction, top kernels, top host operators) into "
                          "OUT/<run>_profile.md")
     ap.add_argument("--profile-python", action="store_true",
                     help="with --profile-steps S: also S further steps under cProfile (Python functions by "
                          "cumulative and own time), in the same file")
-    ap.add_argument("--budget-s", type=float, default=3600, help="stop starting engines past this")
-    ap.add_argument("--min-run-s", type=float, default=40, help="do not start an engine with less time left")
+    ap.add_argument("--budget-s", type=number("positive_number"), default=3600, help="stop starting engines past this")
+    ap.add_argument("--min-run-s", type=number("non_negative_number"), default=40,
+                    help="do not start an engine with less time left")
     ap.add_argument("--phase", choices=["all", "prepare", "run"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)

@@ -90,6 +90,7 @@ from benchmarks.serving.chat_bundle import summary_path
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
                                               shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
 from benchmarks.serving.goodput import HarnessError, Slo
+from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.vllm.versions import installed_version
 
 VERSION = "0.33.0"  # the vllm bench serve whose custom dataset and round-robin assignment this relies on
@@ -359,6 +360,7 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float) 
         raise HarnessError(f"--bundle {args.bundle}: no bundle there (no manifest.json)")
     path = args.bundle or args.work / "learned" / f"n{shape.n_adapters}-{shape_key(shape, args.seed)}"
     if not (path / "manifest.json").exists():
+        shutil.rmtree(path, ignore_errors=True)  # --work's own: what an interrupted preparation left
         path.parent.mkdir(parents=True, exist_ok=True)
         log = args.out / "learned_prep.log"
         cmd = [sys.executable, "-m", "benchmarks.serving.chat_bundle", "--work", str(args.work), "--bundle", str(path),
@@ -431,10 +433,10 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     goodput.add_table_arguments(ap, "chat", MODES, MODES)
-    ap.add_argument("--seed", type=int, default=0, help="the workload's seed (and vllm bench serve's)")
-    ap.add_argument("--bundle", type=Path, default=None,
+    ap.add_argument("--seed", type=number("seed"), default=0, help="the workload's seed (and vllm bench serve's)")
+    ap.add_argument("--bundle", type=existing_dir, default=None,
                     help="the learned bundle the lorazor modes serve (default: the one kept in --work, else prepared)")
     add_shape_arguments(ap)
     goodput.add_sweep_arguments(ap)

@@ -54,7 +54,10 @@ from benchmarks.serving import bench
 from benchmarks.serving.chat_workload import Row, add_shape_arguments, prep_rows, shape_from
 from predictors.heads import Head, fit_head
 from serve_bridge.bundle import AdapterEntry, config_fingerprint, write_bundle
+from serve_bridge.command_line import Parser, existing_dir, need_files, number, report
+from serve_bridge.safe_write import check_output
 from serve_bridge.steptrim import release_point_learned, skip_fraction
+from serve_bridge.values import OptionError
 
 CAPTURE_EVERY = 8  # h_t captured at t = 0, 8, 16, …: about 8 labeled points per request
 FIT_REQUESTS = 24  # per distinct adapter
@@ -277,16 +280,27 @@ def summary_path(bundle: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path, required=True, help="model directory and adapters (prepared.json)")
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=existing_dir, required=True, help="model directory and adapters (prepared.json)")
     ap.add_argument("--bundle", type=Path, required=True, help="the bundle directory to write (must not exist)")
-    ap.add_argument("--seed", type=int, default=0, help="the workload's seed (system prompts; prep conversations)")
-    ap.add_argument("--fit-requests", type=int, default=FIT_REQUESTS, help="requests per adapter the heads fit on")
-    ap.add_argument("--heldout-requests", type=int, default=HELDOUT_REQUESTS, help="requests per adapter τ is set on")
-    ap.add_argument("--capture-every", type=int, default=CAPTURE_EVERY, help="forwards between captured h_t")
-    ap.add_argument("--target-skip", type=float, default=bench.TARGET_SKIP, help="planned skip τ aims at")
+    ap.add_argument("--seed", type=number("seed"), default=0,
+                    help="the workload's seed (system prompts; prep conversations)")
+    ap.add_argument("--fit-requests", type=number("positive_int"), default=FIT_REQUESTS,
+                    help="requests per adapter the heads fit on")
+    ap.add_argument("--heldout-requests", type=number("positive_int"), default=HELDOUT_REQUESTS,
+                    help="requests per adapter τ is set on")
+    ap.add_argument("--capture-every", type=number("positive_int"), default=CAPTURE_EVERY,
+                    help="forwards between captured h_t")
+    ap.add_argument("--target-skip", type=number("probability"), default=bench.TARGET_SKIP,
+                    help="planned skip τ aims at")
     add_shape_arguments(ap)
-    summary = prepare_bundle(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    need_files("--work", args.work, ["prepared.json"], "the serving benchmark's prepared model directory")
+    try:
+        check_output("--bundle", args.bundle, [], directory=True, replace=False)  # chat.py keeps it inside --work
+    except OptionError as e:
+        return report(str(e))
+    summary = prepare_bundle(args)
     print(json.dumps({k: v for k, v in summary.items() if k != "adapters"}), flush=True)
     return 0
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from serve_bridge.command_line import MinMax, number
+
 ID_RANGE = (3, 128000)  # word-tokenizer ids below Llama-3.2-3B's bos (128000) and eos (128001)
 
 
@@ -173,16 +175,22 @@ def write_dataset(path: Path, rows: list[Row], names: list[str]) -> None:
 def add_shape_arguments(ap: argparse.ArgumentParser) -> None:
     """The workload's options (defaults: :class:`ChatShape`'s); :func:`shape_from` reads them."""
     d = ChatShape()
-    ap.add_argument("--adapters", type=int, default=d.n_adapters, help="adapters served, in popularity order")
-    ap.add_argument("--zipf", type=float, default=d.zipf, help="popularity exponent s: P(adapter a) ∝ (a+1)^-s")
-    ap.add_argument("--system-len", type=int, nargs=2, default=d.system_len, metavar=("MIN", "MAX"),
+    ap.add_argument("--adapters", type=number("positive_int"), default=d.n_adapters,
+                    help="adapters served, in popularity order")
+    ap.add_argument("--zipf", type=number("non_negative_number"), default=d.zipf,
+                    help="popularity exponent s: P(adapter a) ∝ (a+1)^-s")
+    ap.add_argument("--system-len", type=number("positive_int"), nargs=2, action=MinMax,
+                    default=d.system_len, metavar=("MIN", "MAX"),
                     help="tokens of each adapter's system prompt")
-    ap.add_argument("--user-len", type=int, nargs=2, default=d.user_len, metavar=("MIN", "MAX"),
+    ap.add_argument("--user-len", type=number("positive_int"), nargs=2, action=MinMax,
+                    default=d.user_len, metavar=("MIN", "MAX"),
                     help="tokens of a user message")
-    ap.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"),
+    ap.add_argument("--output-len", type=number("positive_int"), nargs=2, action=MinMax,
+                    default=d.output_len, metavar=("MIN", "MAX"),
                     help="tokens of a reply")
-    ap.add_argument("--max-turns", type=int, default=d.max_turns, help="turns of a conversation, 1 to this")
-    ap.add_argument("--think-s", type=float, default=d.think_s,
+    ap.add_argument("--max-turns", type=number("positive_int"), default=d.max_turns,
+                    help="turns of a conversation, 1 to this")
+    ap.add_argument("--think-s", type=number("non_negative_number"), default=d.think_s,
                     help="mean seconds between a conversation's turns (open conversations = rate x this)")
 
 

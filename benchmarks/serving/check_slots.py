@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters, write_random_weights
+from serve_bridge.command_line import Parser, number
 from serve_bridge.vllm.versions import has_v1_runner, runner_environment
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -366,11 +367,11 @@ def engine_order(engines: list[str], pairs: list[str] | None, v1_runner: bool = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_slots"))
-    ap.add_argument("--requests", type=int, default=320)
-    ap.add_argument("--budget-s", type=float, default=240, help="do not start an engine past this")
+    ap.add_argument("--requests", type=number("positive_int"), default=320)
+    ap.add_argument("--budget-s", type=number("positive_number"), default=240, help="do not start an engine past this")
     ap.add_argument("--invariance", nargs="*", choices=sorted(INVARIANCE_PAIRS), metavar="PAIR",
                     help="also check (f) on stock vLLM: each named pair (default: all of "
                          f"{', '.join(INVARIANCE_PAIRS)}) runs an engine with max_num_seqs 128 and 16")

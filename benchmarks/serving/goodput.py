@@ -92,6 +92,7 @@ from typing import Any
 from benchmarks.serving import bench, vllm_settings
 from benchmarks.serving.synthetic import write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
+from serve_bridge.command_line import Parser, number
 from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import SUPPORTED, installed_version
 
@@ -741,24 +742,32 @@ def run_modes(doc: dict[str, Any], args: argparse.Namespace, start: float, deadl
 def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the SLO, the rate sweep, the call's budget and the server (shared with
     :mod:`benchmarks.serving.chat`)."""
-    ap.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_ms, help="SLO on the P90 time to first token")
-    ap.add_argument("--tpot-slo-ms", type=float, default=Slo.tpot_ms, help="SLO on the P90 time per output token")
-    ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per rate")
-    ap.add_argument("--min-prompts", type=int, default=200, help="requests per rate at least")
-    ap.add_argument("--probe-prompts", type=int, default=512, help="requests of the all-at-once capacity probe")
-    ap.add_argument("--start-rate", type=float, default=None, metavar="R",
+    ap.add_argument("--ttft-slo-ms", type=number("positive_number"), default=Slo.ttft_ms,
+                    help="SLO on the P90 time to first token")
+    ap.add_argument("--tpot-slo-ms", type=number("positive_number"), default=Slo.tpot_ms,
+                    help="SLO on the P90 time per output token")
+    ap.add_argument("--duration-s", type=number("positive_number"), default=20.0, help="seconds of arrivals per rate")
+    ap.add_argument("--min-prompts", type=number("positive_int"), default=200, help="requests per rate at least")
+    ap.add_argument("--probe-prompts", type=number("positive_int"), default=512,
+                    help="requests of the all-at-once capacity probe")
+    ap.add_argument("--start-rate", type=number("positive_number"), default=None, metavar="R",
                     help="first rate (req/s) of every mode, instead of a fraction of the probe's throughput")
-    ap.add_argument("--start-fraction", type=float, default=0.5, help="first rate as a fraction of the probe's req/s")
-    ap.add_argument("--factor", type=float, default=Sweep.factor, help="ladder step between rates")
-    ap.add_argument("--tolerance", type=float, default=Sweep.tolerance,
+    ap.add_argument("--start-fraction", type=number("positive_number"), default=0.5,
+                    help="first rate as a fraction of the probe's req/s")
+    ap.add_argument("--factor", type=number("above_one"), default=Sweep.factor, help="ladder step between rates")
+    ap.add_argument("--tolerance", type=number("positive_number"), default=Sweep.tolerance,
                     help="stop once the lowest rate missing the SLO is within this of the highest meeting it")
-    ap.add_argument("--min-rate", type=float, default=Sweep.min_rate, help="the lowest rate tried (req/s)")
-    ap.add_argument("--budget-s", type=float, default=560, help="the whole call's time; no rate starts past it")
-    ap.add_argument("--min-mode-s", type=float, default=180, help="do not start a server with less time left")
-    ap.add_argument("--ready-timeout-s", type=float, default=300, help="vllm serve's start-up, at most")
-    ap.add_argument("--client-overhead-s", type=float, default=30,
+    ap.add_argument("--min-rate", type=number("positive_number"), default=Sweep.min_rate,
+                    help="the lowest rate tried (req/s)")
+    ap.add_argument("--budget-s", type=number("positive_number"), default=560,
+                    help="the whole call's time; no rate starts past it")
+    ap.add_argument("--min-mode-s", type=number("non_negative_number"), default=180,
+                    help="do not start a server with less time left")
+    ap.add_argument("--ready-timeout-s", type=number("positive_number"), default=300,
+                    help="vllm serve's start-up, at most")
+    ap.add_argument("--client-overhead-s", type=number("non_negative_number"), default=30,
                     help="a client run's time besides serving (start-up, dataset), until one is measured")
-    ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    ap.add_argument("--port", type=number("port"), default=0, help="the server's port (default: a free one)")
 
 
 def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[str],
@@ -773,16 +782,17 @@ def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[
     ap.add_argument("--append", action="store_true",
                     help=f"keep the other modes of OUT/{name}.json (same vLLM, model, workload and SLO): one table "
                          "over several calls")
-    ap.add_argument("--max-loras", type=int, default=32, help="adapter slots (vLLM's max_loras)")
+    ap.add_argument("--max-loras", type=number("positive_int"), default=32, help="adapter slots (vLLM's max_loras)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     add_table_arguments(ap, "goodput", MODES, DEFAULT_MODES)
-    ap.add_argument("--adapters", type=int, default=512, help="adapters registered with --lora-modules")
-    ap.add_argument("--requests", type=int, default=bench.N_REQUESTS,
+    ap.add_argument("--adapters", type=number("positive_int"), default=512,
+                    help="adapters registered with --lora-modules")
+    ap.add_argument("--requests", type=number("positive_int"), default=bench.N_REQUESTS,
                     help="requests of bench.py's workload the bundle's k are profiled on")
-    ap.add_argument("--seed", type=int, default=0, help="the bundle's workload and vllm bench serve's seed")
+    ap.add_argument("--seed", type=number("seed"), default=0, help="the bundle's workload and vllm bench serve's seed")
     vllm_settings.add_arguments(ap)
     add_sweep_arguments(ap)
     return orchestrate(ap.parse_args(argv))

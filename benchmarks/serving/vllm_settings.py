@@ -16,6 +16,8 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from serve_bridge.command_line import number
+
 GRAPHS = ("default", "full", "decode")
 GRAPH_LABEL = {"full": "full CUDA graphs", "decode": "decode-only CUDA graphs"}
 CUDAGRAPH_MODE = {"full": "FULL", "decode": "FULL_DECODE_ONLY"}
@@ -88,7 +90,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "CUDA graphs")
     g.add_argument("--sync", action="store_true", help="synchronous scheduling (vLLM's async scheduling off)")
     g.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off")
-    g.add_argument("--capture-sizes", type=int, nargs="+", default=None, metavar="SIZE",
+    g.add_argument("--capture-sizes", type=number("positive_int"), nargs="+", default=None, metavar="SIZE",
                    help=f"CUDA-graph sizes (default: vLLM's with --graphs default, else {' '.join(map(str, CAPTURE_SIZES))})")
 
 

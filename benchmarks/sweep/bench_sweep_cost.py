@@ -31,6 +31,7 @@ from labeling.labels import build_requests
 from predictors.candidates import Candidates
 from predictors.heads import load_heads
 from predictors.sweep import ForkPlanner
+from serve_bridge.command_line import Parser, existing_dir, need_files, number
 from serve_bridge.steptrim import ProfiledPolicy, StepTrim
 
 
@@ -42,11 +43,14 @@ def measured(engine, fn: Callable[[], object]) -> tuple[object, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--n", type=int, default=8, help="validation requests (the first N of the split)")
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=existing_dir, required=True, help="a run directory whose heads stage finished")
+    ap.add_argument("--n", type=number("positive_int"), default=8,
+                    help="validation requests (the first N of the split)")
     ap.add_argument("--naive", action="store_true", help="also regenerate every candidate (slow)")
     args = ap.parse_args()
+    need_files("--run", args.run, [".hydra/overrides.yaml", "heads/heads.safetensors", "heads/candidates.json"],
+               "a run whose heads stage finished")
     register()
     overrides = [str(o) for o in OmegaConf.load(f"{args.run}/.hydra/overrides.yaml") if not str(o).startswith("hydra.")]
     with initialize_config_module(config_module="conf", version_base=None):

@@ -10,14 +10,12 @@ over the adapter's full-LoRA tokens), then per release point.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from predictors.candidates import Candidates
 from predictors.sweep import RequestTree, load_trees
+from serve_bridge.command_line import Parser, existing_dir, need_files
 
 
 @dataclass
@@ -75,14 +73,11 @@ def render(rows: Sequence[Breakdown], ks: Sequence[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", type=Path, required=True, help="a run directory whose sweep stage finished")
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", type=existing_dir, required=True, help="a run directory whose sweep stage finished")
     args = ap.parse_args(argv)
+    need_files("--run", args.run, ["sweep/trees.parquet", "heads/candidates.json"], "a run whose sweep stage finished")
     trees_path, cands_path = args.run / "sweep" / "trees.parquet", args.run / "heads" / "candidates.json"
-    for p in (trees_path, cands_path):
-        if not p.exists():
-            print(f"tree_breakdown: {p} does not exist: give a run directory whose sweep stage finished", file=sys.stderr)
-            return 2
     ks = Candidates.load(cands_path).ks
     print(render(breakdown(load_trees(trees_path), ks), ks))
     return 0

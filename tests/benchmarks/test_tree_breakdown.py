@@ -1,4 +1,6 @@
 """The sweep-tree breakdown: tokens per adapter split by profiled and learned-only release points."""
+import pytest
+
 from benchmarks.sweep import tree_breakdown as tb
 from predictors.candidates import Candidates
 from predictors.sweep import RequestTree, save_trees
@@ -32,6 +34,7 @@ def test_cli_on_a_run_directory(tmp_path, capsys):
 
 
 def test_cli_refuses_a_run_without_a_sweep(tmp_path, capsys):
-    assert tb.main(["--run", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        tb.main(["--run", str(tmp_path)])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "trees.parquet does not exist" in err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "has no sweep/trees.parquet" in err

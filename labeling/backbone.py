@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from labeling.options import CheckedOptions
+from serve_bridge.safe_write import publish_first, remove, scratch_dir_for
 from serve_bridge.values import OptionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,14 +129,20 @@ def resolve_backbone_dir(spec: BackboneSpec) -> str:
     del config.quantization_config
     plain = type(model)(config)
     plain.load_state_dict(model.state_dict())
-    # Write into a scratch dir and rename: an interrupted conversion is never reused.
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / ".converted").write_text(spec.gguf_file)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    # Assembled in a scratch directory of its own and renamed into place: an interrupted conversion
+    # is never reused, and processes converting at once (two runs on a fresh machine) each publish
+    # a whole one; the first rename wins and the others find it in place.
+    scratch = scratch_dir_for(out)
+    try:
+        plain.save_pretrained(scratch)
+        tok.save_pretrained(scratch)
+        (scratch / ".converted").write_text(spec.gguf_file)
+    except BaseException:
+        remove(scratch)
+        raise
+    if os.path.lexists(out) and not (out / ".converted").is_file():
+        remove(out)  # what a conversion before this scheme left
+    publish_first(scratch, out)
     return str(out)
 
 

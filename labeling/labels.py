@@ -15,12 +15,13 @@ again, and progress and cost estimates count the shards done before.
 """
 from __future__ import annotations
 
+import io
 import json
 import shutil
-from functools import partial
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -224,15 +225,13 @@ def _shard_files(shard_dir: Path, i: int) -> dict[str, Path]:
 
 
 def _write_shard(done: Path, files: dict[str, Path], df: pd.DataFrame, h: np.ndarray, stats: ShardStats) -> None:
-    """Write one shard's points and features (each via a rename), then its marker with their sha256
-    and the shard's stats."""
-    tmp_pq = files["points"].with_name(files["points"].name + ".tmp")
-    tmp_npy = files["features"].with_suffix(".tmp.npy")
+    """Write one shard's points and features, then its marker with their sha256 and the shard's
+    stats; each file under a fresh temporary name renamed into place (:func:`write_atomic`)."""
     done.unlink(missing_ok=True)
-    df.to_parquet(tmp_pq, index=False)
-    np.save(tmp_npy, h)
-    tmp_pq.replace(files["points"])
-    tmp_npy.replace(files["features"])
+    features = io.BytesIO()
+    np.save(features, h)
+    write_atomic(files["points"], df.to_parquet(index=False))
+    write_atomic(files["features"], features.getvalue())
     write_atomic(done, json.dumps({"rows": len(df), "stats": asdict(stats),
                                    "sha256": {k: file_sha256(p) for k, p in files.items()}}))
 

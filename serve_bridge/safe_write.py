@@ -138,6 +138,20 @@ def publish_dir(scratch: Path, path: Path) -> None:
         remove(old)
 
 
+def publish_first(scratch: Path, path: Path) -> bool:
+    """Rename the assembled directory ``scratch`` to ``path`` where nothing is there yet; where
+    another process published ``path`` first (a non-empty directory), delete ``scratch`` and keep
+    theirs. True iff this call published it."""
+    try:
+        os.rename(scratch, path)
+        return True
+    except OSError:
+        if not path.is_dir():
+            raise
+        remove(scratch)
+        return False
+
+
 def own_file(path: Path) -> None:
     """If ``path`` is a regular file with more than one name (a hard link, e.g. in a ``cp -al``
     copy), replace it with a copy of its own (:func:`write_atomic`), so that writing to it changes

@@ -234,12 +234,10 @@ def test_launch_config_follows_the_output_layout():
     assert layouts == {(n + 24, 1), (n, 1)}
 
 
-@needs_triton
-def test_traced_path_runs_the_same_launches(monkeypatch):
-    """While torch.compile traces, add_lora_linear / shrink / expand go through the registered
-    ``torch.ops.lorazor`` ops; in eager mode they call the implementations directly. Both paths
-    must write the same bits."""
-    gen = torch.Generator().manual_seed(11)
+def _one_step(seed: int) -> tuple:
+    """(A, B, metadata, work list, mapping, x, y, shrink buffer) of one step: adapters 0 and 3 and
+    rows without one, the metadata prepared and the work list refreshed from it."""
+    gen = torch.Generator().manual_seed(seed)
     a, b = _weights(gen)
     meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
     wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
@@ -248,8 +246,18 @@ def test_traced_path_runs_the_same_launches(monkeypatch):
     gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
     rows = mapping.numel()
     x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
-    y0 = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
-    buf0 = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
+    y = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
+    buf = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
+    return a, b, meta, wl, mapping, x, y, buf
+
+
+@needs_triton
+def test_traced_path_runs_the_same_launches(monkeypatch):
+    """While torch.compile traces, add_lora_linear / shrink / expand go through the registered
+    ``torch.ops.lorazor`` ops; in eager mode they call the implementations directly. Both paths
+    must write the same bits."""
+    a, b, meta, wl, mapping, x, y0, buf0 = _one_step(11)
+    rows = mapping.numel()
     used = []
     spies = {name: (lambda *args, name=name, op=op: used.append(name) or op(*args)) for name, op in gridtrim._OPS.items()}
     monkeypatch.setattr(gridtrim, "_OPS", spies)
@@ -278,20 +286,10 @@ def test_ops_pass_torch_opcheck():
     """``torch.library.opcheck`` on each registered op with real arguments: the schema declares
     every mutation (only ``y`` changes), the fake kernel agrees with the real one, and AOT dispatch
     with dynamic shapes (what vLLM's Inductor compilation runs) functionalizes the call."""
-    gen = torch.Generator().manual_seed(5)
-    a, b = _weights(gen)
-    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
-    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    mapping = _mapping({-1: 4, 0: 9, 3: 7}, gen)
-    meta.prepare(mapping)
-    gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
-    rows = mapping.numel()
-    m = LoRABatchMeta.from_vllm_meta_args(meta.meta_args(rows))
+    a, b, meta, wl, mapping, x, y, buf = _one_step(5)
+    m = LoRABatchMeta.from_vllm_meta_args(meta.meta_args(mapping.numel()))
     tables = (m.token_lora_mapping, m.token_indices_sorted, m.num_tokens_per_slot, m.slot_start_loc,
               m.slot_lora_ids, wl.tile_lora, wl.tile_tokens, wl.num_tiles, wl.positions, wl.block_m)
-    x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
-    y = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
-    buf = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
     cases = {gridtrim.OP_NAME: (y.clone(), x, list(a), list(b), *tables, 0.5, 0, True, PROGRAMS),
              gridtrim.SHRINK_OP: (buf.clone(), x, list(a), *tables, 0.5, PROGRAMS),
              gridtrim.EXPAND_OP: (y.clone(), buf, list(b), *tables, 0, True, PROGRAMS)}

@@ -72,7 +72,10 @@ bench() {  # table, then bench arguments
 import json, sys
 from benchmarks.serving.bench import settings_tag
 table, path = sys.argv[1], sys.argv[2]
-rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
+try:
+    rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
+except OSError:
+    sys.exit(f"slot-bound {table}: no table ({path} was not written; the bench's own message is above)")
 ratios = [f"both/{m} = {rows['both']['req_per_s'] / rows[m]['req_per_s']:.2f}"
           for m in ("gridtrim", "stock", "nolora") if "both" in rows and m in rows]
 tag = settings_tag(next(iter(rows.values()))) if rows else ""

@@ -70,7 +70,7 @@ bench() {  # table, then bench arguments
         ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${SETTINGS:-} || rc=1
     python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
 import json, sys
-from benchmarks.serving.bench import settings_tag
+from benchmarks.serving.bench_table import settings_tag
 table, path = sys.argv[1], sys.argv[2]
 try:
     rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}

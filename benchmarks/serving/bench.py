@@ -47,8 +47,9 @@ path are the mode's, and fails otherwise. The realized skip of the StepTrim mode
 the plugin's counters over ``collective_rpc``.
 
 With ``--arrival-rate R`` each engine instead serves the requests open-loop: request i is added
-through vLLM V1's ``LLMEngine.add_request`` at its Poisson arrival time (:func:`arrival_times`,
-seeded) while the harness drives ``step()``; the table then gives P50/P90 TTFT and TPOT, and
+through vLLM V1's ``LLMEngine.add_request`` at its Poisson arrival time (seeded,
+:func:`benchmarks.serving.bench_workload.arrival_times`) while the harness drives ``step()``; the
+table then gives P50/P90 TTFT and TPOT, and
 "vs stock" is stock's TPOT P50 over the mode's.
 
 The first stock engine starts while the adapters are being written. Each engine serves one
@@ -57,7 +58,8 @@ offline, ``LLM.generate``'s own loop with each engine step timed (:func:`serve_o
 notes give the step count and P50/P90/max step time). The table is rewritten to
 ``OUT/bench.txt`` after every run, so a run cut short still leaves the finished rows.
 
-Workload generation (:func:`make_workload`) is pure and seeded, and is tested on CPU.
+The workload (:mod:`benchmarks.serving.bench_workload`) is pure and seeded, and is tested on CPU; the
+report is :mod:`benchmarks.serving.bench_table`.
 """
 from __future__ import annotations
 
@@ -68,65 +70,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.serving import interleave, vllm_settings
+from benchmarks.serving.bench_table import render, round_notes, run_note, slot_table
+from benchmarks.serving.bench_workload import (N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, TARGET_SKIP, Workload,
+                                               arrival_times, workload_for)
+from benchmarks.serving.host_memory import (adapter_bytes, host_bytes_needed, host_memory_available,
+                                            host_memory_problem)
 from benchmarks.serving.interleave import Turns
+from benchmarks.serving.synthetic import (LLAMA31_8B, LLAMA32_3B, MISTRAL_7B, write_model_config,
+                                          write_random_adapters)
 from benchmarks.serving.vllm_settings import VllmSettings
-from benchmarks.serving.synthetic import lora_targets, write_model_config, write_random_adapters
 from serve_bridge.command_line import Parser, number
-from serve_bridge.steptrim import skip_fraction
 from serve_bridge.vllm.versions import installed_version as installed_vllm
 
 
-# Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
-# rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope
-# (model_executor/models/llama.py:240-244; rope_type 'llama3' → Llama3RotaryEmbedding).
-LLAMA32_3B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
-    "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
-}
-# Mistral-7B-v0.3's config.json (vLLM 0.26 registers MistralForCausalLM in
-# model_executor/models/registry.py:168, a LlamaForCausalLM subclass in mistral.py:230).
-MISTRAL_7B = {
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-    "sliding_window": None, "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
-# Llama-3.1-8B's config.json (the production-shaped table: rank-16 adapters, about 84 MB each).
-LLAMA31_8B = {**LLAMA32_3B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "tie_word_embeddings": False}
 MODELS = {"llama3b": LLAMA32_3B, "mistral7b": MISTRAL_7B, "llama8b": LLAMA31_8B}
 MODEL_NAME = {"llama3b": "Llama-3.2-3B", "mistral7b": "Mistral-7B-v0.3", "llama8b": "Llama-3.1-8B"}
 RANK = 8  # the default adapter rank (--rank); alpha is 2 × rank, so every rank scales its update by 2
 # distinct weight files; adapter a's is a hard link to file a mod K (synthetic.write_random_adapters)
 DISTINCT_WEIGHTS = 32
-N_REQUESTS = 2048
-PROMPT_LEN = (100, 300)  # inclusive
-OUTPUT_LEN = (20, 100)  # inclusive
 MAX_NUM_SEQS = 256  # running requests per engine (every mode)
-TARGET_SKIP = 0.5
-HOT_ADAPTERS, HOT_TRAFFIC = 0.2, 0.8  # --skewed: 80% of requests on 20% of the adapters
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
 # nolora: the backbone alone (enable_lora=False, the same requests without adapters), the ceiling
 # any LoRA speed-up is bounded by; opt-in through --modes.
 DEFAULT_MODES = ("stock", "gridtrim", "steptrim", "both")
-MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
-              "steptrim": "steptrim (release, vLLM's LoRA kernels)",
-              "both": "steptrim + gridtrim (release, our LoRA kernels)",
-              "nolora": "no LoRA (backbone alone: the ceiling)",
-              "stockfix": "stock + one registry read per step (the plugin's vLLM fix alone)"}
 STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
 GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
 # vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
@@ -141,111 +113,7 @@ WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "st
 REGISTRY = {mode: "once per step" for mode in MODES} | {"stock": "per adapter", "nolora": None}
 
 
-# -- workload (pure) ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Workload:
-    """One request set and its profiled release schedule.
-
-    adapter[i], prompt[i], max_tokens[i]: request i's adapter index (0 … N−1), prompt token
-    ids and output length. k[a]: adapter a's profiled release point. planned_skip: the skip
-    fraction of decode forwards that k implies for these output lengths.
-    """
-
-    n_adapters: int
-    skewed: bool
-    adapter: list[int]
-    prompt: list[list[int]]
-    max_tokens: list[int]
-    k: list[int]
-    planned_skip: float
-
-    def releases(self) -> list[int]:
-        """Each request's release point r (its adapter's k)."""
-        return [self.k[a] for a in self.adapter]
-
-
-def hot_adapter_count(n_adapters: int) -> int:
-    """Adapters in the hot set of skewed traffic: 20% of them, at least one, never all."""
-    return min(max(1, round(HOT_ADAPTERS * n_adapters)), max(1, n_adapters - 1))
-
-
-def assign_adapters(n_requests: int, n_adapters: int, skewed: bool, rng: np.random.Generator) -> list[int]:
-    """Adapter index per request: uniform, or 80% of requests uniformly on the hot set
-    (adapters 0 … hot−1) and the rest uniformly on the others."""
-    if n_adapters < 1:
-        raise ValueError(f"need at least one adapter, got {n_adapters}")
-    if not skewed or n_adapters == 1:
-        return rng.integers(0, n_adapters, n_requests).tolist()
-    hot = hot_adapter_count(n_adapters)
-    on_hot = rng.random(n_requests) < HOT_TRAFFIC
-    return np.where(on_hot, rng.integers(0, hot, n_requests), rng.integers(hot, n_adapters, n_requests)).tolist()
-
-
-def choose_k(lengths: Sequence[int], target: float = TARGET_SKIP) -> int:
-    """The release point k whose skip fraction over these output lengths is nearest the
-    target (the smaller k on a tie). Empty lengths → 0.
-
-    The skip fraction does not grow with k, so a bisection finds the smallest k at or below
-    the target; the answer is it or the k before it."""
-    if not lengths:
-        return 0
-
-    def skip(k: int) -> float:
-        return skip_fraction(lengths, [k] * len(lengths))
-
-    lo, hi = 0, max(0, max(lengths) - 1)  # skip(hi) = 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if skip(mid) <= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo > 0 and abs(skip(lo - 1) - target) <= abs(skip(lo) - target):
-        return lo - 1
-    return lo
-
-
-def profiled_ks(adapter: Sequence[int], lengths: Sequence[int], n_adapters: int,
-                target: float = TARGET_SKIP) -> list[int]:
-    """Per adapter, :func:`choose_k` over its own requests' output lengths (an adapter without
-    requests gets the k of all lengths)."""
-    by_adapter: list[list[int]] = [[] for _ in range(n_adapters)]
-    for a, n in zip(adapter, lengths):
-        by_adapter[a].append(n)
-    fallback = choose_k(lengths, target)
-    return [choose_k(ls, target) if ls else fallback for ls in by_adapter]
-
-
-def make_workload(n_adapters: int, n_requests: int = N_REQUESTS, *, skewed: bool = False, seed: int = 0,
-                  prompt_len: tuple[int, int] = PROMPT_LEN, output_len: tuple[int, int] = OUTPUT_LEN,
-                  vocab_size: int = LLAMA32_3B["vocab_size"], target_skip: float = TARGET_SKIP) -> Workload:
-    """The seeded request set. Prompts and output lengths depend on the seed only (not on the
-    adapter count or traffic), so runs with different N serve the same requests."""
-    rng = np.random.default_rng([seed, 0])
-    plens = rng.integers(prompt_len[0], prompt_len[1] + 1, n_requests)
-    lengths = rng.integers(output_len[0], output_len[1] + 1, n_requests).tolist()
-    tokens = rng.integers(3, vocab_size, int(plens.sum())).tolist()
-    starts = np.concatenate([[0], np.cumsum(plens)[:-1]]).tolist()
-    prompts = [tokens[s:s + int(p)] for s, p in zip(starts, plens)]
-    adapter = assign_adapters(n_requests, n_adapters, skewed, np.random.default_rng([seed, 1, int(skewed)]))
-    ks = profiled_ks(adapter, lengths, n_adapters, target_skip)
-    planned = skip_fraction(lengths, [ks[a] for a in adapter])
-    return Workload(n_adapters, skewed, adapter, prompts, lengths, ks, planned)
-
-
-def arrival_times(n_requests: int, rate: float, seed: int = 0) -> list[float]:
-    """Open-loop Poisson arrivals: seconds after the start at which each request arrives, in order.
-
-    Gaps are exponential with mean 1/rate (seeded, independent of the workload's draws); the
-    first request arrives at 0."""
-    if not rate > 0:
-        raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
-    if n_requests <= 0:
-        return []
-    gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, n_requests)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
+# -- measurements of a run -----------------------------------------------------------------
 
 
 def latency_summary(arrival: Sequence[float], first_token: Sequence[float], finish: Sequence[float],
@@ -336,50 +204,11 @@ def _prep_key(adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: i
     return {"config": cfg, "rank": rank, "adapters": max(adapters), "distinct": DISTINCT_WEIGHTS}
 
 
-def adapter_bytes(cfg: dict[str, Any], rank: int) -> int:
-    """One adapter's weights as its file holds them (bf16): A (rank × in) and B (out × rank) of
-    q,k,v,o,gate,up,down in every layer."""
-    return 2 * rank * cfg["num_hidden_layers"] * sum(i + o for _, i, o in lora_targets(cfg).values())
-
-
-def host_bytes_needed(cfg: dict[str, Any], rank: int, n_adapters: int, max_loras: int | None,
-                      max_cpu_loras: int | None) -> int:
-    """Host memory one LoRA engine keeps for adapters, at most: every adapter vLLM keeps loaded
-    (``max_cpu_loras``, default all of them, at least ``max_loras``), twice: its loaded weights and
-    the plugin's pinned slot image (``serve_bridge/slot_copy.py``)."""
-    loaded = max(max_cpu_loras or n_adapters, max_loras or n_adapters)
-    return 2 * loaded * adapter_bytes(cfg, rank)
-
-
-def host_memory_available() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes; None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_memory_problem(needed: int, available: int | None, share: float = 0.9) -> str | None:
-    """A line saying why ``needed`` bytes do not fit ``share`` of ``available``, else None."""
-    if available is None or needed <= share * available:
-        return None
-    return (f"the adapters kept in host memory need about {needed / 2**30:.1f} GiB (loaded weights and a pinned slot "
-            f"image each) and {available / 2**30:.1f} GiB is available: give fewer --adapters or --max-cpu-loras")
-
-
 def drop_stale_stamp(work: Path, adapters: Sequence[int], cfg: dict[str, Any] = LLAMA32_3B, rank: int = RANK) -> None:
     """Remove ``work/prepared.json`` unless it was written for these adapters and this model."""
     stamp = work / "prepared.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") != _prep_key(adapters, cfg, rank):
         stamp.unlink()
-
-
-def workload_for(n: int, n_requests: int, skewed: bool, seed: int, cfg: dict[str, Any] = LLAMA32_3B) -> Workload:
-    """The bench's workload for this model (prompt token ids drawn below its vocabulary size)."""
-    return make_workload(n, n_requests, skewed=skewed, seed=seed, vocab_size=cfg["vocab_size"])
 
 
 def prepare(work: Path, adapters: Sequence[int], skewed: bool, n_requests: int, seed: int,
@@ -838,11 +667,6 @@ def profile_workload(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
 
 # -- orchestration ----------------------------------------------------------------------------
 
-HEADER = "| adapters | traffic | mode | req/s | output tok/s | realized skip | vs stock |"
-# --arrival-rate: open-loop latency; "vs stock" is then stock's TPOT P50 over the row's
-LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50 ms | TTFT P90 ms | TPOT P50 ms | "
-                  "TPOT P90 ms | realized skip | vs stock (TPOT P50) |")
-
 
 def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
     """(pass, mode) in run order: pass 0 runs ``modes`` as given, and each later pass reverses
@@ -850,103 +674,6 @@ def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
     GPU's clocks) falls on every mode alike once ratios are taken within each pass
     (:func:`benchmarks.serving.interleave.round_order`, the order of interleaved rounds too)."""
     return [(k, m) for k in range(passes) for m in interleave.round_order(modes, k)]
-
-
-def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
-    """The notes' line of a finished engine: its runs, start-up, steps, host probe and release counters."""
-    runs_s = row.get("elapsed_runs_s", [])
-    c = row["counters"]
-    return (f"{label}: generate {row['elapsed_s']:.1f} s"
-            + (f" (median of {'/'.join(f'{r:.1f}' for r in runs_s)} s)" if len(runs_s) > 1 else "")
-            + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, subprocess {took_s:.0f} s"
-            + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f}/"
-               f"{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
-            + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
-               f"{row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
-            + ("" if c is None else
-               f"; {c['skipped_forwards']}/{c['decode_forwards']} decode forwards skipped (planned "
-               f"{row['planned_skip']:.3f}), {c['released_requests']} requests released, decision "
-               f"{c['decision_ms_mean']:.2f} ms/step"))
-
-
-def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
-    """Interleaved runs: each round's order and run times, then both's speed ratio to every other mode
-    round by round, with the median."""
-    nth_run = {e.mode: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
-    lines = [f"N={n} round {r + 1}: " + (", ".join(f"{m} {next(nth_run[m]):.2f} s" for m in order) or "no engine ran")
-             for r, order in enumerate(orders)]
-    if "both" in nth_run:
-        for other in nth_run:
-            if other != "both" and (ratios := interleave.round_ratios(engines, "both", other)):
-                lines.append(f"N={n} both/{other} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
-                             f"(median {float(np.median(ratios)):.3f})")
-    return lines
-
-
-def settings_tag(r: dict[str, Any]) -> str:
-    """What the row's vLLM settings change from vLLM's defaults (a row names its settings; the
-    harness refuses to append rows of other settings to a table, so a row without them is the
-    table's, the defaults)."""
-    return VllmSettings(**r.get("settings", {})).tag
-
-
-def mode_label(r: dict[str, Any]) -> str:
-    """The row's mode as the table names it, with what its vLLM settings change from the defaults."""
-    tag = settings_tag(r)
-    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "")
-
-
-def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
-    traffic = "skewed 80/20" if r["skewed"] else "uniform"
-    if r.get("pass", 0):
-        traffic += f", pass {r['pass'] + 1}"
-    width = 7 if latency else 3  # empty cells after the error
-    if "error" in r:
-        return f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['error']} |" + " |" * width
-    skip = "—" if r["counters"] is None else f"{r['counters']['realized_skip']:.3f}"
-    ok = stock is not None and "error" not in stock
-    if latency:
-        ratio = "1.00" if r["mode"] == "stock" else (f"{stock['tpot_p50_ms'] / r['tpot_p50_ms']:.2f}" if ok else "—")
-        lat = " | ".join(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"))
-        return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
-                f"{r['output_tok_per_s']:.0f} | {lat} | {skip} | {ratio} |")
-    ratio = "1.00" if r["mode"] == "stock" else (f"{r['req_per_s'] / stock['req_per_s']:.2f}" if ok else "—")
-    return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
-            f"{r['output_tok_per_s']:.0f} | {skip} | {ratio} |")
-
-
-def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
-    def key(r: dict[str, Any]) -> tuple:  # a row's ratio is to the stock row of its own settings too
-        return r["adapters"], r["skewed"], r.get("pass", 0), settings_tag(r)
-
-    stock = {key(r): r for r in rows if r["mode"] == "stock"}
-    header = LATENCY_HEADER if latency else HEADER
-    lines = preamble + ["", header, "|" + "---|" * header.count(" | ") + "---|"]
-    lines += [format_row(r, stock.get(key(r)), latency) for r in rows]
-    return "\n".join(lines + [""] + notes) + "\n"
-
-
-SLOT_HEADER = ("| adapters | traffic | mode | max_loras | req/s | steps | mean running | mean slots held | "
-               "model: steps | model: mean running | model: mean slots held | model: slot loads | "
-               "model: forwards with adapter |")
-
-
-def slot_table(rows: list[dict[str, Any]]) -> str:
-    """Slot statistics of the rows that have them (:class:`SlotStats`) beside the capacity
-    model's prediction (:func:`predicted_slots`; rows measured before it counted slot loads show
-    —); empty when none has."""
-    have = [r for r in rows if "slot_steps" in r]
-    if not have:
-        return ""
-    lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
-    for r in have:
-        traffic = "skewed 80/20" if r["skewed"] else "uniform"
-        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
-                     f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
-                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} | "
-                     f"{r.get('model_slot_loads', '—')} | "
-                     + (f"{r['model_lora_share']:.1%} |" if "model_lora_share" in r else "— |"))
-    return "\n".join(lines) + "\n"
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ random weights at a trained model's scale (:func:`write_random_weights`); the
 adapters are real peft directories (``adapter_config.json`` + ``adapter_model.safetensors``)
 with non-zero random A and B in bf16, so LoRA changes outputs. Where a text path needs a
 tokenizer (``vllm serve`` and ``vllm bench serve``), :func:`write_word_tokenizer` gives the model
-directory one whose token i is the word ``t<i>``.
+directory one whose token i is the word ``t<i>``. The model shapes (:data:`LLAMA32_3B`,
+:data:`MISTRAL_7B`, :data:`LLAMA31_8B`) are those models' own ``config.json``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,31 @@ from pathlib import Path
 from typing import Any
 
 from serve_bridge.bundle import adapter_fingerprint
+
+# Llama-3.2-3B's config.json with its llama3 rope scaling. transformers 5 folds rope_theta and
+# rope_scaling into rope_parameters, and vLLM 0.26's llama loader hands those to get_rope
+# (model_executor/models/llama.py:240-244; rope_type 'llama3' → Llama3RotaryEmbedding).
+LLAMA32_3B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+# Mistral-7B-v0.3's config.json (vLLM 0.26 registers MistralForCausalLM in
+# model_executor/models/registry.py:168, a LlamaForCausalLM subclass in mistral.py:230).
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "sliding_window": None, "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+# Llama-3.1-8B's config.json (the production-shaped table: rank-16 adapters, about 84 MB each).
+LLAMA31_8B = {**LLAMA32_3B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "tie_word_embeddings": False}
 
 
 def lora_targets(cfg: dict[str, Any]) -> dict[str, tuple[str, int, int]]:

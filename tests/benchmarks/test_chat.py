@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import bench, chat, chat_bundle, goodput
+from benchmarks.serving import bench, chat, chat_bundle, goodput, synthetic
 from benchmarks.serving.goodput import HarnessError, Slo
 from predictors.heads import Head
 from tests.benchmarks.test_goodput import flags
@@ -196,7 +196,7 @@ def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
     head = Head("a00", np.linspace(-1, 1, 8).astype(np.float32), 0.25, 3, 9, 4, "ok")
     entries = [chat_bundle.learned_entry(bench.adapter_name(a), f"{a:064x}", head, -0.5, {"heldout_skip": 0.5})
                for a in range(4)]
-    given = chat_bundle.write_learned_bundle(tmp_path / "given", entries, bench.LLAMA32_3B | {"hidden_size": 8})
+    given = chat_bundle.write_learned_bundle(tmp_path / "given", entries, synthetic.LLAMA32_3B | {"hidden_size": 8})
     chat_bundle.summary_path(given).write_text(json.dumps({"planned_skip": 0.497, "heldout_requests": 512}))
     args = _args(tmp_path, bundle=given)
     args.out.mkdir()

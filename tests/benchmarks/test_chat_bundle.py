@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.serving import bench, chat_bundle
+from benchmarks.serving import bench, chat_bundle, synthetic
 from benchmarks.serving.chat_bundle import Captured
 from serve_bridge.bundle import load_bundle
 from serve_bridge.steptrim import LearnedPolicy, StepTrim, skip_fraction
@@ -110,7 +110,7 @@ def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
     _, heads, held = fitted
     fps = {bench.adapter_name(a): f"{a:064x}" for a in range(4)}
     entries, _ = chat_bundle.bundle_entries(heads, held, fps, n_adapters=4)
-    cfg = bench.LLAMA32_3B | {"hidden_size": H}
+    cfg = synthetic.LLAMA32_3B | {"hidden_size": H}
     path = chat_bundle.write_learned_bundle(tmp_path / "learned", entries, cfg)
     bundle = load_bundle(path, expected_hidden_size=H, known_adapters=list(fps))
     assert sorted(bundle.adapters) == list(fps) and all(isinstance(p, LearnedPolicy) for p in bundle.policies.values())

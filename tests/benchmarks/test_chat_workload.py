@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from benchmarks.serving import bench
+from benchmarks.serving import bench, synthetic
 from benchmarks.serving.chat_workload import (ID_RANGE, ChatShape, chat_rows, pool_for, popularity, prep_rows,
                                               stream_key, system_prompts, words, write_dataset)
 from benchmarks.serving.synthetic import write_word_tokenizer
@@ -117,8 +117,8 @@ def test_dataset_file_as_vllms_custom_dataset_reads_it(tmp_path, rows):
     assert first == {"prompt": words(rows[0].prompt), "output_tokens": rows[0].output_tokens,
                      "adapter": names[rows[0].adapter], "conversation": rows[0].conversation, "turn": rows[0].turn}
     model = tmp_path / "model"
-    (model.mkdir(), (model / "config.json").write_text(json.dumps(bench.LLAMA32_3B)))
-    write_word_tokenizer(model, bench.LLAMA32_3B)
+    (model.mkdir(), (model / "config.json").write_text(json.dumps(synthetic.LLAMA32_3B)))
+    write_word_tokenizer(model, synthetic.LLAMA32_3B)
     tok = transformers.AutoTokenizer.from_pretrained(model)
     for (_, item), r in zip(frame.iterrows(), rows[:50]):
         assert int(item["output_tokens"]) == r.output_tokens

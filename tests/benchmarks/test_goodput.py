@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import bench, goodput
+from benchmarks.serving import bench, bench_workload, goodput, synthetic
 from benchmarks.serving.goodput import Slo, Sweep
 from benchmarks.serving.synthetic import write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
@@ -43,13 +43,13 @@ def tokenizer(tmp_path_factory):
     AutoTokenizer with the directory's config (tokenizers/registry.py:276-278, tokenizers/hf.py:183)."""
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text(json.dumps(bench.LLAMA32_3B))
-    write_word_tokenizer(d, bench.LLAMA32_3B)
+    (d / "config.json").write_text(json.dumps(synthetic.LLAMA32_3B))
+    write_word_tokenizer(d, synthetic.LLAMA32_3B)
     return transformers.AutoTokenizer.from_pretrained(d, config=transformers.AutoConfig.from_pretrained(d))
 
 
 def test_tokenizer_has_the_models_vocabulary(tokenizer):
-    assert tokenizer.vocab_size == len(tokenizer) == bench.LLAMA32_3B["vocab_size"] == 128256
+    assert tokenizer.vocab_size == len(tokenizer) == synthetic.LLAMA32_3B["vocab_size"] == 128256
     assert max(tokenizer.get_vocab().values()) == 128255  # vLLM's max_token_id (tokenizers/hf.py:123-133)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (128000, 128001)
     assert sorted(tokenizer.all_special_ids) == [128000, 128001]
@@ -84,8 +84,8 @@ def test_random_dataset_lengths_are_bench_ranges():
     def interval(mean: int, ratio: float) -> tuple[int, int]:
         return max(math.floor(mean * (1 - ratio)), 1), max(math.ceil(mean * (1 + ratio)), 1)
 
-    assert interval(*goodput.RANDOM_INPUT) == bench.PROMPT_LEN == (100, 300)
-    assert interval(*goodput.RANDOM_OUTPUT) == bench.OUTPUT_LEN == (20, 100)
+    assert interval(*goodput.RANDOM_INPUT) == bench_workload.PROMPT_LEN == (100, 300)
+    assert interval(*goodput.RANDOM_OUTPUT) == bench_workload.OUTPUT_LEN == (20, 100)
 
 
 # -- commands and environments ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving import bench, interleave
+from benchmarks.serving import bench, bench_table, bench_workload, host_memory, interleave, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ def test_round_notes_give_each_round_and_boths_ratios():
         return interleave.Engine(mode, None, None, None, runs)
 
     engines = [engine("both", [10.0, 11.0]), engine("gridtrim", [11.0, 11.0]), engine("nolora", [9.0])]
-    notes = bench.round_notes(128, engines, [["both", "gridtrim", "nolora"], ["gridtrim", "both"]])
+    notes = bench_table.round_notes(128, engines, [["both", "gridtrim", "nolora"], ["gridtrim", "both"]])
     assert notes == ["N=128 round 1: both 10.00 s, gridtrim 11.00 s, nolora 9.00 s",
                      "N=128 round 2: gridtrim 11.00 s, both 11.00 s",
                      "N=128 both/gridtrim round by round: 1.100, 1.000 (median 1.050)",
@@ -125,12 +125,12 @@ def test_round_notes_give_each_round_and_boths_ratios():
 
 
 def test_kv_cache_for_engines_sharing_the_gpu():
-    cfg = bench.LLAMA32_3B
+    cfg = synthetic.LLAMA32_3B
     per_token = 2 * 28 * 8 * 128 * 2
-    need = bench.MAX_NUM_SEQS * (bench.PROMPT_LEN[1] + bench.OUTPUT_LEN[1]) * per_token
+    need = bench.MAX_NUM_SEQS * (bench_workload.PROMPT_LEN[1] + bench_workload.OUTPUT_LEN[1]) * per_token
     got = bench.interleaved_kv_cache_bytes(cfg)
     assert need < got < 1.5 * need and 13 * 2**30 < got < 16 * 2**30
-    assert bench.interleaved_kv_cache_bytes(bench.LLAMA31_8B) > got  # more layers
+    assert bench.interleaved_kv_cache_bytes(synthetic.LLAMA31_8B) > got  # more layers
     opts = bench.engine_options(128, mode="both", kv_cache_bytes=got)
     assert opts["kv_cache_memory_bytes"] == got and opts["gpu_memory_utilization"] == 0.1
     assert "kv_cache_memory_bytes" not in bench.engine_options(128, mode="both")
@@ -146,7 +146,7 @@ def test_interleave_needs_repeats_and_offline_runs(extra, capsys):
 
 
 def test_interleave_counts_every_lora_engine_in_host_memory(tmp_path, monkeypatch, capsys):
-    one = bench.host_bytes_needed(bench.LLAMA32_3B, 8, 128, None, None)
+    one = host_memory.host_bytes_needed(synthetic.LLAMA32_3B, 8, 128, None, None)
     monkeypatch.setattr(bench, "host_memory_available", lambda: int(1.5 * one))  # one engine fits, two do not
     argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--adapters", "128",
             "--modes", "both", "gridtrim", "nolora", "--repeats", "3", "--interleave"]

@@ -1,0 +1,124 @@
+"""The offline serving benchmark's report (:mod:`benchmarks.serving.bench`): its table of req/s
+(or, open loop, TTFT and TPOT) per (adapters, traffic, mode) with each row's ratio to the stock row
+of its own pass and settings, the slot statistics beside the capacity model's prediction, and the
+notes' line per engine and per interleaved round."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.serving import interleave
+from benchmarks.serving.vllm_settings import VllmSettings
+
+HEADER = "| adapters | traffic | mode | req/s | output tok/s | realized skip | vs stock |"
+
+
+# --arrival-rate: open-loop latency; "vs stock" is then stock's TPOT P50 over the row's
+LATENCY_HEADER = ("| adapters | traffic | mode | req/s | output tok/s | TTFT P50 ms | TTFT P90 ms | TPOT P50 ms | "
+                  "TPOT P90 ms | realized skip | vs stock (TPOT P50) |")
+
+
+MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no release)",
+              "steptrim": "steptrim (release, vLLM's LoRA kernels)",
+              "both": "steptrim + gridtrim (release, our LoRA kernels)",
+              "nolora": "no LoRA (backbone alone: the ceiling)",
+              "stockfix": "stock + one registry read per step (the plugin's vLLM fix alone)"}
+
+
+def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
+    """The notes' line of a finished engine: its runs, start-up, steps, host probe and release counters."""
+    runs_s = row.get("elapsed_runs_s", [])
+    c = row["counters"]
+    return (f"{label}: generate {row['elapsed_s']:.1f} s"
+            + (f" (median of {'/'.join(f'{r:.1f}' for r in runs_s)} s)" if len(runs_s) > 1 else "")
+            + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, subprocess {took_s:.0f} s"
+            + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f}/"
+               f"{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
+            + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
+               f"{row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
+            + ("" if c is None else
+               f"; {c['skipped_forwards']}/{c['decode_forwards']} decode forwards skipped (planned "
+               f"{row['planned_skip']:.3f}), {c['released_requests']} requests released, decision "
+               f"{c['decision_ms_mean']:.2f} ms/step"))
+
+
+def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
+    """Interleaved runs: each round's order and run times, then both's speed ratio to every other mode
+    round by round, with the median."""
+    nth_run = {e.mode: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
+    lines = [f"N={n} round {r + 1}: " + (", ".join(f"{m} {next(nth_run[m]):.2f} s" for m in order) or "no engine ran")
+             for r, order in enumerate(orders)]
+    if "both" in nth_run:
+        for other in nth_run:
+            if other != "both" and (ratios := interleave.round_ratios(engines, "both", other)):
+                lines.append(f"N={n} both/{other} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
+                             f"(median {float(np.median(ratios)):.3f})")
+    return lines
+
+
+def settings_tag(r: dict[str, Any]) -> str:
+    """What the row's vLLM settings change from vLLM's defaults (a row names its settings; the
+    harness refuses to append rows of other settings to a table, so a row without them is the
+    table's, the defaults)."""
+    return VllmSettings(**r.get("settings", {})).tag
+
+
+def mode_label(r: dict[str, Any]) -> str:
+    """The row's mode as the table names it, with what its vLLM settings change from the defaults."""
+    tag = settings_tag(r)
+    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "")
+
+
+def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
+    traffic = "skewed 80/20" if r["skewed"] else "uniform"
+    if r.get("pass", 0):
+        traffic += f", pass {r['pass'] + 1}"
+    width = 7 if latency else 3  # empty cells after the error
+    if "error" in r:
+        return f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['error']} |" + " |" * width
+    skip = "—" if r["counters"] is None else f"{r['counters']['realized_skip']:.3f}"
+    ok = stock is not None and "error" not in stock
+    if latency:
+        ratio = "1.00" if r["mode"] == "stock" else (f"{stock['tpot_p50_ms'] / r['tpot_p50_ms']:.2f}" if ok else "—")
+        lat = " | ".join(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"))
+        return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
+                f"{r['output_tok_per_s']:.0f} | {lat} | {skip} | {ratio} |")
+    ratio = "1.00" if r["mode"] == "stock" else (f"{r['req_per_s'] / stock['req_per_s']:.2f}" if ok else "—")
+    return (f"| {r['adapters']} | {traffic} | {mode_label(r)} | {r['req_per_s']:.1f} | "
+            f"{r['output_tok_per_s']:.0f} | {skip} | {ratio} |")
+
+
+def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
+    def key(r: dict[str, Any]) -> tuple:  # a row's ratio is to the stock row of its own settings too
+        return r["adapters"], r["skewed"], r.get("pass", 0), settings_tag(r)
+
+    stock = {key(r): r for r in rows if r["mode"] == "stock"}
+    header = LATENCY_HEADER if latency else HEADER
+    lines = preamble + ["", header, "|" + "---|" * header.count(" | ") + "---|"]
+    lines += [format_row(r, stock.get(key(r)), latency) for r in rows]
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+SLOT_HEADER = ("| adapters | traffic | mode | max_loras | req/s | steps | mean running | mean slots held | "
+               "model: steps | model: mean running | model: mean slots held | model: slot loads | "
+               "model: forwards with adapter |")
+
+
+def slot_table(rows: list[dict[str, Any]]) -> str:
+    """Slot statistics of the rows that have them (:class:`benchmarks.serving.bench.SlotStats`) beside
+    the capacity model's prediction (:func:`benchmarks.serving.bench.predicted_slots`; rows measured
+    before it counted slot loads show —); empty when none has."""
+    have = [r for r in rows if "slot_steps" in r]
+    if not have:
+        return ""
+    lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
+    for r in have:
+        traffic = "skewed 80/20" if r["skewed"] else "uniform"
+        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
+                     f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
+                     f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} | "
+                     f"{r.get('model_slot_loads', '—')} | "
+                     + (f"{r['model_lora_share']:.1%} |" if "model_lora_share" in r else "— |"))
+    return "\n".join(lines) + "\n"

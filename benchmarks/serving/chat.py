@@ -85,7 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, bench_workload, goodput
+from benchmarks.serving import bench, goodput
+from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
                                               shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
@@ -397,7 +398,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     args.out.mkdir(parents=True, exist_ok=True)
-    goodput.prepare_files(args.work, shape.n_adapters, bench_workload.N_REQUESTS, args.seed)  # model, tokenizer, adapters
+    goodput.prepare_files(args.work, shape.n_adapters, N_REQUESTS, args.seed)  # model, tokenizer, adapters
     doc = goodput.load_table(args.out / "chat.json", preamble(args, version, slo, shape), args.append)
     if doc is None:
         print(f"{args.out}/chat.json holds another vLLM, model or workload: give another --out", file=sys.stderr)

@@ -50,8 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, bench_workload, synthetic
+from benchmarks.serving import bench
+from benchmarks.serving.bench_workload import TARGET_SKIP, choose_k
 from benchmarks.serving.chat_workload import Row, add_shape_arguments, prep_rows, shape_from
+from benchmarks.serving.synthetic import LLAMA32_3B
 from predictors.heads import Head, fit_head
 from serve_bridge.bundle import AdapterEntry, config_fingerprint, write_bundle
 from serve_bridge.command_line import Parser, existing_dir, need_files, number, report
@@ -99,7 +101,7 @@ def planned_skip(entry: AdapterEntry, requests: Sequence[Captured]) -> float:
 
 def half_release(length: int) -> int:
     """The release point whose skip of a ``length``-token response's decode forwards is nearest a half."""
-    return bench_workload.choose_k([length], 0.5)
+    return choose_k([length], 0.5)
 
 
 # -- fitting ---------------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def fit_adapter_heads(fit: Sequence[Captured]) -> dict[int, Head]:
 
 
 def choose_tau(name: str, fingerprint: str, head: Head, stats: dict[str, Any], heldout: Sequence[Captured],
-               target: float = bench_workload.TARGET_SKIP) -> tuple[AdapterEntry, float]:
+               target: float = TARGET_SKIP) -> tuple[AdapterEntry, float]:
     """The adapter's learned entry whose planned skip over ``heldout`` is nearest ``target`` (the
     smaller τ on a tie), and that skip. The skip grows with τ and changes only where τ passes a
     score, so the candidates are the float32 values just above each held-out score (s < τ iff
@@ -158,7 +160,7 @@ def choose_tau(name: str, fingerprint: str, head: Head, stats: dict[str, Any], h
 
 
 def bundle_entries(heads: Mapping[int, Head], heldout: Sequence[Captured], fingerprints: Mapping[str, str],
-                   n_adapters: int, target: float = bench_workload.TARGET_SKIP) -> tuple[list[AdapterEntry], dict[str, Any]]:
+                   n_adapters: int, target: float = TARGET_SKIP) -> tuple[list[AdapterEntry], dict[str, Any]]:
     """Learned entries for the ``n_adapters`` served names (adapter a: the head and τ of
     distinct adapter a mod len(heads), :func:`choose_tau` on that adapter's held-out requests),
     and the summary: the planned skip over all held-out requests and each distinct adapter's
@@ -182,7 +184,7 @@ def bundle_entries(heads: Mapping[int, Head], heldout: Sequence[Captured], finge
     return entries, {"planned_skip": planned, "heldout_requests": len(heldout), "adapters": per_adapter}
 
 
-def write_learned_bundle(directory: Path, entries: Sequence[AdapterEntry], cfg: Mapping[str, Any] = synthetic.LLAMA32_3B,
+def write_learned_bundle(directory: Path, entries: Sequence[AdapterEntry], cfg: Mapping[str, Any] = LLAMA32_3B,
                          ) -> Path:
     """The entries as a bundle for the dummy model of ``cfg``."""
     return write_bundle(directory, backbone=BACKBONE, hidden_size=cfg["hidden_size"],
@@ -246,7 +248,7 @@ def prepare_bundle(args: argparse.Namespace) -> dict[str, Any]:
     distinct = min(bench.DISTINCT_WEIGHTS, shape.n_adapters)
     names = [bench.adapter_name(a) for a in range(distinct)]
     fingerprints = json.loads((args.work / "prepared.json").read_text())["fingerprints"]
-    hidden = synthetic.LLAMA32_3B["hidden_size"]
+    hidden = LLAMA32_3B["hidden_size"]
     seconds: dict[str, float] = {}
     t0 = time.monotonic()
     llm = capture_engine(args.work, names)
@@ -291,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="requests per adapter τ is set on")
     ap.add_argument("--capture-every", type=number("positive_int"), default=CAPTURE_EVERY,
                     help="forwards between captured h_t")
-    ap.add_argument("--target-skip", type=number("probability"), default=bench_workload.TARGET_SKIP,
+    ap.add_argument("--target-skip", type=number("probability"), default=TARGET_SKIP,
                     help="planned skip τ aims at")
     add_shape_arguments(ap)
     args = ap.parse_args(argv)

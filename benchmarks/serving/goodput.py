@@ -89,8 +89,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import bench, bench_table, bench_workload, host_memory, synthetic, vllm_settings
-from benchmarks.serving.synthetic import write_word_tokenizer
+from benchmarks.serving import bench, vllm_settings
+from benchmarks.serving.bench_table import MODE_LABEL
+from benchmarks.serving.bench_workload import N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, workload_for
+from benchmarks.serving.host_memory import host_bytes_needed, host_memory_available, host_memory_problem
+from benchmarks.serving.synthetic import LLAMA32_3B, write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.command_line import Parser, number
 from serve_bridge.steptrim import skip_fraction
@@ -100,7 +103,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]  # `vllm`, also with vLLM only on PYTHONPATH
 MODES = ("stock", "gridtrim", "steptrim", "both", "nolora")  # bench.py's, less stockfix (in-process only)
 DEFAULT_MODES = ("both", "gridtrim", "stock")
-# (mean, range ratio) of vLLM's random dataset giving bench_workload.PROMPT_LEN and bench_workload.OUTPUT_LEN (module doc).
+# (mean, range ratio) of vLLM's random dataset giving PROMPT_LEN and OUTPUT_LEN (module doc).
 RANDOM_INPUT = (200, 0.5)
 RANDOM_OUTPUT = (60, 0.66)
 PERCENTILES = (50, 90, 99)
@@ -188,7 +191,7 @@ def predicted_wall_s(rate: float, n_prompts: int, overhead_s: float, capacity: f
     return overhead_s + n_prompts / served_at
 
 
-def expected_skip(ks: Sequence[int], output_len: tuple[int, int] = bench_workload.OUTPUT_LEN) -> float:
+def expected_skip(ks: Sequence[int], output_len: tuple[int, int] = OUTPUT_LEN) -> float:
     """The skip fraction release points ``ks`` (one per adapter) converge to when every adapter
     and every output length in the inclusive range are equally likely: :func:`skip_fraction` over
     all (adapter, length) pairs."""
@@ -360,7 +363,7 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
     best, low_miss = goodput_rate(points_of(entry, slo))
     probe = [f"{r['request_throughput']:.1f}" for r in entry["rows"] if r["rate"] is None]
     ratio = f"{best / stock:.2f}" if best and stock else "—"
-    return (f"| {bench_table.MODE_LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
+    return (f"| {MODE_LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
             f"{'none' if low_miss is None else f'{low_miss:g}'} | {probe[0] if probe else '—'} | {ratio} |")
 
 
@@ -397,7 +400,7 @@ def render(doc: dict[str, Any], slo: Slo) -> str:
     stock = goodput_rate(points_of(modes["stock"], slo))[0] if "stock" in modes else None
     lines = doc["preamble"] + ["", SUMMARY_HEADER, table_rule(SUMMARY_HEADER)]
     lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
-    lines += mode_sections(modes, slo, bench_table.MODE_LABEL, HEADER, format_row)
+    lines += mode_sections(modes, slo, MODE_LABEL, HEADER, format_row)
     return "\n".join(lines + [""] + doc["notes"] + ["", doc["ratio"]]) + "\n"
 
 
@@ -642,8 +645,8 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int]
         f"tokens; {args.adapters} rank-{bench.RANK} random peft adapters "
         f"({min(bench.DISTINCT_WEIGHTS, args.adapters)} distinct weight files), --lora-modules, max_loras {args.max_loras}; server: "
         + json.dumps({k: v for k, v in server.items() if k not in ("skip_tokenizer_init", "specialize_active_lora")}),
-        f"workload: vllm bench serve's random dataset, prompts {bench_workload.PROMPT_LEN[0]}-{bench_workload.PROMPT_LEN[1]} tokens, "
-        f"outputs {bench_workload.OUTPUT_LEN[0]}-{bench_workload.OUTPUT_LEN[1]} tokens (uniform), ignore_eos, temperature 1.0, an adapter "
+        f"workload: vllm bench serve's random dataset, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens, "
+        f"outputs {OUTPUT_LEN[0]}-{OUTPUT_LEN[1]} tokens (uniform), ignore_eos, temperature 1.0, an adapter "
         f"per request uniformly at random, seed {args.seed}; Poisson arrivals, per rate max({args.min_prompts}, "
         f"rate x {args.duration_s:g} s) requests; SLO: P90 TTFT <= {slo.ttft_ms:g} ms and P90 TPOT <= "
         f"{slo.tpot_ms:g} ms, every request completed",
@@ -664,8 +667,8 @@ def prepare_files(work: Path, n_adapters: int, n_requests: int, seed: int) -> tu
     """Model directory with the word tokenizer, adapters and the profiled bundle (:func:`bench.prepare`,
     kept when already written); returns the bundle, its k per adapter and its planned skip."""
     bench.prepare(work, [n_adapters], False, n_requests, seed)
-    write_word_tokenizer(work / "model", synthetic.LLAMA32_3B)
-    wl = bench_workload.workload_for(n_adapters, n_requests, False, seed)
+    write_word_tokenizer(work / "model", LLAMA32_3B)
+    wl = workload_for(n_adapters, n_requests, False, seed)
     return bench.bundle_dir(work, n_adapters, False, n_requests, seed), list(wl.k), wl.planned_skip
 
 
@@ -686,8 +689,8 @@ def refusal(name: str, version: str | None, versions: Sequence[str], why: str, n
     (``why`` those), or host memory short of ``n_adapters`` kept adapters; None when it may run."""
     if version not in versions:
         return f"{name} runs on vLLM {' or '.join(versions)} ({why}); found {version or 'no vLLM'}"
-    needed = host_memory.host_bytes_needed(synthetic.LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
-    problem = host_memory.host_memory_problem(needed, host_memory.host_memory_available())
+    needed = host_bytes_needed(LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
+    problem = host_memory_problem(needed, host_memory_available())
     return None if problem is None else f"{name}: {problem}"
 
 
@@ -790,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_table_arguments(ap, "goodput", MODES, DEFAULT_MODES)
     ap.add_argument("--adapters", type=number("positive_int"), default=512,
                     help="adapters registered with --lora-modules")
-    ap.add_argument("--requests", type=number("positive_int"), default=bench_workload.N_REQUESTS,
+    ap.add_argument("--requests", type=number("positive_int"), default=N_REQUESTS,
                     help="requests of bench.py's workload the bundle's k are profiled on")
     ap.add_argument("--seed", type=number("seed"), default=0, help="the bundle's workload and vllm bench serve's seed")
     vllm_settings.add_arguments(ap)

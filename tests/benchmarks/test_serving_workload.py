@@ -11,30 +11,35 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from benchmarks.serving import bench, bench_table, bench_workload, host_memory, synthetic, vllm_settings
+from benchmarks.serving import bench, vllm_settings
+from benchmarks.serving.bench_table import (HEADER, LATENCY_HEADER, MODE_LABEL, SLOT_HEADER, format_row, mode_label,
+                                            render, slot_table)
+from benchmarks.serving.bench_workload import (N_REQUESTS, arrival_times, choose_k, hot_adapter_count, make_workload,
+                                               profiled_ks, workload_for)
+from benchmarks.serving.host_memory import adapter_bytes, host_bytes_needed, host_memory_available, host_memory_problem
+from benchmarks.serving.synthetic import LLAMA32_3B, MISTRAL_7B, lora_targets
 from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.bundle import adapter_fingerprint, load_bundle
 from serve_bridge.steptrim import ProfiledPolicy, skip_fraction
-from benchmarks.serving.synthetic import lora_targets
 from tests.serve_bridge.vllm.test_scheduler import sched  # noqa: F401 - fixture: the scheduler over a vLLM stand-in
 
 
 @pytest.fixture(scope="module")
 def workloads():
-    return {(n, skewed): bench_workload.make_workload(n, skewed=skewed) for n in (4, 128) for skewed in (False, True)}
+    return {(n, skewed): make_workload(n, skewed=skewed) for n in (4, 128) for skewed in (False, True)}
 
 
 def test_seeded(workloads):
-    again = bench_workload.make_workload(128)
+    again = make_workload(128)
     assert again == workloads[(128, False)]
-    other = bench_workload.make_workload(128, seed=1)
+    other = make_workload(128, seed=1)
     assert other.prompt != again.prompt and other.max_tokens != again.max_tokens and other.adapter != again.adapter
 
 
 @pytest.mark.parametrize("n,skewed", [(4, False), (4, True), (128, False), (128, True)])
 def test_lengths_in_range(workloads, n, skewed):
     wl = workloads[(n, skewed)]
-    assert len(wl.prompt) == len(wl.max_tokens) == len(wl.adapter) == bench_workload.N_REQUESTS == 2048
+    assert len(wl.prompt) == len(wl.max_tokens) == len(wl.adapter) == N_REQUESTS == 2048
     assert min(map(len, wl.prompt)) >= 100 and max(map(len, wl.prompt)) <= 300
     assert min(wl.max_tokens) >= 20 and max(wl.max_tokens) <= 100
     assert min(min(p) for p in wl.prompt) >= 3 and max(max(p) for p in wl.prompt) < 128256
@@ -60,7 +65,7 @@ def test_uniform_traffic(workloads, n):
 
 @pytest.mark.parametrize("n,hot", [(4, 1), (128, 26)])
 def test_skewed_share(workloads, n, hot):
-    assert bench_workload.hot_adapter_count(n) == hot
+    assert hot_adapter_count(n) == hot
     assert abs(hot / n - 0.2) <= 0.05  # ≈ 20% of the adapters (1 of 4 is the nearest)
     adapter = workloads[(n, True)].adapter
     share = sum(a < hot for a in adapter) / len(adapter)
@@ -69,10 +74,10 @@ def test_skewed_share(workloads, n, hot):
 
 
 def test_skewed_edge_cases():
-    assert bench_workload.hot_adapter_count(1) == 1 and bench_workload.hot_adapter_count(2) == 1
-    assert bench_workload.make_workload(1, 50, skewed=True).adapter == [0] * 50
+    assert hot_adapter_count(1) == 1 and hot_adapter_count(2) == 1
+    assert make_workload(1, 50, skewed=True).adapter == [0] * 50
     with pytest.raises(ValueError):
-        bench_workload.make_workload(0, 10)
+        make_workload(0, 10)
 
 
 @pytest.mark.parametrize("n,skewed", [(4, False), (4, True), (128, False), (128, True)])
@@ -93,13 +98,13 @@ def test_choose_k_is_the_nearest():
         lengths = [rnd.randint(1, 60) for _ in range(rnd.randint(1, 12))]
         target = rnd.random()
         brute = min(range(max(lengths)), key=lambda k: (abs(skip_fraction(lengths, [k] * len(lengths)) - target), k))
-        assert bench_workload.choose_k(lengths, target) == brute
-    assert bench_workload.choose_k([]) == 0 and bench_workload.choose_k([1, 1]) == 0
-    assert bench_workload.profiled_ks([0, 0], [21, 21], 3) == [10, 10, 10]  # adapters without requests: k of all lengths
+        assert choose_k(lengths, target) == brute
+    assert choose_k([]) == 0 and choose_k([1, 1]) == 0
+    assert profiled_ks([0, 0], [21, 21], 3) == [10, 10, 10]  # adapters without requests: k of all lengths
 
 
 def test_llama32_3b_config_and_targets():
-    cfg = synthetic.LLAMA32_3B
+    cfg = LLAMA32_3B
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["intermediate_size"], cfg["vocab_size"]) == (3072, 28, 24, 8, 8192, 128256)
     assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3"
@@ -111,7 +116,7 @@ def test_llama32_3b_config_and_targets():
 
 def test_config_loads_with_llama3_rope(tmp_path):
     transformers = pytest.importorskip("transformers")
-    (tmp_path / "config.json").write_text(json.dumps(synthetic.LLAMA32_3B))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA32_3B))
     cfg = transformers.AutoConfig.from_pretrained(tmp_path)
     rope = cfg.rope_parameters
     assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0 and rope["rope_theta"] == 500000.0
@@ -144,11 +149,11 @@ def test_second_line_settings_and_their_labels():
     assert decode["mode"] == 0 and decode["cudagraph_mode"] == "FULL_DECODE_ONLY"
     row = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
            "counters": None, "settings": sync_full.as_dict()}
-    assert bench_table.format_row(row, row) == ("| 4 | uniform | stock [full CUDA graphs, sync, prefix caching off] | 10.0 | "
+    assert format_row(row, row) == ("| 4 | uniform | stock [full CUDA graphs, sync, prefix caching off] | 10.0 | "
                                           "600 | — | 1.00 |")
-    assert bench_table.mode_label(row | {"settings": VllmSettings().as_dict()}) == "stock"
+    assert mode_label(row | {"settings": VllmSettings().as_dict()}) == "stock"
     both = row | {"mode": "both", "req_per_s": 30.0}
-    table = bench_table.render([], [row, row | {"settings": VllmSettings().as_dict(), "req_per_s": 20.0},
+    table = render([], [row, row | {"settings": VllmSettings().as_dict(), "req_per_s": 20.0},
                               both | {"settings": VllmSettings().as_dict()}], [])
     assert "| 4 | uniform | steptrim + gridtrim (release, our LoRA kernels) | 30.0 | 600 | — | 1.50 |" in table
     assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (True, True), (False, True),
@@ -176,7 +181,7 @@ def test_target_modules_and_tensor_parallel_apply_to_every_mode():
 
 def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
     """The adapters come from the GPU tests' writer; the bundle's fingerprints match them."""
-    tiny = {**synthetic.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    tiny = {**LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
     fps = bench.write_model_and_adapters(tmp_path, 40, tiny)  # more than the GPU tests' own 32
     assert json.loads((tmp_path / "model" / "config.json").read_text()) == tiny
@@ -185,7 +190,7 @@ def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
     peft = json.loads((tmp_path / "adapters" / "a00" / "adapter_config.json").read_text())
     assert peft["r"] == 8 and set(peft["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"}
-    wl = bench_workload.make_workload(40, 256)
+    wl = make_workload(40, 256)
     bundle = load_bundle(bench.write_profiled_bundle(tmp_path / "b", wl, fps, tiny), expected_hidden_size=64,
                          known_adapters=list(fps))
     assert bundle.policies == {bench.adapter_name(a): ProfiledPolicy(wl.k[a]) for a in range(40)}
@@ -197,26 +202,26 @@ def test_adapters_and_bundle_on_a_tiny_model(tmp_path):
 
 
 def test_adapter_bytes_are_the_adapter_files_tensors(tmp_path):
-    tiny = {**synthetic.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    tiny = {**LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
     for rank in (4, 8):
         bench.write_model_and_adapters(tmp_path / str(rank), 1, tiny, rank)
         path = tmp_path / str(rank) / "adapters" / bench.adapter_name(0) / "adapter_model.safetensors"
         with safe_open(str(path), "pt") as f:
             stored = sum(f.get_tensor(k).nbytes for k in f.keys())
-        assert host_memory.adapter_bytes(tiny, rank) == stored
-    assert host_memory.adapter_bytes(synthetic.LLAMA32_3B, 8) / 1e6 == pytest.approx(24.3, abs=0.1)  # the tables' adapters
-    assert host_memory.adapter_bytes(bench.MODELS["llama8b"], 16) / 1e6 == pytest.approx(83.9, abs=0.1)
+        assert adapter_bytes(tiny, rank) == stored
+    assert adapter_bytes(LLAMA32_3B, 8) / 1e6 == pytest.approx(24.3, abs=0.1)  # the tables' adapters
+    assert adapter_bytes(bench.MODELS["llama8b"], 16) / 1e6 == pytest.approx(83.9, abs=0.1)
 
 
 def test_host_memory_preflight(tmp_path, monkeypatch, capsys):
-    one = host_memory.adapter_bytes(synthetic.LLAMA32_3B, 8)
-    assert host_memory.host_bytes_needed(synthetic.LLAMA32_3B, 8, 512, 32, None) == 2 * 512 * one
-    assert host_memory.host_bytes_needed(synthetic.LLAMA32_3B, 8, 512, 32, 64) == 2 * 64 * one
-    assert host_memory.host_bytes_needed(synthetic.LLAMA32_3B, 8, 16, 32, 8) == 2 * 32 * one  # vLLM raises it to max_loras
-    assert host_memory.host_memory_problem(10, 100) is None and host_memory.host_memory_problem(10**12, None) is None
-    assert "give fewer --adapters" in host_memory.host_memory_problem(95, 100)
-    available = host_memory.host_memory_available()
+    one = adapter_bytes(LLAMA32_3B, 8)
+    assert host_bytes_needed(LLAMA32_3B, 8, 512, 32, None) == 2 * 512 * one
+    assert host_bytes_needed(LLAMA32_3B, 8, 512, 32, 64) == 2 * 64 * one
+    assert host_bytes_needed(LLAMA32_3B, 8, 16, 32, 8) == 2 * 32 * one  # vLLM raises it to max_loras
+    assert host_memory_problem(10, 100) is None and host_memory_problem(10**12, None) is None
+    assert "give fewer --adapters" in host_memory_problem(95, 100)
+    available = host_memory_available()
     assert available is None or available > 0
     monkeypatch.setattr(bench, "host_memory_available", lambda: 4 * 2**30)
     rc = bench.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--adapters", "512"])
@@ -233,12 +238,12 @@ def test_table_rows():
     trim = {**stock, "mode": "steptrim", "req_per_s": 42.0, "counters": {"realized_skip": 0.5001}}
     both = {**stock, "mode": "both", "req_per_s": 60.0, "output_tok_per_s": 3600.0,
             "counters": {"realized_skip": 0.4996}}
-    text = bench_table.render(["pre"], [stock, grid, trim, both, {"mode": "stock", "adapters": 4, "skewed": True,
+    text = render(["pre"], [stock, grid, trim, both, {"mode": "stock", "adapters": 4, "skewed": True,
                                                            "error": "timed out"},
                                   {"mode": "gridtrim", "adapters": 4, "skewed": True, "req_per_s": 9.0,
                                    "output_tok_per_s": 500.0, "counters": None}], ["note"])
     lines = text.splitlines()
-    assert lines[2] == bench_table.HEADER
+    assert lines[2] == HEADER
     assert lines[4] == "| 128 | uniform | stock | 40.0 | 2400 | — | 1.00 |"
     assert lines[5] == "| 128 | uniform | gridtrim (our LoRA kernels, no release) | 50.0 | 2400 | — | 1.25 |"
     assert lines[6] == "| 128 | uniform | steptrim (release, vLLM's LoRA kernels) | 42.0 | 2400 | 0.500 | 1.05 |"
@@ -258,7 +263,7 @@ def test_passes_alternate_the_order_and_compare_within_a_pass():
     row = {"adapters": 128, "skewed": False, "output_tok_per_s": 1.0, "counters": None}
     rows = [{**row, "mode": m, "req_per_s": r, "pass": k}
             for k, m, r in ((0, "stock", 40.0), (0, "gridtrim", 60.0), (1, "gridtrim", 45.0), (1, "stock", 30.0))]
-    lines = bench_table.render(["pre"], rows, []).splitlines()
+    lines = render(["pre"], rows, []).splitlines()
     assert lines[5].endswith("| 60.0 | 1 | — | 1.50 |")
     assert lines[6] == "| 128 | uniform, pass 2 | gridtrim (our LoRA kernels, no release) | 45.0 | 1 | — | 1.50 |"
     assert lines[7].startswith("| 128 | uniform, pass 2 | stock | 30.0 |")
@@ -267,7 +272,7 @@ def test_passes_alternate_the_order_and_compare_within_a_pass():
 def test_modes_and_their_engines():
     assert bench.DEFAULT_MODES == ("stock", "gridtrim", "steptrim", "both")
     assert bench.MODES == bench.DEFAULT_MODES + ("nolora", "stockfix")
-    assert set(bench_table.MODE_LABEL) == set(bench.MODES)
+    assert set(MODE_LABEL) == set(bench.MODES)
     # stockfix differs from stock only by the registry fix it installs in-process, not by options
     assert bench.engine_options(4, mode="stockfix") == bench.engine_options(4, mode="stock")
     spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.DEFAULT_MODES}
@@ -360,17 +365,17 @@ def test_mistral7b_config_and_workload():
     assert cfg["tie_word_embeddings"] is False and (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
     t = lora_targets(cfg)
     assert t["q_proj"][1:] == (4096, 4096) and t["k_proj"][1:] == (4096, 1024) and t["down_proj"][1:] == (14336, 4096)
-    wl = bench_workload.workload_for(8, 256, False, 0, cfg)
-    ref = bench_workload.make_workload(8, 256)
+    wl = workload_for(8, 256, False, 0, cfg)
+    ref = make_workload(8, 256)
     assert max(max(p) for p in wl.prompt) < 32768 and min(min(p) for p in wl.prompt) >= 3
     assert [len(p) for p in wl.prompt] == [len(p) for p in ref.prompt] and wl.max_tokens == ref.max_tokens
     assert wl.adapter == ref.adapter and wl.k == ref.k
-    assert bench_workload.workload_for(8, 256, False, 0, synthetic.LLAMA32_3B) == ref
+    assert workload_for(8, 256, False, 0, LLAMA32_3B) == ref
 
 
 def test_mistral7b_config_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
-    (tmp_path / "config.json").write_text(json.dumps(synthetic.MISTRAL_7B))
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B))
     cfg = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(cfg).__name__ == "MistralConfig" and cfg.head_dim == 128 and cfg.num_key_value_heads == 8
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
@@ -378,7 +383,7 @@ def test_mistral7b_config_loads(tmp_path):
 
 
 def test_model_switch_restamps_the_work_dir(tmp_path):
-    tiny = {**synthetic.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    tiny = {**LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
     bench.prepare(tmp_path, [3], False, 32, 0, tiny)
     assert json.loads((tmp_path / "prepared.json").read_text())["key"] == bench._prep_key([3], tiny)
@@ -389,19 +394,19 @@ def test_model_switch_restamps_the_work_dir(tmp_path):
 
 
 def test_poisson_arrivals():
-    t = bench_workload.arrival_times(4000, 20.0, seed=0)
+    t = arrival_times(4000, 20.0, seed=0)
     assert len(t) == 4000 and t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
     gaps = [b - a for a, b in zip(t, t[1:])]
     mean = sum(gaps) / len(gaps)
     assert abs(mean - 1 / 20) < 0.05 / 20 * 4  # within ~4 standard errors of the exponential mean
     assert sum(g < 1 / 20 for g in gaps) / len(gaps) == pytest.approx(1 - 2.718281828 ** -1, abs=0.03)
-    assert bench_workload.arrival_times(4000, 20.0, seed=0) == t and bench_workload.arrival_times(4000, 20.0, seed=1) != t
-    assert bench_workload.arrival_times(0, 5.0) == [] and bench_workload.arrival_times(1, 5.0) == [0.0]
-    slow = bench_workload.arrival_times(4000, 2.0, seed=0)  # the rate only scales the gaps
+    assert arrival_times(4000, 20.0, seed=0) == t and arrival_times(4000, 20.0, seed=1) != t
+    assert arrival_times(0, 5.0) == [] and arrival_times(1, 5.0) == [0.0]
+    slow = arrival_times(4000, 2.0, seed=0)  # the rate only scales the gaps
     assert slow[-1] == pytest.approx(t[-1] * 10)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="arrival rate"):
-            bench_workload.arrival_times(10, bad)
+            arrival_times(10, bad)
 
 
 def test_latency_summary_and_table():
@@ -411,14 +416,14 @@ def test_latency_summary_and_table():
     stock = {"mode": "stock", "adapters": 4, "skewed": False, "req_per_s": 10.0, "output_tok_per_s": 600.0,
              "counters": None, "ttft_p50_ms": 50.0, "ttft_p90_ms": 90.0, "tpot_p50_ms": 20.0, "tpot_p90_ms": 30.0}
     both = {**stock, "mode": "both", "tpot_p50_ms": 16.0, "counters": {"realized_skip": 0.5}}
-    lines = bench_table.render(["pre"], [stock, both, {"mode": "gridtrim", "adapters": 4, "skewed": False,
+    lines = render(["pre"], [stock, both, {"mode": "gridtrim", "adapters": 4, "skewed": False,
                                                 "error": "failed (rc 1)"}], [], latency=True).splitlines()
-    assert lines[2] == bench_table.LATENCY_HEADER and lines[3] == "|" + "---|" * 11
+    assert lines[2] == LATENCY_HEADER and lines[3] == "|" + "---|" * 11
     assert lines[4] == "| 4 | uniform | stock | 10.0 | 600 | 50.0 | 90.0 | 20.0 | 30.0 | — | 1.00 |"
     assert lines[5].endswith("| 16.0 | 30.0 | 0.500 | 1.25 |")
     assert lines[6].count("|") == lines[4].count("|")
-    offline = bench_table.render(["pre"], [stock], []).splitlines()
-    assert offline[2] == bench_table.HEADER and offline[3] == "|---|---|---|---|---|---|---|"
+    offline = render(["pre"], [stock], []).splitlines()
+    assert offline[2] == HEADER and offline[3] == "|---|---|---|---|---|---|---|"
 
 
 class _StepEngine:
@@ -546,18 +551,18 @@ def test_slot_bound_options_env_and_table(tmp_path):
            "model_mean_slots_held": 27.2}
     earlier = {**row, "mode": "gridtrim"}  # a row measured before the model counted slot loads
     row |= {"model_slot_loads": 513, "model_lora_share": 0.8875}
-    table = bench_table.slot_table([row, earlier, {"mode": "stock", "adapters": 512, "skewed": False, "error": "timed out"}])
-    assert table.splitlines()[1] == bench_table.SLOT_HEADER
+    table = slot_table([row, earlier, {"mode": "stock", "adapters": 512, "skewed": False, "error": "timed out"}])
+    assert table.splitlines()[1] == SLOT_HEADER
     assert table.splitlines()[3] == ("| 512 | uniform | both | 32 | 90.0 | 600 | 200.0 | 27.0 | 582 | 208.7 | 27.2 | "
                                      "513 | 88.8% |")
     assert table.splitlines()[4].endswith("| 27.2 | — | — |")
-    assert bench_table.slot_table([{"mode": "stock"}]) == ""
+    assert slot_table([{"mode": "stock"}]) == ""
 
 
 def test_slot_stats_and_prediction(sched):  # noqa: F811
     from serve_bridge import capacity
 
-    wl = bench_workload.make_workload(64, 96, seed=2, prompt_len=(5, 40), output_len=(3, 20))
+    wl = make_workload(64, 96, seed=2, prompt_len=(5, 40), output_len=(3, 20))
     requests = {}
 
     class Scheduler:  # scheduled_occupancy reads requests / num_scheduled_tokens only
@@ -597,7 +602,7 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
 def test_rank_reaches_the_adapters_the_engine_and_the_stamp(tmp_path):
     """--rank writes rank-R adapters (alpha 2R: the same scale as rank 8's alpha 16), sizes vLLM's
     max_lora_rank and restamps a work directory prepared at another rank."""
-    tiny = {**synthetic.LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    tiny = {**LLAMA32_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
     bench.prepare(tmp_path, [3], False, 32, 0, tiny, rank=16)
     peft = json.loads((tmp_path / "adapters" / "a00" / "adapter_config.json").read_text())

@@ -90,7 +90,8 @@ from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
                                               shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
-from benchmarks.serving.goodput import HarnessError, Slo
+from benchmarks.serving.goodput import Slo
+from benchmarks.serving.vllm_server import HarnessError, counters, free_port, tail, warm_up
 from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.vllm.versions import installed_version
 
@@ -312,13 +313,13 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
         cmd = client_command(base_url, model_dir, rate, n, dataset, [] if mode == "nolora" else names, args.seed,
                              slo, result, mode)
         learned = mode in LEARNED
-        before, counted = metrics(base_url), goodput.counters(base_url) if learned else None
+        before, counted = metrics(base_url), counters(base_url) if learned else None
         data, wall_s = goodput.run_client(cmd, label, log, result, deadline)
         row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **goodput.parse_result(data),
                "wall_s": wall_s, "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url)),
                "adapter_slo": adapter_slo(names, data, slo)}
         if counted is not None:
-            row["counters"] = goodput.counter_delta(counted, goodput.counters(base_url))
+            row["counters"] = goodput.counter_delta(counted, counters(base_url))
         result.write_text(json.dumps({k: v for k, v in data.items() if k not in DETAIL_DROPPED}))
         return row
 
@@ -331,7 +332,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     directory = args.out / mode
     directory.mkdir(parents=True, exist_ok=True)
     adapters = {bench.adapter_name(a): args.work / "adapters" / bench.adapter_name(a) for a in range(shape.n_adapters)}
-    model_dir, port = args.work / "model", args.port or goodput.free_port()
+    model_dir, port = args.work / "model", args.port or free_port()
     base_url, log = f"http://127.0.0.1:{port}", directory / "server.log"
     served = [] if mode == "nolora" else list(adapters)
     env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters)
@@ -341,7 +342,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         if missing:
             raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
         systems = [words(s) for s in system_prompts(shape, args.seed)]
-        warm_s = goodput.warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
+        warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
         flush()
         goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline), entry, args,
@@ -375,7 +376,7 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float) 
                 code = "timeout"
         if code != 0:
             shutil.rmtree(path, ignore_errors=True)
-            raise HarnessError(f"the learned bundle was not prepared ({code}); {log} ends:\n" + goodput.tail(log))
+            raise HarnessError(f"the learned bundle was not prepared ({code}); {log} ends:\n" + tail(log))
     summary = json.loads(summary_path(path).read_text()) if summary_path(path).exists() else {}
     kept = args.out / "learned"
     if path.resolve() != kept.resolve():

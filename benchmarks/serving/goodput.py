@@ -77,14 +77,10 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +90,8 @@ from benchmarks.serving.bench_table import MODE_LABEL
 from benchmarks.serving.bench_workload import N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, workload_for
 from benchmarks.serving.host_memory import host_bytes_needed, host_memory_available, host_memory_problem
 from benchmarks.serving.synthetic import LLAMA32_3B, write_word_tokenizer
+from benchmarks.serving.vllm_server import (HarnessError, counters, free_port, start_server, stop_server, tail,
+                                          wait_ready, warm_up)
 from benchmarks.serving.vllm_settings import VllmSettings
 from serve_bridge.command_line import Parser, number
 from serve_bridge.steptrim import skip_fraction
@@ -107,16 +105,11 @@ DEFAULT_MODES = ("both", "gridtrim", "stock")
 RANDOM_INPUT = (200, 0.5)
 RANDOM_OUTPUT = (60, 0.66)
 PERCENTILES = (50, 90, 99)
-WARMUP_PROMPT = " ".join(f"t{1000 + i}" for i in range(16))  # 16 tokens of the word tokenizer
 MARKERS = {"gridtrim": "LoRazor GridTrim active", "steptrim": "LoRazor StepTrim active",
            "slots": "LoRazor slot hand-back active"}  # the plugin's start-up log lines
 STOP_RESERVE_S = 30.0  # budget kept for stopping a server
 # Everything is local; no model hub is reachable from the GPU machines, and a lookup would wait out its timeouts.
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
-
-
-class HarnessError(RuntimeError):
-    """A mode that cannot be measured further; the message says why (with the log's tail)."""
 
 
 @dataclass(frozen=True)
@@ -402,93 +395,6 @@ def render(doc: dict[str, Any], slo: Slo) -> str:
     lines += [summary_row(m, e, stock, slo) for m, e in modes.items()]
     lines += mode_sections(modes, slo, MODE_LABEL, HEADER, format_row)
     return "\n".join(lines + [""] + doc["notes"] + ["", doc["ratio"]]) + "\n"
-
-
-# -- the server and the client ------------------------------------------------------------------------
-
-def tail(path: Path, chars: int = 4000) -> str:
-    """The end of a log file."""
-    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} not written)"
-
-
-def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 60) -> Any:
-    """GET ``url``, or POST ``body`` as JSON; the decoded answer (None when empty)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """``cmd`` in a process group of its own (the API server and its engine core), output to ``log``."""
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_server(server: subprocess.Popen, timeout_s: float = 60) -> None:
-    """SIGTERM to the server's process group, SIGKILL to what is left after ``timeout_s``."""
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    except ProcessLookupError:
-        return
-    try:
-        os.killpg(server.pid, signal.SIGKILL)  # the engine core, should it outlive the API server
-    except ProcessLookupError:
-        pass
-    server.wait()
-
-
-def wait_ready(base_url: str, server: subprocess.Popen, log: Path, timeout_s: float, served: Sequence[str]) -> float:
-    """Seconds until ``GET /health`` answers and ``GET /v1/models`` lists every name in ``served``;
-    an error with the log's tail if the server exits or ``timeout_s`` passes first."""
-    t0 = time.monotonic()
-    while True:
-        if server.poll() is not None:
-            raise HarnessError(f"vllm serve exited with {server.returncode} before it was ready; {log} ends:\n"
-                               + tail(log))
-        try:
-            http_json(base_url + "/health", timeout_s=5)
-            listed = {m["id"] for m in http_json(base_url + "/v1/models", timeout_s=30)["data"]}
-        except OSError:  # not listening yet, or 503 while starting
-            listed = None
-        if listed is not None:
-            missing = sorted(set(served) - listed)
-            if missing:
-                raise HarnessError(f"vllm serve does not serve {len(missing)} adapters, e.g. {missing[:3]}")
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise HarnessError(f"vllm serve was not ready after {timeout_s:.0f} s; {log} ends:\n" + tail(log))
-        time.sleep(2)
-
-
-def warm_up(base_url: str, models: Sequence[str], prompts: Sequence[str] | None = None, workers: int = 32) -> float:
-    """One 4-token completion per name in ``models`` (of ``prompts[i]`` for ``models[i]``, default
-    :data:`WARMUP_PROMPT`), ``workers`` at a time; the seconds taken."""
-    def one(model: str, prompt: str) -> Any:
-        return http_json(base_url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4,
-                                                        "ignore_eos": True}, timeout_s=300)
-
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, models, prompts or [WARMUP_PROMPT] * len(models)))
-    return time.monotonic() - t0
-
-
-def counters(base_url: str) -> dict[str, Any]:
-    """The StepTrim counters of the server's worker (``lorazor_counters`` over ``POST /collective_rpc``)."""
-    return http_json(base_url + "/collective_rpc", {"method": "lorazor_counters"})["results"][0]
 
 
 # -- orchestration ---------------------------------------------------------------------------------

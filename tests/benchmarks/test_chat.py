@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from benchmarks.serving import bench, chat, chat_bundle, goodput, synthetic
-from benchmarks.serving.goodput import HarnessError, Slo
+from benchmarks.serving.goodput import Slo
+from benchmarks.serving.vllm_server import HarnessError
 from predictors.heads import Head
 from tests.benchmarks.test_goodput import flags
 

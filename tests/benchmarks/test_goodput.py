@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import bench, bench_workload, goodput, synthetic
+from benchmarks.serving import bench, bench_workload, goodput, synthetic, vllm_server
 from benchmarks.serving.goodput import Slo, Sweep
 from benchmarks.serving.synthetic import write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
@@ -238,7 +238,7 @@ def test_parse_result():
                    "ttft_p99_ms": 1200.0, "tpot_p50_ms": 21.0, "tpot_p90_ms": 38.2, "tpot_p99_ms": 55.0}
     # without a tokenizer the client writes no TTFT/TPOT percentiles (serve.py:1434): an error naming them
     blind = {k: v for k, v in RESULT_033.items() if "ttft" not in k and "tpot" not in k}
-    with pytest.raises(goodput.HarnessError, match="p50_tpot_ms, p50_ttft_ms.*tokenizer"):
+    with pytest.raises(vllm_server.HarnessError, match="p50_tpot_ms, p50_ttft_ms.*tokenizer"):
         goodput.parse_result(blind)
 
 
@@ -519,27 +519,27 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     for s in servers:
         port = int(s["argv"][s["argv"].index("--port") + 1])
         with pytest.raises(OSError):
-            goodput.http_json(f"http://127.0.0.1:{port}/health", timeout_s=2)
+            vllm_server.http_json(f"http://127.0.0.1:{port}/health", timeout_s=2)
 
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
     log = tmp_path / "server.log"
-    server = goodput.start_server([sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(3)"], {}, log)
+    server = vllm_server.start_server([sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(3)"], {}, log)
     server.wait()
-    with pytest.raises(goodput.HarnessError, match="(?s)exited with 3.*ends:.*CUDA out of memory"):
-        goodput.wait_ready("http://127.0.0.1:9", server, log, 60, [])
+    with pytest.raises(vllm_server.HarnessError, match="(?s)exited with 3.*ends:.*CUDA out of memory"):
+        vllm_server.wait_ready("http://127.0.0.1:9", server, log, 60, [])
 
 
 def test_stop_server_ends_its_process_group(tmp_path):
     child = tmp_path / "child.pid"
     script = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
               f"open({str(child)!r}, 'w').write(str(p.pid)); p.wait()")
-    server = goodput.start_server([sys.executable, "-c", script], {}, tmp_path / "log")
+    server = vllm_server.start_server([sys.executable, "-c", script], {}, tmp_path / "log")
     while not child.exists() or not child.read_text():
         time.sleep(0.05)
     pid = int(child.read_text())
     assert running(pid)
-    goodput.stop_server(server, timeout_s=30)
+    vllm_server.stop_server(server, timeout_s=30)
     assert server.returncode is not None
     deadline = time.monotonic() + 10  # the signal is sent; the grandchild may take a moment to go
     while running(pid) and time.monotonic() < deadline:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY
-from benchmarks.serving.goodput import free_port, http_json, start_server, stop_server, wait_ready
+from benchmarks.serving.vllm_server import free_port, http_json, start_server, stop_server, wait_ready
 from tests.gpu.harness import ROOT, demo_arguments
 from tests.gpu.real_engines import backbone_dir
 

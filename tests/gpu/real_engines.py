@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY
-from benchmarks.serving.goodput import free_port
+from benchmarks.serving.vllm_server import free_port
 from serve_bridge.steptrim import skip_fraction
 from tests.gpu.harness import ROOT, demo_arguments
 

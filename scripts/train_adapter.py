@@ -216,16 +216,16 @@ def train(args: Namespace) -> None:
         for i in range(0, len(enc), args.batch):
             chunk = enc[i:i + args.batch]
             n = max(len(p) + len(t) for p, t in chunk)
-            ids = torch.full((len(chunk), n), tok.pad_token_id, dtype=torch.long)
+            input_ids = torch.full((len(chunk), n), tok.pad_token_id, dtype=torch.long)
             labels = torch.full((len(chunk), n), -100, dtype=torch.long)
             mask = torch.zeros((len(chunk), n), dtype=torch.long)
             for j, (p, t) in enumerate(chunk):
                 seq = p + t
-                ids[j, :len(seq)] = torch.tensor(seq)
+                input_ids[j, :len(seq)] = torch.tensor(seq)
                 labels[j, len(p):len(seq)] = torch.tensor(t)
                 mask[j, :len(seq)] = 1
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+                loss = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step(); sched.step(); opt.zero_grad(set_to_none=True)

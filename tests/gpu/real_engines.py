@@ -65,7 +65,7 @@ def backbone_dir(gguf_dir: str | None) -> str:
     """The converted backbone (converted now if this machine has no copy yet)."""
     from labeling.backbone import resolve_backbone_dir
 
-    return resolvebackbone_dir(_spec(gguf_dir))
+    return resolve_backbone_dir(_spec(gguf_dir))
 
 
 def _adapter_path() -> str:

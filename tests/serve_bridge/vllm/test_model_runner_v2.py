@@ -24,7 +24,7 @@ import torch
 from serve_bridge.runtime import NO_SLOT, build_runtime, lora_group_count
 from serve_bridge.vllm import versions
 from serve_bridge.vllm.settings import RELEASES_ATTR, BridgeError
-from tests.serve_bridge.test_runtime import B_LEARN, TAU_LEARN, W_LEARN, H, _bundle, served  # noqa: F401 - fixture
+from tests.serve_bridge.test_runtime import W_LEARN, H, _bundle, served  # noqa: F401 - fixture
 from tests.serve_bridge.vllm.stubs import import_over
 
 LORA_ID = {"prof0": 1, "prof2": 2, "learn": 3, "off": 4}

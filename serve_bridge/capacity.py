@@ -67,7 +67,9 @@ MAX_ADAPTERS = 1 << 20
 MAX_REQUESTS = 1 << 20
 MAX_LENGTH = 1 << 24  # prompt or output tokens of one request (release points are exact below 2**24)
 MAX_FORWARDS = 1 << 30  # requests × (longest prompt + longest output): the token forwards one simulation may serve
-MAX_STEPS = 1 << 53  # engine steps until the last request arrives (open loop): exact as float64; idle steps cost no work
+# engine steps until the last request arrives (open loop): arrival steps stay exact as float64 (idle steps cost
+# no work, :func:`simulate` jumps over them)
+MAX_STEPS = 1 << 53
 
 
 @dataclass(frozen=True)

@@ -524,7 +524,8 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
     log = tmp_path / "server.log"
-    server = vllm_server.start_server([sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(3)"], {}, log)
+    crash = [sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(3)"]
+    server = vllm_server.start_server(crash, {}, log)
     server.wait()
     with pytest.raises(vllm_server.HarnessError, match="(?s)exited with 3.*ends:.*CUDA out of memory"):
         vllm_server.wait_ready("http://127.0.0.1:9", server, log, 60, [])

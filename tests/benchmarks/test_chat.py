@@ -17,7 +17,7 @@ from benchmarks.serving import bench, chat, chat_bundle, goodput, synthetic
 from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError
 from predictors.heads import Head
-from tests.benchmarks.test_goodput import flags
+from tests.benchmarks.test_goodput import FAKE_VLLM, flags
 
 SLO = Slo()
 ADAPTERS = {bench.adapter_name(a): Path(f"/w/adapters/{bench.adapter_name(a)}") for a in range(3)}
@@ -230,3 +230,48 @@ def test_refuses_a_vllm_it_was_not_written_for(tmp_path, capsys):
     assert chat.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
     assert "chat runs on vLLM 0.33.0" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before writing anything
+
+
+def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
+    """Every mode of the chat benchmark, through the stand-in `vllm serve` and `vllm bench serve` of
+    the goodput test: each server checked for vLLM's defaults and its plugin lines, warmed up, swept;
+    the table, its summary and its two ratio lines, with the learned bundle given."""
+    fake = tmp_path / "fake_vllm.py"
+    fake.write_text(FAKE_VLLM)
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setattr(goodput, "VLLM_CLI", [sys.executable, str(fake)])
+    monkeypatch.setattr(chat, "installed_version", lambda: chat.VERSION)
+    monkeypatch.setattr(goodput, "prepare_files", lambda work, n, r, s: None)
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    head = Head("a00", np.linspace(-1, 1, 8).astype(np.float32), 0.25, 3, 9, 4, "ok")
+    entries = [chat_bundle.learned_entry(bench.adapter_name(a), f"{a:064x}", head, -0.5, {}) for a in range(4)]
+    given = chat_bundle.write_learned_bundle(tmp_path / "given", entries, synthetic.LLAMA32_3B | {"hidden_size": 8})
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "4", "--max-loras", "2",
+            "--bundle", str(given), "--system-len", "5", "10", "--user-len", "3", "6", "--output-len", "2", "8",
+            "--probe-prompts", "16", "--min-prompts", "8", "--duration-s", "1", "--min-mode-s", "1",
+            "--budget-s", "300", "--client-overhead-s", "0"]
+    assert chat.main(argv + ["--modes", "lorazor", "gridtrim", "stock"]) == 0
+    assert chat.main(argv + ["--modes", "lorazor-sync", "nolora", "--append"]) == 0
+
+    doc = json.loads((out / "chat.json").read_text())
+    assert list(doc["modes"]) == ["lorazor", "gridtrim", "stock", "lorazor-sync", "nolora"]
+    for mode, entry in doc["modes"].items():
+        assert entry["error"] is None, (mode, entry["error"])
+        assert entry["rows"][0]["rate"] is None and len(entry["rows"]) > 2  # the probe, then the sweep
+        row = entry["rows"][1]
+        assert row["server_metrics"]["cache_hit_rate"] == pytest.approx(0.6)
+        assert row["adapter_slo"]["adapters"] > 0 and ("counters" in row) == (mode in chat.LEARNED)
+        best, low_miss = goodput.goodput_rate(goodput.points_of(entry, SLO))
+        assert best is not None and low_miss is not None and best < low_miss
+    assert doc["modes"]["lorazor"]["bundle"] == doc["modes"]["lorazor-sync"]["bundle"]
+    lines = doc["ratio"]
+    assert lines[0].startswith("chat4 goodput [vLLM defaults]: lorazor/stock = ") and "n/a" not in lines[0]
+    assert lines[1].startswith("learned async/sync = ") and "n/a" not in lines[1]
+    assert (out / "chat.txt").read_text().endswith("\n".join(lines) + "\n")
+    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    servers = [s for s in seen if s["what"] == "serve"]
+    assert [("--no-async-scheduling" in s["argv"], "--enable-lora" in s["argv"]) for s in servers] == [
+        (False, True), (False, True), (False, True), (True, True), (False, False)]
+    clients = [s for s in seen if s["what"] == "bench"]
+    assert {s["mode"] for s in clients} == set(chat.MODES) and all(s["lorazor"] == [] for s in clients)

@@ -386,13 +386,16 @@ def test_append_keeps_a_table_of_the_same_workload(tmp_path):
 # -- a whole call against a stand-in vLLM ------------------------------------------------------------------
 
 FAKE_VLLM = r'''
-"""Stand-in for `python -m vllm.entrypoints.cli.main`: `serve` answers the routes the harness uses and
-prints the plugin's start-up lines the environment asks for; `bench serve` writes a result whose P90 TTFT
-misses the SLO above the mode's LIMIT. Both append what they saw to $FAKE_RECORD."""
+"""Stand-in for `python -m vllm.entrypoints.cli.main`: `serve` logs its engine config as vLLM 0.33.0 does
+with its defaults, prints the plugin's start-up lines the environment asks for and answers the routes the
+harnesses use (/metrics with growing counters); `bench serve` writes a result whose P90 TTFT misses the SLO
+above the mode's LIMIT (with per-request lists under --save-detailed). Both append what they saw to
+$FAKE_RECORD."""
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-LIMIT = {"both": 30.0, "gridtrim": 20.0, "stock": 10.0}
+LIMIT = {"both": 30.0, "gridtrim": 20.0, "stock": 10.0,  # goodput's modes, then the chat benchmark's
+         "lorazor": 30.0, "lorazor-sync": 24.0, "nolora": 40.0}
 
 
 def values(flag):
@@ -415,6 +418,9 @@ def record(**kw):
 if sys.argv[1] == "serve":
     env = {k: v for k, v in os.environ.items() if k.startswith(("LORAZOR_", "VLLM_"))}
     record(what="serve", argv=sys.argv[1:], env=env)
+    print("(EngineCore_DP0 pid=1) INFO [core.py:140] Initializing a V1 LLM engine (v0.33.0) with config: "
+          "enable_prefix_caching=True, compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, "
+          "'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>}")
     if os.environ.get("LORAZOR_GRIDTRIM") == "1":
         print("(EngineCore_DP0 pid=1) INFO [punica_wrapper.py:39] LoRazor GridTrim active: LoRA linears ...")
     if os.environ.get("LORAZOR_BUNDLE"):
@@ -436,6 +442,18 @@ if sys.argv[1] == "serve":
             self.wfile.write(raw)
 
         def do_GET(self):
+            if self.path == "/metrics":
+                reads[0] += 1
+                n = reads[0]
+                text = (f"# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{a=\"1\"}} "
+                        f"{1000 * n}\nvllm:prefix_cache_hits_total{{a=\"1\"}} {600 * n}\n"
+                        f"vllm:generation_tokens_total {3000 * n}\nvllm:iteration_tokens_total_count {100 * n}\n")
+                raw = text.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+                return
             self.reply(None if self.path == "/health" else {"data": [{"id": n} for n in names]})
 
         def do_POST(self):
@@ -465,6 +483,10 @@ elif sys.argv[1:3] == ["bench", "serve"]:
               "output_throughput": 60.0 * min(rate, capacity)}
     for p, (ttft, tpot) in zip((50, 90, 99), ((100.0, 20.0), (4000.0 if over else 400.0, 30.0), (9000.0, 45.0))):
         result |= {f"p{p}_ttft_ms": ttft, f"p{p}_tpot_ms": tpot}
+    if "--save-detailed" in sys.argv:
+        out, first = [1 + i % 7 for i in range(n)], 4.0 if over else 0.4
+        result |= {"ttfts": [first] * n, "latencies": [first + 0.03 * (k - 1) for k in out],
+                   "output_lens": out, "errors": [""] * n, "itls": [[0.03] * (k - 1) for k in out]}
     with open(os.path.join(values("--result-dir")[0], values("--result-filename")[0]), "w") as f:
         json.dump(result, f)
 '''

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_bridge.command_line import Parser, check_args, option_name, report
+from serve_bridge.command_line import MinMax, Parser, check_args, option_name, report
 from serve_bridge.safe_write import check_output, write_atomic
 from serve_bridge.values import OptionError, check_at_most, check_value
 
@@ -359,8 +359,8 @@ def parser() -> Parser:
     ap.add_argument("--requests", type=int, default=2048, help="requests simulated")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: offline)")
     ap.add_argument("--step-ms", type=float, default=None, help="engine step time, ms (needed with --rate)")
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(20, 100), metavar=("MIN", "MAX"))
+    ap.add_argument("--prompt-len", type=int, nargs=2, action=MinMax, default=(100, 300), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, action=MinMax, default=(20, 100), metavar=("MIN", "MAX"))
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-loras", type=int, nargs="+", default=None,
@@ -380,11 +380,8 @@ def check_arguments(args: Namespace) -> None:
     for dest in ("prompt_len", "output_len", "max_loras"):
         for value in getattr(args, dest) or ():
             check_value(option_name(dest), value, "positive_int")
-    for dest in ("prompt_len", "output_len"):
-        low, high = getattr(args, dest)
-        if low > high:
-            raise OptionError(option_name(dest), [low, high], "give MIN ≤ MAX")
-        check_at_most(option_name(dest), high, MAX_LENGTH, "tokens of one request")
+    for dest in ("prompt_len", "output_len"):  # MIN ≤ MAX: the parser's MinMax
+        check_at_most(option_name(dest), getattr(args, dest)[1], MAX_LENGTH, "tokens of one request")
     check_at_most("--adapters", args.adapters, MAX_ADAPTERS, "adapters one simulation spreads traffic over")
     check_at_most("--requests", args.requests, MAX_REQUESTS, "requests one simulation serves")
     forwards = args.requests * (args.prompt_len[1] + args.output_len[1])

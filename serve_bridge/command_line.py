@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from serve_bridge.values import RULES, check_value
+from serve_bridge.values import RULES, OptionError, check_value
 
 USAGE_EXIT = 2
 _LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits on
@@ -93,13 +93,14 @@ def existing_dir(text: str) -> Path:
 
 
 class MinMax(argparse.Action):
-    """``nargs=2`` values ``MIN MAX`` with MIN ≤ MAX (each converted by the argument's ``type``)."""
+    """``nargs=2`` values ``MIN MAX`` with MIN ≤ MAX (each converted by the argument's ``type``);
+    reversed ones are refused as ``--option=[MIN, MAX]: give MIN ≤ MAX.``"""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: Namespace, values: Any,
                  option_string: str | None = None) -> None:
         low, high = values
         if low > high:
-            parser.error(f"argument {option_string}: {low} {high}: give MIN ≤ MAX")
+            parser.error(str(OptionError(option_string, [low, high], "give MIN ≤ MAX")))
         setattr(namespace, self.dest, values)
 
 

@@ -49,7 +49,7 @@ BAD_VALUES = [
     ("benchmarks.serving.goodput", ["--factor", "1"], "--factor: '1': use a number above 1"),
     ("benchmarks.serving.goodput", ["--port", "65536"], "--port: '65536'"),
     ("benchmarks.serving.goodput", ["--seed", "x"], "--seed: 'x'"),
-    ("benchmarks.serving.chat", ["--system-len", "300", "200"], "--system-len: 300 200: give MIN ≤ MAX"),
+    ("benchmarks.serving.chat", ["--system-len", "300", "200"], "--system-len=[300, 200]: give MIN ≤ MAX"),
     ("benchmarks.serving.chat", ["--zipf", "-0.5"], "--zipf: '-0.5': use a non-negative number"),
     ("benchmarks.serving.chat", ["--bundle", "/no/such/bundle"], "--bundle: '/no/such/bundle': does not exist"),
     ("benchmarks.serving.chat_bundle", ["--work", "{tmp}", "--bundle", "{tmp}/b", "--target-skip", "1"],

@@ -156,10 +156,12 @@ def test_command(bundle, tmp_path, capsys):
     assert capacity.main(["--bundle", str(bundle), "--adapters", "8", "--rate", "5", "--requests", "50",
                           "--step-ms", "20", "--prompt-len", "5", "9", "--output-len", "3", "9"]) == 0
     for argv, msg in ((["--adapters", "8", "--rate", "5"], "--rate=5.0: needs --step-ms"),
-                      (["--adapters", "8", "--skew", "1.5"], "--skew=1.5: use a number in (0, 1)"),
-                      (["--adapters", "8", "--prompt-len", "9", "5"], "--prompt-len=[9, 5]: give MIN ≤ MAX")):
+                      (["--adapters", "8", "--skew", "1.5"], "--skew=1.5: use a number in (0, 1)")):
         assert capacity.main(["--bundle", str(bundle), *argv]) == 2
         assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused while the arguments are parsed
+        capacity.main(["--bundle", str(bundle), "--adapters", "8", "--prompt-len", "9", "5"])
+    assert exit_.value.code == 2 and "--prompt-len=[9, 5]: give MIN ≤ MAX" in capsys.readouterr().err
     assert capacity.main(["--bundle", str(tmp_path / "missing"), "--adapters", "8"]) == 2
     (tmp_path / "broken").mkdir()
     assert capacity.main(["--bundle", str(tmp_path / "broken"), "--adapters", "8"]) == 2

@@ -29,11 +29,11 @@ def test_three_kills_then_identical_outputs(tmp_path: Path, tiny_run) -> None:
     # lands after its stage or the run: such a chain is still compared, and another follows with the
     # delays halved, until one chain has two kills.
     targets = [(stage, 0.5 * rng.random()) for stage in TARGETS]
+    durations, reference = stage_seconds(tiny_run[0]), run_contents(tiny_run[0])
     chains = []
     for attempt in range(3):
         scaled = [(stage, u * 0.5 ** attempt) for stage, u in targets]
-        chain = kill_chain(tmp_path / f"run{attempt}", TINY, scaled, stage_seconds(tiny_run[0]),
-                           run_contents(tiny_run[0]))
+        chain = kill_chain(tmp_path / f"run{attempt}", TINY, scaled, durations, reference)
         chains.append(chain)
         assert chain.returncode == 0, chains
         assert chain.diffs == [], chains

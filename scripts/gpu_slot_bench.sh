@@ -11,13 +11,15 @@
 #               offline req/s in OUT/uniform512, else 20): gridtrim, both; P50/P90 TTFT and TPOT
 #   goodput512  512 adapters, max_loras 32, through `vllm serve` (HTTP, multiprocess engine core) driven by
 #               `vllm bench serve` at a sweep of Poisson rates: per mode the highest rate whose P90 TTFT <= 1000 ms
-#               and P90 TPOT <= 50 ms (benchmarks/serving/goodput.py); one mode per call: MODES=both, then
-#               MODES=gridtrim, then MODES=stock, the same OUT_DIR; prints
+#               and P90 TPOT <= 50 ms (benchmarks/serving/goodput.py); the modes at once, one GPU each, on a
+#               machine with a GPU per mode; on one GPU one mode per call: MODES=both, then MODES=gridtrim, then
+#               MODES=stock, the same OUT_DIR; prints
 #                 goodput 512/32: both/gridtrim = X.XX, both/stock = Y.YY (those measured)
 #   chat512     a chat workload (per-adapter system prompts, multi-turn follow-ups, Zipf popularity), 512 adapters,
 #               max_loras 32, against vLLM's defaults (torch.compile, async scheduling, prefix caching), through
 #               `vllm serve` and `vllm bench serve` (benchmarks/serving/chat.py): goodput, P99s, prefix-cache hits,
-#               adapters meeting the SLO; one mode per call: MODES=lorazor (prepares the learned bundle first), then
+#               adapters meeting the SLO; on a machine with five GPUs or more, the five modes at once, one GPU each
+#               (one call); on one GPU one mode per call: MODES=lorazor (prepares the learned bundle first), then
 #               MODES=lorazor-sync with BUNDLE=OUT_DIR/chat512/learned, then gridtrim, stock, nolora, the same OUT_DIR;
 #               prints
 #                 chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
@@ -34,6 +36,8 @@
 # Writes OUT_DIR/<table>/bench.{txt,json}, OUT_DIR/correctness/check_slots.md, or OUT_DIR/goodput512/goodput.{txt,json}
 # (with each mode's server log and each rate's vllm bench serve result and log under OUT_DIR/goodput512/<mode>/), or
 # OUT_DIR/chat512/chat.{txt,json} (likewise per mode, and the learned bundle in OUT_DIR/chat512/learned).
+# goodput512 and chat512 run their servers with --gpus all (benchmarks/serving/placement.py): each GPU visible
+# takes the next mode; with one GPU that is one mode after another.
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
 # req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
 # once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); SETTINGS (offline
@@ -111,12 +115,12 @@ PY
         REPEATS="" INTERLEAVE="" bench "$table" "$start" --adapters 512 --max-loras 32 --arrival-rate "$rate" --modes both gridtrim ;;  # open loop: one run
     goodput512)  # the server runs its own engine core process; goodput.py sets that for the server
         python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
-            --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
-            ${SETTINGS:-} || rc=1 ;;  # SETTINGS unquoted on purpose: a list of options
+            --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) --gpus all \
+            ${MODES:+--modes $MODES --append} ${SETTINGS:-} || rc=1 ;;  # SETTINGS unquoted: a list of options
     chat512)  # vLLM's defaults in every server; the learned bundle is prepared on the GPU unless BUNDLE names one
         python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
-            --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) ${MODES:+--modes $MODES --append} \
-            ${BUNDLE:+--bundle "$BUNDLE"} || rc=1 ;;
+            --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) --gpus all \
+            ${MODES:+--modes $MODES --append} ${BUNDLE:+--bundle "$BUNDLE"} || rc=1 ;;
     *)
         echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512, goodput512 or chat512" >&2
         exit 2 ;;

@@ -1,9 +1,15 @@
 """Goodput of a chat-shaped workload against vLLM with its defaults: one ``vllm serve`` per mode,
 driven by ``vllm bench serve`` with a dataset file.
 
-    python -m benchmarks.serving.chat --out DIR [--modes lorazor ...] [--append] [--bundle DIR]
+    python -m benchmarks.serving.chat --out DIR [--modes lorazor ...] [--gpus all] [--append] [--bundle DIR]
 
-On one H200 with vLLM 0.33.0, one mode per call (each fits a 10-minute call), into one table:
+On a machine with five H200s (or more) and vLLM 0.33.0, the whole table in one call, the five
+servers at once, one GPU each (:mod:`benchmarks.serving.placement`; the learned bundle is prepared
+first on the lorazor mode's GPU, the other modes starting meanwhile):
+
+    bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+
+On one H200, one mode per call (each fits a 10-minute call), into one table:
 
     MODES=lorazor bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=lorazor-sync BUNDLE=/tmp/chat/chat512/learned bash scripts/gpu_slot_bench.sh /tmp/chat chat512
@@ -19,7 +25,8 @@ async/sync ratio compares one bundle; without it the bundle is prepared again, o
     learned async/sync = Z.ZZ
 
 **Modes.** Every server runs vLLM's defaults: torch.compile with its default CUDA-graph mode,
-async scheduling, prefix caching, and the H200's default batch limits. Each server's engine-config
+async scheduling, prefix caching, the H200's default batch limits and share of its memory (on a
+GPU of its own when the modes run at once). Each server's engine-config
 line is checked for prefix caching on and vLLM's compilation (:data:`ENGINE_DEFAULTS`). The only
 options given are the model (``--load-format dummy``), LoRA (``--enable-lora --max-loras 32
 --max-lora-rank 8``, the adapters' rank, ``--max-cpu-loras 512``, every adapter kept in host
@@ -56,15 +63,15 @@ the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (
 ``vllm:generation_tokens`` over Δ engine steps with output); the realized skip in the lorazor modes
 (``lorazor_counters``). The summary gives each at the mode's goodput rate.
 
-**Time.** A call has ``--budget-s`` (560 s). goodput.py's servers (full CUDA graphs of 12 sizes,
-no torch.compile, 512 adapters) were ready after 114–160 s (benchmarks/results/2026-12-04-*goodput);
-vLLM's default compilation adds torch.compile (37 s for SmolLM2 on 0.33.0, 2026-12-02) and the
-capture of its FULL_AND_PIECEWISE graphs (33 + 40 s there): about 200–260 s, 400 s at most
-(``--ready-timeout-s``). The learned bundle, when it is not given or kept, takes about 60–90 s more
-(an eager engine's start-up, 1280 requests, 32 heads). A client run costs its arrivals
-(``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus about 15–30 s of its own
-start-up and drain; the probe and 4–7 rates fit what is left, and a rate that no longer fits is
-not started (the table says so).
+**Time.** A call has ``--budget-s`` (560 s); modes that run at once share it. goodput.py's servers
+(full CUDA graphs of 12 sizes, no torch.compile, 512 adapters) were ready after 114–160 s
+(benchmarks/results/2026-12-04-*goodput); vLLM's default compilation adds torch.compile (37 s for
+SmolLM2 on 0.33.0, 2026-12-02) and the capture of its FULL_AND_PIECEWISE graphs (33 + 40 s there):
+about 200–260 s, 400 s at most (``--ready-timeout-s``). The learned bundle, when it is not given or
+kept, takes about 60–90 s more (an eager engine's start-up, 1280 requests, 32 heads). A client run
+costs its arrivals (``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus about 15–30
+s of its own start-up and drain; the probe and 4–7 rates fit what is left, and a rate that no longer
+fits is not started (the table says so).
 """
 from __future__ import annotations
 
@@ -77,6 +84,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -85,7 +93,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, goodput
+from benchmarks.serving import bench, goodput, placement
 from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
@@ -111,6 +119,7 @@ ENGINE_LINE = "Initializing a V1 LLM engine"
 CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 GENERATED, STEPS = "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count"
 DETAIL_DROPPED = ("generated_texts", "itls")  # per-request lists not kept in the result files
+DATASETS = threading.Lock()  # held while a rate's dataset file is looked for and written
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
 
 
@@ -307,8 +316,9 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
         rows = chat_rows(shape, args.seed, stream_key(rate), n, pool_for(rate, shape.think_s, n))
         names = [bench.adapter_name(r.adapter) for r in rows]
         dataset = args.work / "chat" / f"{shape_key(shape, args.seed)}-rate-{label}-{n}.jsonl"
-        if not dataset.exists():
-            write_dataset(dataset, rows, [bench.adapter_name(a) for a in range(shape.n_adapters)])
+        with DATASETS:  # modes that run at once may reach the same rate together
+            if not dataset.exists():
+                write_dataset(dataset, rows, [bench.adapter_name(a) for a in range(shape.n_adapters)])
         result, log = directory / f"rate_{label}.json", directory / f"rate_{label}.log"
         cmd = client_command(base_url, model_dir, rate, n, dataset, [] if mode == "nolora" else names, args.seed,
                              slo, result, mode)
@@ -327,15 +337,17 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
 
 
 def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: ChatShape, bundle: Path | None,
-             deadline: float, slo: Slo, flush: Callable[[], None]) -> None:
-    """Start the mode's server, check it, warm it up, sweep, stop it, filling the mode's ``entry``."""
+             deadline: float, slo: Slo, flush: Callable[[], None], gpu: placement.Gpu) -> None:
+    """Start the mode's server (on ``gpu``, :func:`placement.env`), check it, warm it up, sweep, stop
+    it, filling the mode's ``entry``."""
     directory = args.out / mode
     directory.mkdir(parents=True, exist_ok=True)
     adapters = {bench.adapter_name(a): args.work / "adapters" / bench.adapter_name(a) for a in range(shape.n_adapters)}
     model_dir, port = args.work / "model", args.port or free_port()
     base_url, log = f"http://127.0.0.1:{port}", directory / "server.log"
     served = [] if mode == "nolora" else list(adapters)
-    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters)
+    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
+        gpu, args.work, mode)
 
     def body() -> None:
         missing = missing_defaults(log.read_text(errors="replace"))
@@ -352,9 +364,10 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
                         served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)
 
 
-def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float) -> tuple[Path, dict[str, Any]]:
+def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float,
+                   gpu: placement.Gpu) -> tuple[Path, dict[str, Any]]:
     """The learned bundle the lorazor modes serve: ``--bundle``, else the one kept in ``--work``
-    for this workload, else prepared now (:mod:`benchmarks.serving.chat_bundle`, log in OUT);
+    for this workload, else prepared now on ``gpu`` (:mod:`benchmarks.serving.chat_bundle`, log in OUT);
     copied to ``OUT/learned`` (with its summary) and described by its manifest's sha256 and
     planned skip. The preparation leaves ``--min-mode-s`` of the budget to the server; its failure
     is an error with its log's tail."""
@@ -370,7 +383,8 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float) 
         print(f"  preparing the learned bundle ({log})", flush=True)
         with open(log, "w") as out:
             try:
-                code = subprocess.run(cmd, env=goodput.client_env(dict(os.environ)), stdout=out, stderr=subprocess.STDOUT,
+                env = goodput.client_env(dict(os.environ)) | placement.env(gpu, args.work, "learned")
+                code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                       timeout=max(1.0, deadline - time.monotonic() - args.min_mode_s)).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
@@ -393,8 +407,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     version, shape = installed_version(), shape_from(args)
+    gpus = placement.resolve(args.gpus, args.port, os.environ)
     if problem := goodput.refusal("chat", version, (VERSION,), "its vllm bench serve's custom dataset and round-robin "
-                                  "adapters, docs/vllm_integration.md §12b", shape.n_adapters, args.max_loras):
+                                  "adapters, docs/vllm_integration.md §12b", shape.n_adapters, args.max_loras,
+                                  placement.concurrent_servers(gpus, args.modes, lambda m: m != "nolora")):
         print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
@@ -404,32 +420,36 @@ def orchestrate(args: argparse.Namespace) -> int:
     if doc is None:
         print(f"{args.out}/chat.json holds another vLLM, model or workload: give another --out", file=sys.stderr)
         return 2
-    doc["notes"].append(f"{goodput.identity()}: modes {' '.join(args.modes)}")
+    doc["notes"].append(goodput.call_note(args.modes, gpus))
 
+    @placement.serialized
     def flush() -> None:
         doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo)
         (args.out / "chat.json").write_text(json.dumps(doc, indent=1))
         (args.out / "chat.txt").write_text(render(doc, slo))
 
     learned: dict[str, Any] = {}  # the bundle (path, description) or the error preparing it, once
+    preparing = threading.Lock()  # the learned modes that run at once wait for one preparation
 
-    def run(mode: str, entry: dict[str, Any]) -> None:
-        if mode in LEARNED and not learned:
-            try:
-                learned["bundle"] = learned_bundle(args, shape, deadline)
-            except HarnessError as e:
-                learned["error"] = str(e)
-        if mode in LEARNED and "error" in learned:
-            entry["error"] = learned["error"]
-            return
+    def run(mode: str, entry: dict[str, Any], gpu: placement.Gpu) -> None:
+        bundle = None
         if mode in LEARNED:
-            entry["bundle"] = described = learned["bundle"][1]
-            planned = described["planned_skip"]
-            entry["facts"].append(f"learned bundle {described['sha256']}, planned skip "
+            with preparing:
+                if not learned:
+                    try:
+                        learned["bundle"] = learned_bundle(args, shape, deadline, gpu)
+                    except HarnessError as e:
+                        learned["error"] = str(e)
+            if "error" in learned:
+                entry["error"] = learned["error"]
+                return
+            bundle, entry["bundle"] = learned["bundle"]
+            planned = entry["bundle"]["planned_skip"]
+            entry["facts"].append(f"learned bundle {entry['bundle']['sha256']}, planned skip "
                                   f"{'unknown' if planned is None else f'{planned:.3f}'}")
-        run_mode(mode, entry, args, shape, learned["bundle"][0] if mode in LEARNED else None, deadline, slo, flush)
+        run_mode(mode, entry, args, shape, bundle, deadline, slo, flush, gpu)
 
-    rc = goodput.run_modes(doc, args, start, deadline, run, flush)
+    rc = placement.run_modes(doc, args, gpus, start, deadline, run, flush)
     print((args.out / "chat.txt").read_text(), flush=True)  # ends with the ratio lines
     return rc
 

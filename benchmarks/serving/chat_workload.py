@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from serve_bridge.command_line import MinMax, number
+from serve_bridge.safe_write import write_atomic
 
 ID_RANGE = (3, 128000)  # word-tokenizer ids below Llama-3.2-3B's bos (128000) and eos (128001)
 
@@ -164,12 +165,10 @@ def words(ids: list[int]) -> str:
 def write_dataset(path: Path, rows: list[Row], names: list[str]) -> None:
     """``vllm bench serve``'s custom dataset (JSONL): per row ``prompt`` (words), ``output_tokens``,
     and, for the reader (vLLM reads only the first two), ``adapter`` (its name), ``conversation``
-    and ``turn``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps({"prompt": words(r.prompt), "output_tokens": r.output_tokens,
-                                "adapter": names[r.adapter], "conversation": r.conversation, "turn": r.turn}) + "\n")
+    and ``turn``; written whole or not at all (:func:`write_atomic`), as it is kept between calls."""
+    write_atomic(path, "".join(json.dumps({"prompt": words(r.prompt), "output_tokens": r.output_tokens,
+                                           "adapter": names[r.adapter], "conversation": r.conversation,
+                                           "turn": r.turn}) + "\n" for r in rows))
 
 
 def add_shape_arguments(ap: argparse.ArgumentParser) -> None:

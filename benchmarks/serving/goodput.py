@@ -4,15 +4,18 @@ multiprocess engine core behind the OpenAI HTTP server), driven by ``vllm bench 
     python -m benchmarks.serving.goodput --out DIR [--modes both gridtrim stock] [--adapters 512]
         [--max-loras 32] [--ttft-slo-ms 1000] [--tpot-slo-ms 50] [--append] [--budget-s 560]
 
-(``bash scripts/gpu_slot_bench.sh OUT goodput512`` runs it with the plugin's entry point visible;
-``MODES=stock`` there runs one mode per call, appending to one table.) Operators size servers by
+(``bash scripts/gpu_slot_bench.sh OUT goodput512`` runs it with the plugin's entry point visible and
+``--gpus all``: on a machine with a GPU per mode the modes run at once, one GPU each
+(:mod:`benchmarks.serving.placement`); on one GPU, ``MODES=stock`` there runs one mode per call,
+appending to one table.) Operators size servers by
 the highest request rate their server sustains within a latency SLO. Per mode this reports the
 highest Poisson rate whose P90 TTFT ≤ 1000 ms and P90 TPOT ≤ 50 ms (``--ttft-slo-ms``,
 ``--tpot-slo-ms``), and ends with ``goodput N/M: both/gridtrim = X.XX, both/stock = Y.YY`` (those
 measured). The offline harness (:mod:`benchmarks.serving.bench`) stays the place for the slot
 statistics, which need the engine core in the harness's process.
 
-**One mode**, each in its own server, one after the other: the modes, environments and engine
+**One mode**, each in its own server, one after the other or at once on GPUs of their own
+(``--gpus``, :mod:`benchmarks.serving.placement`): the modes, environments and engine
 options are bench.py's (:func:`bench.mode_env`, :func:`bench.engine_options` with vLLM's defaults,
 or the second-line settings of ``--graphs``/``--sync``/``--no-prefix-caching``,
 :mod:`benchmarks.serving.vllm_settings`) written as ``vllm serve`` flags (:func:`cli_flags`), the N adapters registered with ``--lora-modules
@@ -85,7 +88,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import bench, vllm_settings
+from benchmarks.serving import bench, placement, vllm_settings
 from benchmarks.serving.bench_table import MODE_LABEL
 from benchmarks.serving.bench_workload import N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, workload_for
 from benchmarks.serving.host_memory import host_bytes_needed, host_memory_available, host_memory_problem
@@ -496,9 +499,9 @@ def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], 
 
 
 def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle: Path, deadline: float, slo: Slo,
-             flush: Callable[[], None]) -> None:
-    """Start the mode's server, check it, warm it up, sweep, stop it, filling the mode's ``entry``
-    of the table (``error`` when it stopped early)."""
+             flush: Callable[[], None], gpu: placement.Gpu) -> None:
+    """Start the mode's server (on ``gpu``, :func:`placement.env`), check it, warm it up, sweep, stop
+    it, filling the mode's ``entry`` of the table (``error`` when it stopped early)."""
     directory = args.out / mode
     directory.mkdir(parents=True, exist_ok=True)
     work = args.work
@@ -516,8 +519,9 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
         flush()
         sweep_mode(lambda rate, n: run_rate(m, rate, n, args, slo), entry, args, slo, deadline, flush)
 
-    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters), directory / "server.log",
-                m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline, body, flush)
+    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters) | placement.env(gpu, work, mode),
+                directory / "server.log", m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline,
+                body, flush)
 
 
 def first_line(cmd: list[str]) -> str | None:
@@ -536,6 +540,13 @@ def identity() -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}, commit {commit}"
 
 
+def call_note(modes: Sequence[str], gpus: Sequence[placement.Gpu]) -> str:
+    """The table's note of one call: :func:`identity`, its modes, and how they were placed."""
+    where = (f", at once on GPUs {' '.join(g for g in gpus if g is not None)} (one server per GPU)" if len(gpus) > 1
+             else "" if gpus[0] is None else f", one after another on GPU {gpus[0]}")
+    return f"{identity()}: modes {' '.join(modes)}{where}"
+
+
 def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int], planned: float) -> list[str]:
     """The report's opening lines; the first three identify a table that ``--append`` may extend."""
     settings = vllm_settings.from_arguments(args)
@@ -544,7 +555,7 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int]
              f"a probe of {args.probe_prompts} requests at once, then from {args.start_fraction:g} x its req/s")
     return [
         f"Goodput under a latency SLO: vLLM {version}, `vllm serve` with the LoRazor plugin (OpenAI HTTP server, "
-        "engine core in its own process) driven by `vllm bench serve`, one server per mode, back to back; vLLM "
+        "engine core in its own process) driven by `vllm bench serve`, one server per mode; vLLM "
         "settings of every server: " + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, "
                                                        "async scheduling, prefix caching)"),
         f"model: {bench.MODEL_NAME['llama3b']} config, dummy weights, bf16, word-level tokenizer of its 128256 "
@@ -590,13 +601,16 @@ def load_table(path: Path, pre: list[str], append: bool) -> dict[str, Any] | Non
 
 
 def refusal(name: str, version: str | None, versions: Sequence[str], why: str, n_adapters: int,
-            max_loras: int) -> str | None:
+            max_loras: int, servers: int) -> str | None:
     """The line refusing a harness ``name`` before it starts: a vLLM other than ``versions``
-    (``why`` those), or host memory short of ``n_adapters`` kept adapters; None when it may run."""
+    (``why`` those), or host memory short of ``n_adapters`` kept adapters in each of ``servers``
+    servers that run at once; None when it may run."""
     if version not in versions:
         return f"{name} runs on vLLM {' or '.join(versions)} ({why}); found {version or 'no vLLM'}"
-    needed = host_bytes_needed(LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
+    needed = servers * host_bytes_needed(LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
     problem = host_memory_problem(needed, host_memory_available())
+    if problem is not None and servers > 1:
+        problem += f", or fewer --gpus ({servers} servers with adapters run at once)"
     return None if problem is None else f"{name}: {problem}"
 
 
@@ -604,8 +618,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     version = installed_version()
+    gpus = placement.resolve(args.gpus, args.port, os.environ)
     if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of each has every option used here",
-                          args.adapters, args.max_loras):
+                          args.adapters, args.max_loras,
+                          placement.concurrent_servers(gpus, args.modes, lambda m: m != "nolora")):
         print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
@@ -616,36 +632,18 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"{args.out}/goodput.json holds another vLLM, model, server configuration (e.g. "
               "async scheduling), workload or SLO: give another --out", file=sys.stderr)
         return 2
-    doc["notes"].append(f"{identity()}: modes {' '.join(args.modes)}")
+    doc["notes"].append(call_note(args.modes, gpus))
 
+    @placement.serialized
     def flush() -> None:
         doc["ratio"] = ratio_line(args.adapters, args.max_loras, doc["modes"], slo)
         (args.out / "goodput.json").write_text(json.dumps(doc, indent=1))
         (args.out / "goodput.txt").write_text(render(doc, slo))
 
-    rc = run_modes(doc, args, start, deadline, lambda mode, entry: run_mode(mode, entry, args, bundle, deadline, slo,
-                                                                            flush), flush)
+    rc = placement.run_modes(doc, args, gpus, start, deadline, lambda mode, entry, gpu: run_mode(
+        mode, entry, args, bundle, deadline, slo, flush, gpu), flush)
     print((args.out / "goodput.txt").read_text(), flush=True)  # ends with the ratio line
     return rc
-
-
-def run_modes(doc: dict[str, Any], args: argparse.Namespace, start: float, deadline: float,
-              run: Callable[[str, dict[str, Any]], None], flush: Callable[[], None]) -> int:
-    """Each of ``args.modes`` in turn, its fresh entry of ``doc`` filled by ``run(mode, entry)``,
-    while ``--min-mode-s`` of the budget is left (else a note says it was not run); the table
-    flushed last. 1 when a mode stopped with an error, else 0."""
-    rc = 0
-    for mode in args.modes:
-        left = deadline - time.monotonic()
-        if left < args.min_mode_s:
-            doc["notes"].append(f"{mode}: not run, {left:.0f} s of the {args.budget_s:.0f} s budget left")
-            continue
-        print(f"[{time.monotonic() - start:5.0f} s] {mode}: starting ({left:.0f} s left)", flush=True)
-        entry = doc["modes"][mode] = {"facts": [], "rows": [], "error": None}
-        run(mode, entry)
-        rc |= entry["error"] is not None
-    flush()
-    return int(rc)
 
 
 def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
@@ -682,7 +680,8 @@ def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
 def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[str],
                         default_modes: Sequence[str]) -> None:
     """Where a table of ``name`` goes (``OUT/<name>.json`` and ``.txt``) and what it holds: ``--out``,
-    ``--work``, ``--modes``, ``--append``, ``--max-loras`` (shared with :mod:`benchmarks.serving.chat`)."""
+    ``--work``, ``--modes``, ``--append``, ``--max-loras``, ``--gpus`` (shared with
+    :mod:`benchmarks.serving.chat`)."""
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", f"/tmp/lorazor_{name}_out")))
     ap.add_argument("--work", type=Path, default=Path(f"/tmp/lorazor_{name}"),
                     help="model directory, adapters and bundles (kept between calls with the same adapters)")
@@ -692,6 +691,7 @@ def add_table_arguments(ap: argparse.ArgumentParser, name: str, modes: Sequence[
                     help=f"keep the other modes of OUT/{name}.json (same vLLM, model, workload and SLO): one table "
                          "over several calls")
     ap.add_argument("--max-loras", type=number("positive_int"), default=32, help="adapter slots (vLLM's max_loras)")
+    placement.add_argument(ap)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

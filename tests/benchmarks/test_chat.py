@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,16 +203,48 @@ def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
     chat_bundle.summary_path(given).write_text(json.dumps({"planned_skip": 0.497, "heldout_requests": 512}))
     args = _args(tmp_path, bundle=given)
     args.out.mkdir()
-    path, described = chat.learned_bundle(args, chat.shape_from(args), deadline=0.0)
+    path, described = chat.learned_bundle(args, chat.shape_from(args), 0.0, None)
     sha = hashlib.sha256((given / "manifest.json").read_bytes()).hexdigest()[:12]
     assert path == given and described == {"sha256": sha, "planned_skip": 0.497, "heldout_requests": 512}
     kept = args.out / "learned"
     assert (kept / "manifest.json").read_bytes() == (given / "manifest.json").read_bytes()
     assert json.loads(chat_bundle.summary_path(kept).read_text())["planned_skip"] == 0.497
     # served again from the copy kept with the table: the same bundle, nothing copied over itself
-    assert chat.learned_bundle(_args(tmp_path, bundle=kept), chat.shape_from(args), 0.0) == (kept, described)
+    assert chat.learned_bundle(_args(tmp_path, bundle=kept), chat.shape_from(args), 0.0, None) == (kept, described)
     with pytest.raises(HarnessError, match="no bundle there"):
-        chat.learned_bundle(_args(tmp_path, bundle=tmp_path / "nothing"), chat.shape_from(args), 0.0)
+        chat.learned_bundle(_args(tmp_path, bundle=tmp_path / "nothing"), chat.shape_from(args), 0.0, None)
+
+
+def test_the_bundle_is_prepared_on_the_modes_gpu_once_and_a_failure_leaves_nothing(tmp_path, monkeypatch):
+    """Without --bundle the preparation runs (here a stand-in for chat_bundle's command) on the
+    learned mode's GPU, into --work, and is kept there; a failed one is an error with its log's
+    tail and leaves no half-written bundle."""
+    calls: list[tuple[list[str], dict]] = []
+    fails = [False]
+
+    def prepare(cmd, env, stdout, **kw):
+        calls.append((cmd, env))
+        stdout.write("capturing hidden states\n" + ("CUDA error: out of memory\n" if fails[0] else ""))
+        bundle = Path(cmd[cmd.index("--bundle") + 1])
+        bundle.mkdir(parents=True)
+        (bundle / "manifest.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, int(fails[0]))
+
+    monkeypatch.setattr(chat.subprocess, "run", prepare)
+    args = _args(tmp_path)
+    args.out.mkdir()
+    shape = chat.shape_from(args)
+    path, described = chat.learned_bundle(args, shape, time.monotonic() + 600, "2")
+    assert path.parent == args.work / "learned" and (args.out / "learned" / "manifest.json").exists()
+    (cmd, env), = calls
+    assert cmd[1:3] == ["-m", "benchmarks.serving.chat_bundle"] and env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert chat.learned_bundle(args, shape, time.monotonic() + 600, "3")[0] == path and len(calls) == 1  # kept
+
+    failing, fails[0] = _args(tmp_path / "fail"), True
+    failing.out.mkdir(parents=True)
+    with pytest.raises(HarnessError, match="(?s)not prepared \\(1\\).*CUDA error: out of memory"):
+        chat.learned_bundle(failing, shape, time.monotonic() + 600, None)
+    assert len(calls) == 2 and not any((failing.work / "learned").iterdir())
 
 
 def test_append_extends_only_a_table_of_the_same_workload(tmp_path):
@@ -232,10 +266,9 @@ def test_refuses_a_vllm_it_was_not_written_for(tmp_path, capsys):
     assert not (tmp_path / "work").exists()  # refused before writing anything
 
 
-def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
-    """Every mode of the chat benchmark, through the stand-in `vllm serve` and `vllm bench serve` of
-    the goodput test: each server checked for vLLM's defaults and its plugin lines, warmed up, swept;
-    the table, its summary and its two ratio lines, with the learned bundle given."""
+def _stand_in(tmp_path: Path, monkeypatch) -> tuple[list[str], Path]:
+    """The chat harness's arguments against the goodput test's stand-in `vllm` (a given learned
+    bundle, a tiny workload and sweep), and the file the stand-in records into."""
     fake = tmp_path / "fake_vllm.py"
     fake.write_text(FAKE_VLLM)
     record = tmp_path / "record.jsonl"
@@ -246,16 +279,18 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     head = Head("a00", np.linspace(-1, 1, 8).astype(np.float32), 0.25, 3, 9, 4, "ok")
     entries = [chat_bundle.learned_entry(bench.adapter_name(a), f"{a:064x}", head, -0.5, {}) for a in range(4)]
     given = chat_bundle.write_learned_bundle(tmp_path / "given", entries, synthetic.LLAMA32_3B | {"hidden_size": 8})
-    out = tmp_path / "out"
-    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "4", "--max-loras", "2",
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--adapters", "4", "--max-loras", "2",
             "--bundle", str(given), "--system-len", "5", "10", "--user-len", "3", "6", "--output-len", "2", "8",
             "--probe-prompts", "16", "--min-prompts", "8", "--duration-s", "1", "--min-mode-s", "1",
             "--budget-s", "300", "--client-overhead-s", "0"]
-    assert chat.main(argv + ["--modes", "lorazor", "gridtrim", "stock"]) == 0
-    assert chat.main(argv + ["--modes", "lorazor-sync", "nolora", "--append"]) == 0
+    return argv, record
 
+
+def _check_table(out: Path, order: list[str]) -> list[dict]:
+    """Every mode of ``order`` measured without error, probe then sweep, its goodput bracketed; both
+    ratio lines measured; the learned modes on one bundle. The stand-in's records."""
     doc = json.loads((out / "chat.json").read_text())
-    assert list(doc["modes"]) == ["lorazor", "gridtrim", "stock", "lorazor-sync", "nolora"]
+    assert list(doc["modes"]) == order
     for mode, entry in doc["modes"].items():
         assert entry["error"] is None, (mode, entry["error"])
         assert entry["rows"][0]["rate"] is None and len(entry["rows"]) > 2  # the probe, then the sweep
@@ -269,9 +304,40 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     assert lines[0].startswith("chat4 goodput [vLLM defaults]: lorazor/stock = ") and "n/a" not in lines[0]
     assert lines[1].startswith("learned async/sync = ") and "n/a" not in lines[1]
     assert (out / "chat.txt").read_text().endswith("\n".join(lines) + "\n")
-    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    return [json.loads(line) for line in (out.parent / "record.jsonl").read_text().splitlines()]
+
+
+def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
+    """Every mode of the chat benchmark, through the stand-in `vllm serve` and `vllm bench serve` of
+    the goodput test, over two calls into one table: each server checked for vLLM's defaults and its
+    plugin lines, warmed up, swept; the table, its summary and its two ratio lines."""
+    argv, _ = _stand_in(tmp_path, monkeypatch)
+    assert chat.main(argv + ["--modes", "lorazor", "gridtrim", "stock"]) == 0
+    assert chat.main(argv + ["--modes", "lorazor-sync", "nolora", "--append"]) == 0
+
+    seen = _check_table(tmp_path / "out", ["lorazor", "gridtrim", "stock", "lorazor-sync", "nolora"])
     servers = [s for s in seen if s["what"] == "serve"]
     assert [("--no-async-scheduling" in s["argv"], "--enable-lora" in s["argv"]) for s in servers] == [
         (False, True), (False, True), (False, True), (True, True), (False, False)]
+    assert not any("CUDA_VISIBLE_DEVICES" in s["env"] or "VLLM_CACHE_ROOT" in s["env"] for s in servers)
     clients = [s for s in seen if s["what"] == "bench"]
     assert {s["mode"] for s in clients} == set(chat.MODES) and all(s["lorazor"] == [] for s in clients)
+
+
+def test_the_five_modes_run_at_once_one_gpu_each(tmp_path, monkeypatch):
+    """``--gpus 0 1 2 3 4``: one call, the five servers at once (the stand-in's servers become
+    healthy only once all five have started: one after another, none would), each seeing its own
+    GPU and compiling into a vLLM cache of its own; the same table as over several calls."""
+    argv, _ = _stand_in(tmp_path, monkeypatch)
+    (tmp_path / "together").mkdir()
+    monkeypatch.setenv("FAKE_TOGETHER", f"5:{tmp_path / 'together'}")
+    assert chat.main(argv + ["--gpus", "0", "1", "2", "3", "4", "--ready-timeout-s", "60"]) == 0
+
+    seen = _check_table(tmp_path / "out", list(chat.MODES))
+    servers = {s["argv"][s["argv"].index("--port") + 1]: s["env"] for s in seen if s["what"] == "serve"}
+    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in servers.values()) == ["0", "1", "2", "3", "4"]
+    assert len({e["VLLM_CACHE_ROOT"] for e in servers.values()}) == 5
+    doc = json.loads((tmp_path / "out" / "chat.json").read_text())
+    assert doc["notes"][0].endswith("modes lorazor lorazor-sync gridtrim stock nolora, at once on GPUs 0 1 2 3 4 "
+                                    "(one server per GPU)")
+    assert [e["facts"][0] for e in doc["modes"].values()] == [f"GPU {g}" for g in range(5)]

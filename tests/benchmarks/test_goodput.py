@@ -390,7 +390,8 @@ FAKE_VLLM = r'''
 with its defaults, prints the plugin's start-up lines the environment asks for and answers the routes the
 harnesses use (/metrics with growing counters); `bench serve` writes a result whose P90 TTFT misses the SLO
 above the mode's LIMIT (with per-request lists under --save-detailed). Both append what they saw to
-$FAKE_RECORD."""
+$FAKE_RECORD. With FAKE_TOGETHER=N:DIR a server is not healthy until N servers have started (each
+leaves a file in DIR): servers started one after another never all become ready."""
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -416,7 +417,10 @@ def record(**kw):
 
 
 if sys.argv[1] == "serve":
-    env = {k: v for k, v in os.environ.items() if k.startswith(("LORAZOR_", "VLLM_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LORAZOR_", "VLLM_", "CUDA_VISIBLE_DEVICES"))}
+    together = os.environ.get("FAKE_TOGETHER", "").partition(":")
+    if together[2]:
+        open(os.path.join(together[2], values("--port")[0]), "w").close()
     record(what="serve", argv=sys.argv[1:], env=env)
     print("(EngineCore_DP0 pid=1) INFO [core.py:140] Initializing a V1 LLM engine (v0.33.0) with config: "
           "enable_prefix_caching=True, compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, "
@@ -453,6 +457,9 @@ if sys.argv[1] == "serve":
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)
+                return
+            if self.path == "/health" and together[2] and len(os.listdir(together[2])) < int(together[0]):
+                self.reply(None, 503)
                 return
             self.reply(None if self.path == "/health" else {"data": [{"id": n} for n in names]})
 

@@ -5,6 +5,8 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,16 +25,48 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} GPUs")
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One engine process of a GPU test: ``python -m <module> <args>`` with ``env``, output to ``log``;
+    ``must_succeed`` False where its failure is what the test checks or reports itself."""
+
+    module: str
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    must_succeed: bool = True
+
+
+def _run(phase: Phase, timeout_s: float, own_cache: bool) -> int | str:
+    """The phase's exit code, or why it has none."""
+    env = phase.env | ({"VLLM_CACHE_ROOT": str(phase.log.with_suffix(".vllm-cache"))} if own_cache else {})
+    with open(phase.log, "w") as out:
+        try:
+            return subprocess.run([sys.executable, "-m", phase.module, *phase.args], cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return f"no code: stopped after {timeout_s:.0f} s"
+
+
+def run_phases(phases: Sequence[Phase], timeout_s: float) -> None:
+    """The ``phases`` at once, one engine per process (vLLM's process state and GPU memory stay
+    separate; each engine's fixed KV cache lets them share the GPU, ``check_slots.ENGINE_MEMORY``),
+    from the checkout root, each with a vLLM cache of its own when there are several (engines of
+    one configuration would share a compile-cache index that vLLM writes in place,
+    docs/vllm_integration.md §12c). Fails the test with the log's tail of every phase that must
+    succeed and did not."""
+    with ThreadPoolExecutor(max(1, len(phases))) as pool:
+        codes = list(pool.map(lambda p: _run(p, timeout_s, len(phases) > 1), phases))
+    failed = [f"{p.module} {' '.join(p.args)} exited with {code}:\n{p.log.read_text(errors='replace')[-6000:]}"
+              for p, code in zip(phases, codes) if code != 0 and p.must_succeed]
+    if failed:
+        pytest.fail("\n\n".join(failed))
+
+
 def run_phase(module: str, args: list[str], env: dict[str, str], log: Path, timeout_s: float,
               must_succeed: bool = True) -> None:
-    """``python -m <module> <args>`` from the checkout root: one engine per process, so vLLM's
-    process state and GPU memory stay separate. Fails the test with the log's tail if the process
-    fails and ``must_succeed``."""
-    with open(log, "w") as out:
-        rc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-    if rc != 0 and must_succeed:
-        pytest.fail(f"{module} {' '.join(args)} exited with {rc}:\n{log.read_text()[-6000:]}")
+    """One phase (:func:`run_phases`)."""
+    run_phases([Phase(module, args, env, log, must_succeed)], timeout_s)
 
 
 def demo_arguments(description: str, flag: str, choices: Sequence[str]) -> argparse.Namespace:

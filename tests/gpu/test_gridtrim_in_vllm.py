@@ -7,7 +7,7 @@ import pytest
 
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
-from tests.gpu.harness import needs_gpus, run_phase
+from tests.gpu.harness import Phase, needs_gpus, run_phases
 
 pytestmark = pytest.mark.gpu
 
@@ -21,12 +21,11 @@ ENGINE_TIMEOUT_S = 400
 def test_gridtrim_logprobs_match_stock(tp, sharded, vllm_env, tmp_path):
     release_engines.prepare(tmp_path, N_REQUESTS, release_engines.model_for(tp))
     out = tmp_path / "out"
-    for mode in engines.MODES:
-        env = release_engines.phase_env(tmp_path, vllm_env, "stock")
-        if mode == "gridtrim":
-            env["LORAZOR_GRIDTRIM"] = "1"
-        args = ["--phase", mode, "--work", str(tmp_path), "--out", str(out), "--requests", str(N_REQUESTS),
-                "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if sharded else [])
-        run_phase("tests.gpu.gridtrim_engines", args, env, tmp_path / f"{mode}.log", ENGINE_TIMEOUT_S)
+    env = release_engines.phase_env(tmp_path, vllm_env, "stock")
+    args = ["--work", str(tmp_path), "--out", str(out), "--requests", str(N_REQUESTS),
+            "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if sharded else [])
+    run_phases([Phase("tests.gpu.gridtrim_engines", ["--phase", mode, *args],
+                      env | ({"LORAZOR_GRIDTRIM": "1"} if mode == "gridtrim" else {}), tmp_path / f"{mode}.log")
+                for mode in engines.MODES], ENGINE_TIMEOUT_S)
     text, ok = engines.report(out, N_REQUESTS, TOLERANCE)
     assert ok, text

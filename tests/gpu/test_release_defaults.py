@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu import release_engines as engines
-from tests.gpu.harness import run_phase
+from tests.gpu.harness import Phase, run_phases
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,7 @@ ENGINE_TIMEOUT_S = 400
 
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
-    """Check name → (passed, detail), from one stock and one plugin engine with vLLM's defaults."""
+    """Check name → (passed, detail), from one stock and one plugin engine with vLLM's defaults, at once."""
     from serve_bridge.vllm import versions
 
     if versions.current().RUNNER != "V2":
@@ -26,9 +26,9 @@ def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
     work = tmp_path_factory.mktemp("release_defaults")
     out = work / "out"
     engines.prepare(work, N_REQUESTS)
-    for phase in ("stock-defaults", "plugin-defaults"):
-        run_phase("tests.gpu.release_engines", ["--phase", phase, "--work", str(work), "--out", str(out)],
-                  engines.phase_env(work, vllm_env, phase), work / f"{phase}.log", ENGINE_TIMEOUT_S)
+    run_phases([Phase("tests.gpu.release_engines", ["--phase", phase, "--work", str(work), "--out", str(out)],
+                      engines.phase_env(work, vllm_env, phase), work / f"{phase}.log")
+                for phase in ("stock-defaults", "plugin-defaults")], ENGINE_TIMEOUT_S)
     return {name: (ok, detail) for name, ok, detail in engines.compare(work, out, "-defaults")}
 
 

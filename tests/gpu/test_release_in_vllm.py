@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu import release_engines as engines
-from tests.gpu.harness import needs_gpus, run_phase
+from tests.gpu.harness import Phase, needs_gpus, run_phases
 
 pytestmark = pytest.mark.gpu
 
@@ -19,17 +19,17 @@ LAYOUTS = [pytest.param((1, False), id="tp1"),  # (tensor_parallel_size, fully_s
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checks(request, vllm_env, tmp_path_factory) -> tuple[int, dict[str, tuple[bool, str]]]:
     """(tensor_parallel_size, check name → (passed, detail)), from one stock, one plugin and (at TP 1)
-    one bad-bundle engine (whose process may fail: its error is what is checked)."""
+    one bad-bundle engine (whose process may fail: its error is what is checked), at once."""
     tp, sharded = request.param
     work = tmp_path_factory.mktemp(f"release_tp{tp}")
     out = work / "out"
     engines.prepare(work, N_REQUESTS, engines.model_for(tp))
     phases = ["stock", "plugin"] + (["badbundle"] if tp == 1 else [])  # start-up errors are checked at TP 1
-    for phase in phases:
-        args = ["--phase", phase, "--work", str(work), "--out", str(out), "--tensor-parallel-size", str(tp)]
-        run_phase("tests.gpu.release_engines", args + (["--fully-sharded-loras"] if sharded else []),
-                  engines.phase_env(work, vllm_env, phase), work / f"{phase}.log", ENGINE_TIMEOUT_S,
-                  must_succeed=phase != "badbundle")
+    args = ["--work", str(work), "--out", str(out), "--tensor-parallel-size", str(tp)] + (
+        ["--fully-sharded-loras"] if sharded else [])
+    run_phases([Phase("tests.gpu.release_engines", ["--phase", phase, *args], engines.phase_env(work, vllm_env, phase),
+                      work / f"{phase}.log", must_succeed=phase != "badbundle") for phase in phases],
+               ENGINE_TIMEOUT_S)
     return tp, {name: (ok, detail) for name, ok, detail in engines.compare(work, out)}
 
 

@@ -323,13 +323,16 @@ def test_compiled_forward_matches_reference(backend):
     """Under a real ``torch.compile(fullgraph=True)`` (vLLM compiles the forward with Inductor) the
     ops are traced without a graph break, functionalized and run: successive steps with other
     batch sizes and adapter mixes through the same compiled graph match the torch reference, and
-    rows without an adapter keep their bits."""
+    rows without an adapter keep their bits. Dynamo's guards are dropped as vLLM drops them
+    (vLLM 0.33.0 ``compilation/wrapper.py:126-146``): a step's host state read while tracing would
+    be replayed stale instead of recompiled."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(13)
     a, b = _weights(gen)
     meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
     wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    layer = torch.compile(_CompiledLoRALayer(a, b, meta, wl), fullgraph=True, backend=backend, dynamic=True)
+    layer = torch.compile(_CompiledLoRALayer(a, b, meta, wl), fullgraph=True, backend=backend, dynamic=True,
+                          options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
     for groups, rows in [({-1: 5, 0: 3, 2: 19, 3: 1}, 32), ({1: 2, -1: 1, 3: 4}, 8), ({-1: 6, 2: 11}, 24)]:
         mapping = _mapping(groups, gen)
         meta.prepare(mapping)

@@ -18,12 +18,13 @@
 #   chat512     a chat workload (per-adapter system prompts, multi-turn follow-ups, Zipf popularity), 512 adapters,
 #               max_loras 32, against vLLM's defaults (torch.compile, async scheduling, prefix caching), through
 #               `vllm serve` and `vllm bench serve` (benchmarks/serving/chat.py): goodput, P99s, prefix-cache hits,
-#               adapters meeting the SLO; on a machine with five GPUs or more, the five modes at once, one GPU each
+#               adapters meeting the SLO; on a machine with six GPUs or more, the six modes at once, one GPU each
 #               (one call); on one GPU one mode per call: MODES=lorazor (prepares the learned bundle first), then
-#               MODES=lorazor-sync with BUNDLE=OUT_DIR/chat512/learned, then gridtrim, stock, nolora, the same OUT_DIR;
-#               prints
+#               MODES=lorazor-sync and MODES=lorazor-lag0 with BUNDLE=OUT_DIR/chat512/learned, then gridtrim, stock,
+#               nolora, the same OUT_DIR; prints
 #                 chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
 #                 learned async/sync = Z.ZZ
+#                 learned lag 1/lag 0 [async] = W.WW
 # Llama-3.2-3B shape with dummy weights, rank 8 on all seven projections (llama8b256: Llama-3.1-8B, rank 16),
 # vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching) unless SETTINGS says
 # otherwise, REQUESTS requests (default 2048), every adapter kept in host memory; mean running requests and slots

@@ -3,7 +3,7 @@ driven by ``vllm bench serve`` with a dataset file.
 
     python -m benchmarks.serving.chat --out DIR [--modes lorazor ...] [--gpus all] [--append] [--bundle DIR]
 
-On a machine with five H200s (or more) and vLLM 0.33.0, the whole table in one call, the five
+On a machine with six H200s (or more) and vLLM 0.33.0, the whole table in one call, the six
 servers at once, one GPU each (:mod:`benchmarks.serving.placement`; the learned bundle is prepared
 first on the lorazor mode's GPU, the other modes starting meanwhile):
 
@@ -13,6 +13,7 @@ On one H200, one mode per call (each fits a 10-minute call), into one table:
 
     MODES=lorazor bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=lorazor-sync BUNDLE=/tmp/chat/chat512/learned bash scripts/gpu_slot_bench.sh /tmp/chat chat512
+    MODES=lorazor-lag0 BUNDLE=/tmp/chat/chat512/learned bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=gridtrim bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=stock bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=nolora bash scripts/gpu_slot_bench.sh /tmp/chat chat512
@@ -23,6 +24,7 @@ async/sync ratio compares one bundle; without it the bundle is prepared again, o
 
     chat512 goodput [vLLM defaults]: lorazor/stock = X.XX, lorazor/gridtrim = Y.YY
     learned async/sync = Z.ZZ
+    learned lag 1/lag 0 [async] = W.WW
 
 **Modes.** Every server runs vLLM's defaults: torch.compile with its default CUDA-graph mode,
 async scheduling, prefix caching, the H200's default batch limits and share of its memory (on a
@@ -39,6 +41,9 @@ and in the lorazor modes LoRazor's worker extension, which reads the release cou
   ``LORAZOR_ADAPTERS``; :mod:`benchmarks.serving.chat_bundle`);
 - ``lorazor-sync``: the same with ``--no-async-scheduling``, the one option that turns a default
   off, for ``learned async/sync``;
+- ``lorazor-lag0``: the same heads and thresholds with decision lag 0 (:func:`lag0_bundle`), under
+  async scheduling: each step is planned only once the previous step's decisions are read, the
+  option that waits (docs/vllm_integration.md §9), for ``learned lag 1/lag 0``;
 - ``nolora``: the backbone without LoRA; the same requests go to the base model.
 
 The plugin's start-up lines are checked per mode as goodput.py checks them (``lorazor`` as its
@@ -95,7 +100,7 @@ import numpy as np
 
 from benchmarks.serving import bench, goodput, placement
 from benchmarks.serving.bench_workload import N_REQUESTS
-from benchmarks.serving.chat_bundle import summary_path
+from benchmarks.serving.chat_bundle import summary_path, with_lag
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
                                               shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
 from benchmarks.serving.goodput import Slo
@@ -104,12 +109,16 @@ from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.vllm.versions import installed_version
 
 VERSION = "0.33.0"  # the vllm bench serve whose custom dataset and round-robin assignment this relies on
-MODES = ("lorazor", "lorazor-sync", "gridtrim", "stock", "nolora")
-BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lorazor-sync": "both", "nolora": "nolora"}
-LEARNED = ("lorazor", "lorazor-sync")
+MODES = ("lorazor", "lorazor-sync", "lorazor-lag0", "gridtrim", "stock", "nolora")
+BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lorazor-sync": "both",
+              "lorazor-lag0": "both", "nolora": "nolora"}
+LEARNED = ("lorazor", "lorazor-sync", "lorazor-lag0")
+SAME_BUNDLE = ("lorazor", "lorazor-sync")  # learned async/sync compares one bundle
+LAG0 = "lorazor-lag0"
 LABEL = {"stock": "stock", "gridtrim": "gridtrim (LORAZOR_GRIDTRIM=1)",
          "lorazor": "lorazor (GridTrim + the learned bundle)",
          "lorazor-sync": "lorazor-sync (the same, --no-async-scheduling)",
+         "lorazor-lag0": "lorazor-lag0 (the same heads, decision lag 0)",
          "nolora": "nolora (the backbone without LoRA)"}
 WORKER_EXTENSION = "serve_bridge.vllm.rpc.LoRazorWorkerExtension"
 # vLLM 0.33.0's defaults as the engine core logs its config (v1/engine/core.py:140-142, config/vllm.py:2839-2842)
@@ -246,18 +255,25 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
 
 
 def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo) -> list[str]:
-    """The report's last two lines (``n/a`` for a ratio whose modes lack a goodput rate)."""
+    """The report's last three lines (``n/a`` for a ratio whose modes lack a goodput rate): the
+    headline ratios, async against synchronous scheduling on one bundle, and decision lag 1
+    against lag 0 (which waits for each step's decisions) under async scheduling."""
     r = rates(modes, slo)
 
     def ratio(a: str, b: str) -> str:
         return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "n/a"
 
     sync = ratio("lorazor", "lorazor-sync")
-    bundles = {(modes[m].get("bundle") or {}).get("sha256") for m in LEARNED if m in modes}
+    bundles = {(modes[m].get("bundle") or {}).get("sha256") for m in SAME_BUNDLE if m in modes}
     if sync != "n/a" and len(bundles) > 1:
         sync = "n/a (lorazor and lorazor-sync served different bundles)"
+    lag = ratio("lorazor", LAG0)
+    if lag != "n/a" and (modes[LAG0].get("bundle") or {}).get("lag_of") != (modes["lorazor"].get("bundle") or {}).get(
+            "sha256"):
+        lag = "n/a (lorazor-lag0 is not lorazor's bundle with lag 0)"
     return [f"chat{n_adapters} goodput [vLLM defaults]: lorazor/stock = {ratio('lorazor', 'stock')}, "
-            f"lorazor/gridtrim = {ratio('lorazor', 'gridtrim')}", f"learned async/sync = {sync}"]
+            f"lorazor/gridtrim = {ratio('lorazor', 'gridtrim')}", f"learned async/sync = {sync}",
+            f"learned lag 1/lag 0 [async] = {lag}"]
 
 
 def render(doc: dict[str, Any], slo: Slo) -> str:
@@ -403,6 +419,16 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float,
                   "heldout_requests": summary.get("heldout_requests")}
 
 
+def lag0_bundle(directory: Path, learned: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The lorazor-lag0 mode's bundle: the learned one with decision lag 0
+    (:func:`chat_bundle.with_lag`), written afresh to ``directory``; its planned skip is not
+    computed (the held-out scores are not kept): about one forward per released request more."""
+    shutil.rmtree(directory, ignore_errors=True)
+    with_lag(learned[0], 0, directory)
+    sha = hashlib.sha256((directory / "manifest.json").read_bytes()).hexdigest()[:12]
+    return directory, {"sha256": sha, "planned_skip": None, "heldout_requests": None, "lag_of": learned[1]["sha256"]}
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
@@ -440,13 +466,16 @@ def orchestrate(args: argparse.Namespace) -> int:
                         learned["bundle"] = learned_bundle(args, shape, deadline, gpu)
                     except HarnessError as e:
                         learned["error"] = str(e)
+                if mode == LAG0 and "bundle" in learned and LAG0 not in learned:
+                    learned[LAG0] = lag0_bundle(args.out / "learned-lag0", learned["bundle"])
             if "error" in learned:
                 entry["error"] = learned["error"]
                 return
-            bundle, entry["bundle"] = learned["bundle"]
-            planned = entry["bundle"]["planned_skip"]
-            entry["facts"].append(f"learned bundle {entry['bundle']['sha256']}, planned skip "
-                                  f"{'unknown' if planned is None else f'{planned:.3f}'}")
+            bundle, entry["bundle"] = learned[LAG0 if mode == LAG0 else "bundle"]
+            planned, of = entry["bundle"]["planned_skip"], entry["bundle"].get("lag_of")
+            entry["facts"].append(f"learned bundle {entry['bundle']['sha256']}"
+                                  + (f" (bundle {of} with decision lag 0)" if of else "") + ", planned skip "
+                                  + ('unknown' if planned is None else f'{planned:.3f}'))
         run_mode(mode, entry, args, shape, bundle, deadline, slo, flush, gpu)
 
     rc = placement.run_modes(doc, args, gpus, start, deadline, run, flush)

@@ -44,7 +44,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from benchmarks.serving.bench_workload import TARGET_SKIP, choose_k
 from benchmarks.serving.chat_workload import Row, add_shape_arguments, prep_rows, shape_from
 from benchmarks.serving.synthetic import LLAMA32_3B
 from predictors.heads import Head, fit_head
-from serve_bridge.bundle import AdapterEntry, config_fingerprint, write_bundle
+from serve_bridge.bundle import AdapterEntry, config_fingerprint, load_bundle, write_bundle
 from serve_bridge.command_line import Parser, existing_dir, need_files, number, report
 from serve_bridge.safe_write import check_output
 from serve_bridge.steptrim import release_point_learned, skip_fraction
@@ -189,6 +189,16 @@ def write_learned_bundle(directory: Path, entries: Sequence[AdapterEntry], cfg: 
     """The entries as a bundle for the dummy model of ``cfg``."""
     return write_bundle(directory, backbone=BACKBONE, hidden_size=cfg["hidden_size"],
                         config_fingerprint=config_fingerprint(cfg), adapters=entries)
+
+
+def with_lag(source: Path, lag: int, directory: Path) -> Path:
+    """``source``'s bundle with every learned entry's decision lag set to ``lag`` (heads, τ and
+    everything else unchanged), written to ``directory``: the same decisions released ``lag``
+    forwards after they fire (docs/design.md §2)."""
+    b = load_bundle(source)
+    entries = [replace(e, lag=lag) if e.policy == "learned" else e for e in b.adapters.values()]
+    return write_bundle(directory, backbone=b.backbone, hidden_size=b.hidden_size,
+                        config_fingerprint=b.config_fingerprint, adapters=entries)
 
 
 # -- the GPU passes --------------------------------------------------------------------------------

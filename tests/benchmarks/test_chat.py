@@ -19,6 +19,7 @@ from benchmarks.serving import bench, chat, chat_bundle, goodput, synthetic
 from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError
 from predictors.heads import Head
+from serve_bridge.bundle import load_bundle
 from tests.benchmarks.test_goodput import FAKE_VLLM, flags
 
 SLO = Slo()
@@ -60,7 +61,7 @@ def test_server_environment(mode):
     environ = {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1", "LORAZOR_BUNDLE": "/elsewhere"}
     env = goodput.server_env(chat.BENCH_MODE[mode], environ, Path("/w/learned"), ADAPTERS)
     lorazor = {k: v for k, v in env.items() if k.startswith("LORAZOR_")}
-    want = {"LORAZOR_GRIDTRIM": "1"} if mode in ("gridtrim", "lorazor", "lorazor-sync") else {}
+    want = {"LORAZOR_GRIDTRIM": "1"} if mode in ("gridtrim", *chat.LEARNED) else {}
     if mode in chat.LEARNED:
         want |= {"LORAZOR_BUNDLE": "/w/learned", "LORAZOR_LOG_INTERVAL_S": "0",
                  "LORAZOR_ADAPTERS": "a00=/w/adapters/a00,a01=/w/adapters/a01,a02=/w/adapters/a02"}
@@ -162,28 +163,34 @@ def test_table_and_ratio_lines():
                                   _row(90.0, 2000.0), _row(75.0, 900.0)]},
              "lorazor-sync": {"facts": [], "error": None, "bundle": learned,
                               "rows": [_row(40.0, 500.0), _row(60.0, 1500.0), _row(50.0, 700.0)]},
+             "lorazor-lag0": {"facts": [], "error": None, "bundle": {"sha256": "0ab", "lag_of": "abc"},
+                              "rows": [_row(50.0, 500.0), _row(70.0, 1500.0), _row(60.0, 700.0)]},
              "gridtrim": {"facts": [], "error": None, "rows": [_row(30.0, 200.0), _row(45.0, 3000.0)]},
              "stock": {"facts": [], "error": "rate 20: vllm bench serve failed (rc 1)",
                        "rows": [_row(12.5, 900.0), _row(18.0, 1900.0)]}}
     assert chat.ratio_lines(512, modes, SLO) == [
-        "chat512 goodput [vLLM defaults]: lorazor/stock = 6.00, lorazor/gridtrim = 2.50", "learned async/sync = 1.50"]
-    other = modes | {"lorazor-sync": modes["lorazor-sync"] | {"bundle": {"sha256": "def"}}}
-    assert chat.ratio_lines(512, other, SLO)[1] == "learned async/sync = n/a (lorazor and lorazor-sync served different " \
-                                                   "bundles)"
+        "chat512 goodput [vLLM defaults]: lorazor/stock = 6.00, lorazor/gridtrim = 2.50", "learned async/sync = 1.50",
+        "learned lag 1/lag 0 [async] = 1.25"]
+    other = modes | {"lorazor-sync": modes["lorazor-sync"] | {"bundle": {"sha256": "def"}},
+                     "lorazor-lag0": modes["lorazor-lag0"] | {"bundle": {"sha256": "0ab", "lag_of": "def"}}}
+    assert chat.ratio_lines(512, other, SLO)[1:] == [
+        "learned async/sync = n/a (lorazor and lorazor-sync served different bundles)",
+        "learned lag 1/lag 0 [async] = n/a (lorazor-lag0 is not lorazor's bundle with lag 0)"]
     assert chat.ratio_lines(512, {"stock": modes["stock"]}, SLO) == [
-        "chat512 goodput [vLLM defaults]: lorazor/stock = n/a, lorazor/gridtrim = n/a", "learned async/sync = n/a"]
+        "chat512 goodput [vLLM defaults]: lorazor/stock = n/a, lorazor/gridtrim = n/a", "learned async/sync = n/a",
+        "learned lag 1/lag 0 [async] = n/a"]
     doc = {"preamble": ["pre"], "modes": modes, "notes": ["note"], "ratio": chat.ratio_lines(512, modes, SLO)}
     lines = chat.render(doc, SLO).splitlines()
     assert lines[2] == chat.SUMMARY_HEADER
     assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | 290/300 | "
                         "64.5 | — | 6.00 |")  # at its goodput rate, 75 req/s (no counters in that row)
-    assert lines[7] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | 1.00 |"
+    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | 1.00 |"
     i = lines.index(chat.HEADER)
     assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
     assert lines[i + 2] == "| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | probe |"
     assert lines[i + 3] == "| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 0.492 | met |"
     assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
-    assert lines[-2:] == doc["ratio"] and lines[-4] == "note"
+    assert lines[-3:] == doc["ratio"] and lines[-5] == "note"
 
 
 def _args(tmp_path: Path, **kw) -> argparse.Namespace:
@@ -303,6 +310,10 @@ def _check_table(out: Path, order: list[str]) -> list[dict]:
     lines = doc["ratio"]
     assert lines[0].startswith("chat4 goodput [vLLM defaults]: lorazor/stock = ") and "n/a" not in lines[0]
     assert lines[1].startswith("learned async/sync = ") and "n/a" not in lines[1]
+    assert lines[2].startswith("learned lag 1/lag 0 [async] = ") and "n/a" not in lines[2]
+    lag0 = doc["modes"]["lorazor-lag0"]
+    assert lag0["bundle"]["lag_of"] == doc["modes"]["lorazor"]["bundle"]["sha256"] != lag0["bundle"]["sha256"]
+    assert {e.lag for e in load_bundle(out / "learned-lag0").adapters.values()} == {0}
     assert (out / "chat.txt").read_text().endswith("\n".join(lines) + "\n")
     return [json.loads(line) for line in (out.parent / "record.jsonl").read_text().splitlines()]
 
@@ -313,31 +324,33 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     plugin lines, warmed up, swept; the table, its summary and its two ratio lines."""
     argv, _ = _stand_in(tmp_path, monkeypatch)
     assert chat.main(argv + ["--modes", "lorazor", "gridtrim", "stock"]) == 0
-    assert chat.main(argv + ["--modes", "lorazor-sync", "nolora", "--append"]) == 0
+    assert chat.main(argv + ["--modes", "lorazor-sync", "lorazor-lag0", "nolora", "--append"]) == 0
 
-    seen = _check_table(tmp_path / "out", ["lorazor", "gridtrim", "stock", "lorazor-sync", "nolora"])
+    seen = _check_table(tmp_path / "out", ["lorazor", "gridtrim", "stock", "lorazor-sync", "lorazor-lag0", "nolora"])
     servers = [s for s in seen if s["what"] == "serve"]
     assert [("--no-async-scheduling" in s["argv"], "--enable-lora" in s["argv"]) for s in servers] == [
-        (False, True), (False, True), (False, True), (True, True), (False, False)]
+        (False, True), (False, True), (False, True), (True, True), (False, True), (False, False)]
+    lag0 = servers[4]["env"]["LORAZOR_BUNDLE"]
+    assert lag0 == str(tmp_path / "out" / "learned-lag0") and servers[0]["env"]["LORAZOR_BUNDLE"] != lag0
     assert not any("CUDA_VISIBLE_DEVICES" in s["env"] or "VLLM_CACHE_ROOT" in s["env"] for s in servers)
     clients = [s for s in seen if s["what"] == "bench"]
     assert {s["mode"] for s in clients} == set(chat.MODES) and all(s["lorazor"] == [] for s in clients)
 
 
-def test_the_five_modes_run_at_once_one_gpu_each(tmp_path, monkeypatch):
-    """``--gpus 0 1 2 3 4``: one call, the five servers at once (the stand-in's servers become
-    healthy only once all five have started: one after another, none would), each seeing its own
+def test_the_six_modes_run_at_once_one_gpu_each(tmp_path, monkeypatch):
+    """``--gpus 0 1 2 3 4 5``: one call, the six servers at once (the stand-in's servers become
+    healthy only once all six have started: one after another, none would), each seeing its own
     GPU and compiling into a vLLM cache of its own; the same table as over several calls."""
     argv, _ = _stand_in(tmp_path, monkeypatch)
     (tmp_path / "together").mkdir()
-    monkeypatch.setenv("FAKE_TOGETHER", f"5:{tmp_path / 'together'}")
-    assert chat.main(argv + ["--gpus", "0", "1", "2", "3", "4", "--ready-timeout-s", "60"]) == 0
+    monkeypatch.setenv("FAKE_TOGETHER", f"6:{tmp_path / 'together'}")
+    assert chat.main(argv + ["--gpus", *map(str, range(6)), "--ready-timeout-s", "60"]) == 0
 
     seen = _check_table(tmp_path / "out", list(chat.MODES))
     servers = {s["argv"][s["argv"].index("--port") + 1]: s["env"] for s in seen if s["what"] == "serve"}
-    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in servers.values()) == ["0", "1", "2", "3", "4"]
-    assert len({e["VLLM_CACHE_ROOT"] for e in servers.values()}) == 5
+    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in servers.values()) == list(map(str, range(6)))
+    assert len({e["VLLM_CACHE_ROOT"] for e in servers.values()}) == 6
     doc = json.loads((tmp_path / "out" / "chat.json").read_text())
-    assert doc["notes"][0].endswith("modes lorazor lorazor-sync gridtrim stock nolora, at once on GPUs 0 1 2 3 4 "
-                                    "(one server per GPU)")
-    assert [e["facts"][0] for e in doc["modes"].values()] == [f"GPU {g}" for g in range(5)]
+    assert doc["notes"][0].endswith("modes lorazor lorazor-sync lorazor-lag0 gridtrim stock nolora, at once on GPUs "
+                                    "0 1 2 3 4 5 (one server per GPU)")
+    assert [e["facts"][0] for e in doc["modes"].values()] == [f"GPU {g}" for g in range(6)]

@@ -124,6 +124,24 @@ def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
         assert entry.lag == chat_bundle.LAG == 1 and release == chat_bundle.planned_release(entry, r.scores)
 
 
+def test_a_lag_variant_keeps_heads_and_thresholds_and_moves_each_release_by_the_lag(fitted, tmp_path):
+    _, heads, held = fitted
+    fps = {bench.adapter_name(a): f"{a:064x}" for a in range(4)}
+    entries, _ = chat_bundle.bundle_entries(heads, held, fps, n_adapters=4)
+    cfg = synthetic.LLAMA32_3B | {"hidden_size": H}
+    source = chat_bundle.write_learned_bundle(tmp_path / "learned", entries, cfg)
+    variant = load_bundle(chat_bundle.with_lag(source, 0, tmp_path / "lag0"))
+    original = load_bundle(source)
+    assert variant.hidden_size == original.hidden_size and variant.config_fingerprint == original.config_fingerprint
+    for name, e in original.adapters.items():
+        v = variant.adapters[name]
+        assert (v.lag, e.lag) == (0, 1) and v.tau == e.tau and v.bias == e.bias and v.weights_sha256 == e.weights_sha256
+        assert np.array_equal(v.weight, e.weight)
+    moved = [(chat_bundle.planned_release(variant.adapters[bench.adapter_name(r.adapter)], r.scores),
+              chat_bundle.planned_release(original.adapters[bench.adapter_name(r.adapter)], r.scores)) for r in held]
+    assert all(a is b is None or a + 1 == b for a, b in moved) and any(a is not None for a, _ in moved)
+
+
 def test_one_constructor_for_learned_entries_and_policies():
     """Every learned entry and policy of the chat benchmark comes from learned_entry (one line to change
     for a field such as a decision lag)."""

@@ -396,7 +396,7 @@ import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LIMIT = {"both": 30.0, "gridtrim": 20.0, "stock": 10.0,  # goodput's modes, then the chat benchmark's
-         "lorazor": 30.0, "lorazor-sync": 24.0, "nolora": 40.0}
+         "lorazor": 30.0, "lorazor-sync": 24.0, "lorazor-lag0": 27.0, "nolora": 40.0}
 
 
 def values(flag):

@@ -106,13 +106,19 @@ def test_tau_gives_half_the_decode_forwards_on_held_out_requests(fitted):
     assert summary["planned_skip"] == pytest.approx(planned) and summary["heldout_requests"] == 32
 
 
-def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
+FINGERPRINTS = {bench.adapter_name(a): f"{a:064x}" for a in range(4)}
+
+
+def _written(fitted, directory: Path) -> Path:
+    """The fitted heads' bundle, τ chosen on the held-out requests, written to ``directory``."""
     _, heads, held = fitted
-    fps = {bench.adapter_name(a): f"{a:064x}" for a in range(4)}
-    entries, _ = chat_bundle.bundle_entries(heads, held, fps, n_adapters=4)
-    cfg = synthetic.LLAMA32_3B | {"hidden_size": H}
-    path = chat_bundle.write_learned_bundle(tmp_path / "learned", entries, cfg)
-    bundle = load_bundle(path, expected_hidden_size=H, known_adapters=list(fps))
+    entries, _ = chat_bundle.bundle_entries(heads, held, FINGERPRINTS, n_adapters=4)
+    return chat_bundle.write_learned_bundle(directory, entries, synthetic.LLAMA32_3B | {"hidden_size": H})
+
+
+def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
+    held, fps = fitted[2], FINGERPRINTS
+    bundle = load_bundle(_written(fitted, tmp_path / "learned"), expected_hidden_size=H, known_adapters=list(fps))
     assert sorted(bundle.adapters) == list(fps) and all(isinstance(p, LearnedPolicy) for p in bundle.policies.values())
     st = StepTrim([bundle.policies[n] for n in fps], H)
     _, states = requests(1, adapters=2, per_adapter=16, every=None)
@@ -125,11 +131,7 @@ def test_the_bundle_reads_back_and_releases_where_planned(fitted, tmp_path):
 
 
 def test_a_lag_variant_keeps_heads_and_thresholds_and_moves_each_release_by_the_lag(fitted, tmp_path):
-    _, heads, held = fitted
-    fps = {bench.adapter_name(a): f"{a:064x}" for a in range(4)}
-    entries, _ = chat_bundle.bundle_entries(heads, held, fps, n_adapters=4)
-    cfg = synthetic.LLAMA32_3B | {"hidden_size": H}
-    source = chat_bundle.write_learned_bundle(tmp_path / "learned", entries, cfg)
+    held, source = fitted[2], _written(fitted, tmp_path / "learned")
     variant = load_bundle(chat_bundle.with_lag(source, 0, tmp_path / "lag0"))
     original = load_bundle(source)
     assert variant.hidden_size == original.hidden_size and variant.config_fingerprint == original.config_fingerprint

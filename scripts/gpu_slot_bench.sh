@@ -40,8 +40,11 @@
 # goodput512 and chat512 run their servers with --gpus all (benchmarks/serving/placement.py): each GPU visible
 # takes the next mode; with one GPU that is one mode after another.
 # Environment: REQUESTS, RATE, BUDGET_S (per table, default 560); REPEATS (offline tables: timed runs per engine,
-# req/s from the median; default 1); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at
-# once, the R runs in rounds, one engine at a time; the notes give both's ratios round by round); SETTINGS (offline
+# req/s from the median); INTERLEAVE=1 with REPEATS=R >= 2 (offline tables: every mode's engine alive at once, the
+# R runs in rounds, one engine at a time; the notes give both's ratios round by round). Under vLLM's defaults (no
+# SETTINGS) each engine compiles and captures its graphs at start-up, minutes each, so the offline tables start
+# their engines together by default (REPEATS=2 INTERLEAVE=1; INTERLEAVE= turns it off, REPEATS=1 with it);
+# with SETTINGS the default is one run per engine, one engine after another; SETTINGS (offline
 # tables and goodput512: a second line's vLLM settings for every mode, e.g. SETTINGS="--graphs full --sync
 # --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048", benchmarks/serving/vllm_settings.py; default: vLLM's
 # defaults); BUNDLE (chat512: the learned bundle the lorazor modes serve); MODES="stock nolora" runs only those
@@ -58,6 +61,7 @@ export PYTHONUNBUFFERED=1
 # slot statistics read the engine core's scheduler, so it runs in this process
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 unset LORAZOR_BUNDLE LORAZOR_ADAPTERS LORAZOR_GRIDTRIM LORAZOR_SLOTS LORAZOR_CALIBRATION
+if [ -z "${SETTINGS:-}" ]; then REPEATS=${REPEATS-2}; INTERLEAVE=${INTERLEAVE-1}; fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$root"

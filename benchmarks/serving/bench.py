@@ -18,9 +18,12 @@ Every (adapters, mode) pair runs in its own subprocess, back to back on the same
 the order of ``--modes`` (default stock, gridtrim, steptrim, both); ``--passes P`` repeats them
 P times, each pass in the reverse order of the one before (:func:`schedule`), and every row's
 ratio is to the stock row of its own pass. With ``--repeats R --interleave`` the modes' engines
-start together and stay alive, sharing the GPU through KV caches sized for the workload, and their
-R timed runs go in rounds, one engine at a time (:mod:`benchmarks.serving.interleave`); the notes
-give both's ratio to every other mode round by round. The modes:
+start together and stay alive (each compiling into a vLLM cache of its own,
+:func:`benchmarks.serving.placement.compile_cache`), sharing the GPU through KV caches sized for
+the workload, and their R timed runs go in rounds, one engine at a time
+(:mod:`benchmarks.serving.interleave`); the notes give both's ratio to every other mode round by
+round. Under vLLM's defaults each engine's start-up compiles and captures its graphs (minutes),
+so a table of several modes fits one call only this way. The modes:
 
 - ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
   punica wrapper, with ``specialize_active_lora`` (the device README's setting).
@@ -75,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import interleave, vllm_settings
+from benchmarks.serving import interleave, placement, vllm_settings
 from benchmarks.serving.bench_table import render, round_notes, run_note, slot_table
 from benchmarks.serving.bench_workload import (N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, TARGET_SKIP, Workload,
                                                arrival_times, workload_for)
@@ -822,7 +825,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             logs.append(open(stem.with_suffix(".log"), "w"))
             engines.append(interleave.spawn(mode, me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
                                                         "--result", str(stem.with_suffix(".json"))] + common,
-                                            env_of(mode, n), logs[-1]))
+                                            env_of(mode, n) | placement.compile_cache(work, mode), logs[-1]))
         deadline = start + args.budget_s
         interleave.await_ready(engines, deadline)
         orders = interleave.run_rounds(engines, args.repeats, deadline)

@@ -79,11 +79,15 @@ def resolve(gpus: Sequence[str] | None, port: int, environ: Mapping[str, str]) -
     return placed or [None]
 
 
+def compile_cache(work: Path, name: str) -> dict[str, str]:
+    """A vLLM cache of its own (``work/vllm-cache/<name>``) for a vLLM process that starts beside
+    others of the same configuration (module doc)."""
+    return {"VLLM_CACHE_ROOT": str(work / "vllm-cache" / name)}
+
+
 def env(gpu: Gpu, work: Path, mode: str) -> dict[str, str]:
     """The environment a mode's processes add on ``gpu`` (module doc); nothing when not placed."""
-    if gpu is None:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": gpu, "VLLM_CACHE_ROOT": str(work / "vllm-cache" / mode)}
+    return {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu} | compile_cache(work, mode)
 
 
 def serialized(fn: F) -> F:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serving.placement import compile_cache
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +41,7 @@ class Phase:
 
 def _run(phase: Phase, timeout_s: float, own_cache: bool) -> int | str:
     """The phase's exit code, or why it has none."""
-    env = phase.env | ({"VLLM_CACHE_ROOT": str(phase.log.with_suffix(".vllm-cache"))} if own_cache else {})
+    env = phase.env | (compile_cache(phase.log.parent, phase.log.stem) if own_cache else {})
     with open(phase.log, "w") as out:
         try:
             return subprocess.run([sys.executable, "-m", phase.module, *phase.args], cwd=ROOT, env=env, stdout=out,

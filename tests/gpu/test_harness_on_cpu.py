@@ -62,7 +62,7 @@ def test_phases_run_at_once_each_with_its_own_vllm_cache(tmp_path):
     run_phases(phases, timeout_s=30)  # one after another, the first would wait for peers that never come
     logs = [p.log.read_text().split() for p in phases]
     assert all(words[:2] == ["peers", "3"] for words in logs)
-    assert sorted(words[3] for words in logs) == [str(tmp_path / f"p{i}.vllm-cache") for i in range(3)]
+    assert sorted(words[3] for words in logs) == [str(tmp_path / "vllm-cache" / f"p{i}") for i in range(3)]
 
 
 def test_one_phase_keeps_the_callers_vllm_cache(tmp_path):

@@ -471,7 +471,8 @@ def orchestrate(args: argparse.Namespace) -> int:
             if "error" in learned:
                 entry["error"] = learned["error"]
                 return
-            bundle, entry["bundle"] = learned[LAG0 if mode == LAG0 else "bundle"]
+            with placement.TABLE:  # a key added while another mode's thread may write the table
+                bundle, entry["bundle"] = learned[LAG0 if mode == LAG0 else "bundle"]
             planned, of = entry["bundle"]["planned_skip"], entry["bundle"].get("lag_of")
             entry["facts"].append(f"learned bundle {entry['bundle']['sha256']}"
                                   + (f" (bundle {of} with decision lag 0)" if of else "") + ", planned skip "

@@ -29,6 +29,9 @@ from typing import Any, TypeVar
 from serve_bridge.command_line import fail
 
 ALL = "all"
+# Held while a table's document gains a key or is written: modes that run at once fill their entries
+# while another thread writes the table, and a dict that gains a key during json's walk breaks it.
+TABLE = threading.RLock()
 Gpu = str | None  # a CUDA_VISIBLE_DEVICES entry, or None: whatever the harness's environment gives
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,11 +94,9 @@ def env(gpu: Gpu, work: Path, mode: str) -> dict[str, str]:
 
 
 def serialized(fn: F) -> F:
-    """``fn`` called by one thread at a time (a table written by the modes that run at once)."""
-    lock = threading.Lock()
-
+    """``fn`` called under :data:`TABLE` (a table written by the modes that run at once)."""
     def call(*args: Any, **kwargs: Any) -> Any:
-        with lock:
+        with TABLE:
             return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
@@ -106,11 +107,11 @@ def run_modes(doc: dict[str, Any], args: argparse.Namespace, gpus: Sequence[Gpu]
     """Each of ``args.modes`` on the next free one of ``gpus`` (module doc), its fresh entry of
     ``doc`` filled by ``run(mode, entry, gpu)``; the table flushed last. 1 when a mode stopped with
     an error, else 0. An exception that is not a mode's error (a harness bug) is raised."""
-    queue, lock, ran = list(args.modes), threading.Lock(), []
+    queue, ran = list(args.modes), []
 
     def worker(gpu: Gpu) -> None:
         while True:
-            with lock:
+            with TABLE:
                 if not queue:
                     return
                 mode, left = queue.pop(0), deadline - time.monotonic()

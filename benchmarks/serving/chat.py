@@ -72,8 +72,9 @@ the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (
 (full CUDA graphs of 12 sizes, no torch.compile, 512 adapters) were ready after 114–160 s
 (benchmarks/results/2026-12-04-*goodput); vLLM's default compilation adds torch.compile (37 s for
 SmolLM2 on 0.33.0, 2026-12-02) and the capture of its FULL_AND_PIECEWISE graphs (33 + 40 s there):
-about 200–260 s, 400 s at most (``--ready-timeout-s``). The learned bundle, when it is not given or
-kept, takes about 60–90 s more (an eager engine's start-up, 1280 requests, 32 heads). A client run
+176–224 s with 512 adapters on an H200 (2026-12-05, benchmarks/results/2026-12-05-vllm-defaults.md),
+400 s at most (``--ready-timeout-s``). The learned bundle, when it is not given or kept, took 185 s
+more there (an eager engine's start-up 62 s, capture passes 46 s, 32 heads 76 s). A client run
 costs its arrivals (``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus about 15–30
 s of its own start-up and drain; the probe and 4–7 rates fit what is left, and a rate that no longer
 fits is not started (the table says so).
@@ -380,6 +381,11 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
                         served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)
 
 
+def manifest_sha(bundle: Path) -> str:
+    """A bundle's name in the table: the first 12 hex digits of its manifest's sha256."""
+    return hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()[:12]
+
+
 def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float,
                    gpu: placement.Gpu) -> tuple[Path, dict[str, Any]]:
     """The learned bundle the lorazor modes serve: ``--bundle``, else the one kept in ``--work``
@@ -414,8 +420,7 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float,
         shutil.copytree(path, kept)
         if summary:
             summary_path(kept).write_text(json.dumps(summary, indent=1))
-    sha = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()[:12]
-    return path, {"sha256": sha, "planned_skip": summary.get("planned_skip"),
+    return path, {"sha256": manifest_sha(path), "planned_skip": summary.get("planned_skip"),
                   "heldout_requests": summary.get("heldout_requests")}
 
 
@@ -425,8 +430,7 @@ def lag0_bundle(directory: Path, learned: tuple[Path, dict[str, Any]]) -> tuple[
     computed (the held-out scores are not kept): about one forward per released request more."""
     shutil.rmtree(directory, ignore_errors=True)
     with_lag(learned[0], 0, directory)
-    sha = hashlib.sha256((directory / "manifest.json").read_bytes()).hexdigest()[:12]
-    return directory, {"sha256": sha, "planned_skip": None, "heldout_requests": None, "lag_of": learned[1]["sha256"]}
+    return directory, {"sha256": manifest_sha(directory), "planned_skip": None, "heldout_requests": None, "lag_of": learned[1]["sha256"]}
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -436,7 +440,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     gpus = placement.resolve(args.gpus, args.port, os.environ)
     if problem := goodput.refusal("chat", version, (VERSION,), "its vllm bench serve's custom dataset and round-robin "
                                   "adapters, docs/vllm_integration.md §12b", shape.n_adapters, args.max_loras,
-                                  placement.concurrent_servers(gpus, args.modes, lambda m: m != "nolora")):
+                                  gpus, args.modes):
         print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)

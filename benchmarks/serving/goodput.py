@@ -601,12 +601,13 @@ def load_table(path: Path, pre: list[str], append: bool) -> dict[str, Any] | Non
 
 
 def refusal(name: str, version: str | None, versions: Sequence[str], why: str, n_adapters: int,
-            max_loras: int, servers: int) -> str | None:
+            max_loras: int, gpus: Sequence[placement.Gpu], modes: Sequence[str]) -> str | None:
     """The line refusing a harness ``name`` before it starts: a vLLM other than ``versions``
-    (``why`` those), or host memory short of ``n_adapters`` kept adapters in each of ``servers``
-    servers that run at once; None when it may run."""
+    (``why`` those), or host memory short of ``n_adapters`` kept adapters in each server with
+    adapters (every mode but nolora) that runs at once on ``gpus``; None when it may run."""
     if version not in versions:
         return f"{name} runs on vLLM {' or '.join(versions)} ({why}); found {version or 'no vLLM'}"
+    servers = placement.concurrent_servers(gpus, modes, lambda m: m != "nolora")
     needed = servers * host_bytes_needed(LLAMA32_3B, bench.RANK, n_adapters, max_loras, None)
     problem = host_memory_problem(needed, host_memory_available())
     if problem is not None and servers > 1:
@@ -620,8 +621,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     version = installed_version()
     gpus = placement.resolve(args.gpus, args.port, os.environ)
     if problem := refusal("goodput", version, SUPPORTED, "`vllm bench serve` of each has every option used here",
-                          args.adapters, args.max_loras,
-                          placement.concurrent_servers(gpus, args.modes, lambda m: m != "nolora")):
+                          args.adapters, args.max_loras, gpus, args.modes):
         print(problem, file=sys.stderr)
         return 2
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)

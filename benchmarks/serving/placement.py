@@ -73,9 +73,7 @@ def resolve(gpus: Sequence[str] | None, port: int, environ: Mapping[str, str]) -
     """The GPUs of ``--gpus`` (``all``: :func:`visible_gpus`, ``[None]`` when there are none);
     ``[None]`` without it. A fixed ``--port`` with more than one GPU is refused (one line, exit 2):
     servers that run at once need ports of their own."""
-    placed: list[Gpu] = list(gpus) if gpus and gpus != [ALL] else []
-    if gpus == [ALL]:
-        placed = list(visible_gpus(environ))
+    placed: list[Gpu] = list(visible_gpus(environ) if gpus == [ALL] else gpus or [])
     if len(placed) > 1 and port:
         fail(f"--port={port}: names one server's port; with --gpus of {len(placed)} GPUs the servers run at once, "
              "leave --port out")

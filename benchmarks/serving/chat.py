@@ -264,13 +264,14 @@ def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo) -> 
     def ratio(a: str, b: str) -> str:
         return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "n/a"
 
+    def bundle(mode: str) -> dict[str, Any]:
+        return modes.get(mode, {}).get("bundle") or {}
+
     sync = ratio("lorazor", "lorazor-sync")
-    bundles = {(modes[m].get("bundle") or {}).get("sha256") for m in SAME_BUNDLE if m in modes}
-    if sync != "n/a" and len(bundles) > 1:
+    if sync != "n/a" and len({bundle(m).get("sha256") for m in SAME_BUNDLE if m in modes}) > 1:
         sync = "n/a (lorazor and lorazor-sync served different bundles)"
     lag = ratio("lorazor", LAG0)
-    if lag != "n/a" and (modes[LAG0].get("bundle") or {}).get("lag_of") != (modes["lorazor"].get("bundle") or {}).get(
-            "sha256"):
+    if lag != "n/a" and bundle(LAG0).get("lag_of") != bundle("lorazor").get("sha256"):
         lag = "n/a (lorazor-lag0 is not lorazor's bundle with lag 0)"
     return [f"chat{n_adapters} goodput [vLLM defaults]: lorazor/stock = {ratio('lorazor', 'stock')}, "
             f"lorazor/gridtrim = {ratio('lorazor', 'gridtrim')}", f"learned async/sync = {sync}",

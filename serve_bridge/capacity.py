@@ -1,6 +1,6 @@
 """Slot capacity model: how many requests a max_loras-limited engine admits, with and without release.
 
-    python -m serve_bridge.capacity --bundle DIR --adapters 512 --skew 0.8 --max-num-seqs 256 \\
+    python -m serve_bridge.capacity --bundle DIR --adapters 512 [--skew 0.8 | --zipf 1] --max-num-seqs 256 \\
         [--requests 2048 | --rate R --step-ms MS] [--prompt-len 100 300] [--output-len 20 100] \\
         [--max-loras 16 32 64] [--plot slots.png] [--json slots.json] [--replace]
 
@@ -18,13 +18,20 @@ request is scheduled, as in the 512/32 table (docs/vllm_integration.md §11):
   position P + r (docs/design.md §2: the adapter runs at forwards t ≤ r); without release, always.
 
 Measured per step: running requests (admitted concurrency) and distinct adapters holding a slot
-(slot occupancy). Over the run: the share of token forwards that run an adapter (prefill chunks
-and decode steps before the release point), and slot loads, the adapter writes into a GPU slot
+(slot occupancy). Per request: the wait from arrival to admission (mean and P90, in steps; times
+the step time, the part of the time to first token that the slots and the engine limits add).
+Over the run: the share of token forwards that run an adapter (prefill chunks and decode steps
+before the release point), and slot loads, the adapter writes into a GPU slot
 under least-recently-used replacement of ``max_loras`` slots (vLLM's LRU adapter manager). The
 model touches a step's resident adapters before a missing one evicts; vLLM touches them in its
 request set's order, where an eviction can hit an adapter the same step uses and write it again.
 KV-cache capacity is taken as ample (no preemption), and offline requests all arrive at step 0;
 open loop (``--rate``) maps Poisson arrival times to steps with ``--step-ms``.
+
+Traffic spreads over ``--adapters`` uniformly, or with ``--skew S`` a share S of the requests on
+20% of the adapters, or with ``--zipf s`` by Zipf popularity, adapter a (0 … N−1) drawn with
+probability ∝ (a+1)^−s (:func:`popularity`; s = 1 puts 60% of the requests of 512 adapters on the
+first 32). Prompt lengths are the tokens a request computes: with prefix caching, its uncached part.
 
 Release points come from the bundle: ``stats['release_points']`` (validation release points of
 the exported policy, written by ``predictors.export``), else a profiled k as a point mass; an
@@ -109,7 +116,7 @@ class Requests:
 @dataclass(frozen=True)
 class Result:
     """One simulation: steps to serve every request, requests per step, mean running requests
-    and mean slot occupancy over the steps with work, the largest occupancy, the mean wait
+    and mean slot occupancy over the steps with work, the largest occupancy, the mean and P90 wait
     from arrival to admission in steps, the share of token forwards with an adapter, and the
     slot loads (module doc)."""
 
@@ -121,6 +128,7 @@ class Result:
     mean_occupancy: float
     max_occupancy: int
     mean_wait_steps: float
+    p90_wait_steps: float
     lora_share: float
     slot_loads: int
 
@@ -170,14 +178,26 @@ def distributions_from_bundle(directory: str | Path) -> tuple[list[str], list[Re
     return names, dists, notes
 
 
+def popularity(n_adapters: int, zipf: float) -> np.ndarray:
+    """Zipf popularity: P(adapter a) ∝ (a+1)^−zipf, a = 0 … N−1 (zipf = 0: uniform)."""
+    w = np.arange(1, n_adapters + 1, dtype=np.float64) ** -zipf
+    return w / w.sum()
+
+
 def draw_requests(n: int, dists: Sequence[ReleaseDistribution], n_adapters: int, *, skew: float | None = None,
-                  prompt_len: tuple[int, int] = (100, 300), output_len: tuple[int, int] = (20, 100),
-                  rate: float | None = None, step_ms: float | None = None, seed: int = 0) -> Requests:
+                  zipf: float | None = None, prompt_len: tuple[int, int] = (100, 300),
+                  output_len: tuple[int, int] = (20, 100), rate: float | None = None, step_ms: float | None = None,
+                  seed: int = 0) -> Requests:
     """n requests over ``n_adapters`` adapters (adapter i releases like ``dists[i % len(dists)]``):
-    uniform, or a share ``skew`` on the first 20% of adapters; lengths uniform, inclusive.
-    With ``rate`` (req/s) arrivals are Poisson, mapped to steps of ``step_ms``."""
+    uniform, a share ``skew`` on the first 20% of adapters, or by :func:`popularity` ``zipf`` (at
+    most one of the two); lengths uniform, inclusive. With ``rate`` (req/s) arrivals are Poisson,
+    mapped to steps of ``step_ms``."""
+    if skew is not None and zipf is not None:
+        raise ValueError("give skew or zipf, not both")
     rng = np.random.default_rng(seed)
-    if skew is None:
+    if zipf is not None:
+        adapter = rng.choice(n_adapters, n, p=popularity(n_adapters, zipf))
+    elif skew is None:
         adapter = rng.integers(0, n_adapters, n)
     else:
         hot = min(max(1, round(HOT_ADAPTERS * n_adapters)), max(1, n_adapters - 1))
@@ -298,7 +318,7 @@ def simulate(reqs: Requests, max_loras: int, *, release: bool = True, max_num_se
     wait = np.asarray(admitted_at) - reqs.arrival
     return Result(max_loras, release, step, n / step, sum_running / max(1, work_steps),
                   sum_occupied / max(1, work_steps), max_occupied, float(wait.mean()) if n else 0.0,
-                  lora_tokens / max(1, tokens), loads)
+                  float(np.percentile(wait, 90)) if n else 0.0, lora_tokens / max(1, tokens), loads)
 
 
 def sweep(reqs: Requests, candidates: Sequence[int], **engine: int) -> list[Result]:
@@ -346,9 +366,17 @@ def plot(results: Sequence[Result], path: Path, title: str) -> Path:
     return path
 
 
-ARG_RULES = {"adapters": "positive_int", "skew": "probability", "requests": "positive_int", "rate": "positive_number",
-             "step_ms": "positive_number", "max_num_seqs": "positive_int", "max_num_batched_tokens": "positive_int",
-             "tolerance": "share", "seed": "seed"}
+def popularity_label(skew: float | None, zipf: float | None) -> str:
+    """How the traffic spreads over the adapters, in words."""
+    if zipf is not None:
+        return f"Zipf s = {zipf:g}"
+    return "uniform" if skew is None else f"{skew:.0%} on 20%"
+
+
+ARG_RULES = {"adapters": "positive_int", "skew": "probability", "zipf": "non_negative_number",
+             "requests": "positive_int", "rate": "positive_number", "step_ms": "positive_number",
+             "max_num_seqs": "positive_int", "max_num_batched_tokens": "positive_int", "tolerance": "share",
+             "seed": "seed"}
 
 
 def parser() -> Parser:
@@ -356,6 +384,8 @@ def parser() -> Parser:
     ap.add_argument("--bundle", type=Path, required=True, help="policy bundle directory")
     ap.add_argument("--adapters", type=int, required=True, help="adapters the traffic spreads over")
     ap.add_argument("--skew", type=float, default=None, help="share of requests on 20%% of the adapters (e.g. 0.8)")
+    ap.add_argument("--zipf", type=float, default=None,
+                    help="Zipf popularity exponent s: adapter a drawn with probability ∝ (a+1)^-s (e.g. 1)")
     ap.add_argument("--requests", type=int, default=2048, help="requests simulated")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: offline)")
     ap.add_argument("--step-ms", type=float, default=None, help="engine step time, ms (needed with --rate)")
@@ -389,6 +419,8 @@ def check_arguments(args: Namespace) -> None:
         raise OptionError("--requests", args.requests, f"with prompts and outputs up to {args.prompt_len[1]} and "
                           f"{args.output_len[1]} tokens a simulation may serve {forwards} token forwards, more than "
                           f"{MAX_FORWARDS}; simulate fewer or shorter requests")
+    if args.skew is not None and args.zipf is not None:
+        raise OptionError("--zipf", args.zipf, "is a popularity as --skew is; give one of the two")
     if args.skew is not None and args.adapters < 2:
         raise OptionError("--skew", args.skew, "needs --adapters ≥ 2 (a hot and a cold share)")
     if args.rate is not None:
@@ -426,7 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(str(err))
     if not names:
         return report(f"bundle {args.bundle} has no adapters")
-    reqs = draw_requests(args.requests, dists, args.adapters, skew=args.skew, prompt_len=tuple(args.prompt_len),
+    reqs = draw_requests(args.requests, dists, args.adapters, skew=args.skew, zipf=args.zipf,
+                         prompt_len=tuple(args.prompt_len),
                          output_len=tuple(args.output_len), rate=args.rate, step_ms=args.step_ms, seed=args.seed)
     powers = [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]
     candidates = sorted(set(args.max_loras or powers))
@@ -436,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results += list(unlimited.values())
     need = needed_max_loras(results, unlimited, args.tolerance)
     traffic = (f"{args.requests} requests over {args.adapters} adapters "
-               f"({'uniform' if args.skew is None else f'{args.skew:.0%} on 20%'}), prompts {args.prompt_len[0]}-"
+               f"({popularity_label(args.skew, args.zipf)}), prompts {args.prompt_len[0]}-"
                f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}, "
                + (f"Poisson {args.rate:g} req/s at {args.step_ms:g} ms/step" if args.rate else "offline")
                + f"; max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}")
@@ -444,12 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}")
     print("| max_loras | release | steps | req/step | mean running | mean slots held | max slots held | "
-          "mean wait (steps) | token forwards with adapter | slot loads |")
+          "wait mean / P90 (steps) | token forwards with adapter | slot loads |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r.max_loras, r.release)):
         print(f"| {r.max_loras} | {'yes' if r.release else 'no'} | {r.steps} | {r.requests_per_step:.3f} | "
-              f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} | "
-              f"{r.lora_share:.1%} | {r.slot_loads} |")
+              f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} / "
+              f"{r.p90_wait_steps:.1f} | {r.lora_share:.1%} | {r.slot_loads} |")
     for rel in (False, True):
         m = need[rel]
         print(f"max_loras needed {'with' if rel else 'without'} release (within {args.tolerance:.0%} of one slot "

@@ -8,7 +8,8 @@ tokens for the client and the server alike.
 
 - **Popularity.** Adapter a (0 … N−1) has rank a+1: a conversation is on adapter a with
   probability ∝ (a+1)^−s (``zipf``, s = 1: at 512 adapters the first gets 14.7% of the
-  conversations and the first 32 together 60%).
+  conversations and the first 32 together 60%), the capacity model's
+  :func:`serve_bridge.capacity.popularity`.
 - **System prompts.** Adapter a has one system prompt of ``system_len`` tokens (uniform, default
   200–400), drawn from the seed alone: every conversation on a starts with it, in every run.
 - **Conversations.** 1 … ``max_turns`` turns (uniform), each a user message of ``user_len``
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from serve_bridge.capacity import popularity
 from serve_bridge.command_line import MinMax, number
 from serve_bridge.safe_write import write_atomic
 
@@ -80,12 +82,6 @@ class Conversation:
         for user, reply in zip(self.users[:turn], self.replies[:turn]):
             out += user + reply
         return out + self.users[turn]
-
-
-def popularity(n_adapters: int, zipf: float) -> np.ndarray:
-    """P(adapter a) ∝ (a+1)^−zipf, a = 0 … N−1."""
-    w = np.arange(1, n_adapters + 1, dtype=np.float64) ** -zipf
-    return w / w.sum()
 
 
 def _ids(rng: np.random.Generator, length_range: tuple[int, int]) -> list[int]:

@@ -109,6 +109,29 @@ def test_release_admits_more_and_unlimited_slots_do_not_care():
     assert need[True] < need[False]
 
 
+def test_zipf_popularity():
+    p = capacity.popularity(512, 1.0)
+    assert p.sum() == pytest.approx(1.0) and p[0] == pytest.approx(0.1467, abs=1e-4)
+    assert p[0] / p[1] == pytest.approx(2.0) and p[0] / p[9] == pytest.approx(10.0)
+    assert p[:32].sum() == pytest.approx(0.60, abs=0.005)
+    assert capacity.popularity(4, 0.0).tolist() == [0.25] * 4
+    assert capacity.popularity(3, 2.0)[2] == pytest.approx(1 / 9 / (1 + 1 / 4 + 1 / 9))
+    dists = [capacity.ReleaseDistribution.point(2)]
+    reqs = capacity.draw_requests(20000, dists, 64, zipf=1.0, seed=3)
+    counts, q = np.bincount(reqs.adapter, minlength=64), capacity.popularity(64, 1.0)
+    assert np.all(np.abs(counts - 20000 * q) < 4 * np.sqrt(20000 * q))  # every adapter within 4 sd of its share
+    with pytest.raises(ValueError, match="skew or zipf"):
+        capacity.draw_requests(10, dists, 64, zipf=1.0, skew=0.8)
+
+
+def test_p90_wait_by_hand():
+    """One slot, adapters 0, 1, 0 at step 0, nothing released: r0 and r2 are admitted at once and
+    finish after 3 steps, r1 is admitted at step 3; waits 0, 3, 0, so the mean is 1 and the P90
+    (linear between order statistics) 2.4."""
+    kept = capacity.simulate(_three(capacity.NEVER), 1, release=False, max_num_seqs=8, token_budget=64)
+    assert kept.mean_wait_steps == 1 and kept.p90_wait_steps == pytest.approx(2.4)
+
+
 def _three(release: int) -> capacity.Requests:
     """Requests of adapters 0, 1, 0, prompts of 4 tokens, 3 tokens out, released at ``release``."""
     return capacity.Requests(np.array([0, 1, 0]), np.full(3, 4), np.full(3, 3), np.full(3, release),
@@ -155,8 +178,14 @@ def test_command(bundle, tmp_path, capsys):
     assert all(0 < r["lora_share"] <= 1 and r["slot_loads"] >= 1 for r in data["results"])
     assert capacity.main(["--bundle", str(bundle), "--adapters", "8", "--rate", "5", "--requests", "50",
                           "--step-ms", "20", "--prompt-len", "5", "9", "--output-len", "3", "9"]) == 0
+    assert capacity.main(["--bundle", str(bundle), "--adapters", "64", "--zipf", "1", "--requests", "200",
+                          "--prompt-len", "5", "9", "--output-len", "3", "9", "--max-loras", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "(Zipf s = 1)" in text and "| 8 | yes |" in text and "wait mean / P90 (steps)" in text
     for argv, msg in ((["--adapters", "8", "--rate", "5"], "--rate=5.0: needs --step-ms"),
-                      (["--adapters", "8", "--skew", "1.5"], "--skew=1.5: use a number in (0, 1)")):
+                      (["--adapters", "8", "--skew", "1.5"], "--skew=1.5: use a number in (0, 1)"),
+                      (["--adapters", "8", "--zipf", "-1"], "--zipf=-1.0: use a non-negative number"),
+                      (["--adapters", "8", "--zipf", "1", "--skew", "0.8"], "--zipf=1.0: is a popularity as --skew")):
         assert capacity.main(["--bundle", str(bundle), *argv]) == 2
         assert msg in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # refused while the arguments are parsed

@@ -108,17 +108,20 @@ def test_gpus_take_the_modes_in_order_one_at_a_time_each_at_once_across():
     assert all(doc["modes"][m]["facts"] == [f"GPU {g}"] for m, g in log)
 
 
-def test_one_gpu_runs_the_modes_in_turn_and_stops_at_the_budget():
+def test_one_gpu_runs_the_modes_in_turn_and_stops_at_the_budget(monkeypatch):
+    """Each mode takes 0.3 s of a clock the test keeps (placement's own, nothing else's): a starts
+    with 1.0 s left, b with 0.7, c would start with 0.4, under the 0.5 a mode needs."""
     doc: dict = {"modes": {}, "notes": []}
     order: list[str] = []
-    now = time.monotonic()
+    clock = [1000.0]
+    monkeypatch.setattr(placement, "time", argparse.Namespace(monotonic=lambda: clock[0]))
 
     def run(mode: str, entry: dict, gpu: str | None) -> None:
         order.append(mode)
         assert gpu is None and threading.current_thread() is threading.main_thread()
-        time.sleep(0.3)
+        clock[0] += 0.3
 
-    rc = placement.run_modes(doc, _args(["a", "b", "c"], budget_s=1.0, min_mode_s=0.5), [None], now, now + 1.0, run,
+    rc = placement.run_modes(doc, _args(["a", "b", "c"], budget_s=1.0, min_mode_s=0.5), [None], 1000.0, 1001.0, run,
                              lambda: None)
     assert rc == 0 and order == ["a", "b"] and doc["modes"]["a"]["facts"] == []
     assert doc["notes"] == [doc["notes"][0]] and doc["notes"][0].startswith("c: not run, ")

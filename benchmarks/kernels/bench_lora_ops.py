@@ -23,7 +23,7 @@ uses the defaults), and the fused launch's knobs, on the 128 × 2 and mixed scen
 table uses each design's best. `--breakdown` also times each kernel of the chosen work-list config
 alone at 128 × 2, against the bytes that kernel must move.
 
-    python3 benchmarks/kernels/bench_lora_ops.py [--out results.md] [--quick]
+    python -m benchmarks.kernels.bench_lora_ops [--out results.md [--replace]] [--quick]
         [--designs vllm gridtrim worklist fused] [--breakdown]
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 from benchmarks.kernels.lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
+from benchmarks.kernels.printed import Printed, add_out_options, check_out
 
 from lora_kernels.expand import launch_expand
 from lora_kernels.fused import FusedConfig
@@ -346,7 +347,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 def main() -> None:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    add_out_options(parser, "the tables")
     parser.add_argument("--quick", action="store_true",
                         help="skip the knob sweep (use the defaults); the fused sweep and the "
                              "main table still run")
@@ -355,12 +356,9 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each kernel of the chosen work-list config alone at 128 × 2")
     args = parser.parse_args()
+    check_out(args)
     designs = [d for d in DESIGNS if d in args.designs]
-    lines: list[str] = []
-
-    def emit(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    emit = Printed()
 
     start = time.time()
     gen = torch.Generator().manual_seed(0)
@@ -402,9 +400,7 @@ def main() -> None:
                                         emit), 0.0))
         emit()
         emit(f"Total {time.time() - start:.0f} s.")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
 
 
 def knob_sweep(bench: Bench, batches: dict[str, torch.Tensor], refs: dict[str, list[torch.Tensor]],

@@ -15,7 +15,7 @@ The LoRA cost of a variant is its time minus base's. Every variant's y is compar
 in-order one (the same kernels in another order give the same bits) and with
 `lora_kernels.reference` applied to the base output.
 
-    python -m benchmarks.kernels.bench_overlap [--out results.md]
+    python -m benchmarks.kernels.bench_overlap [--out results.md [--replace]]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 import triton
 from benchmarks.kernels.bench_lora_ops import DEVICE, DTYPE, MAX_LORAS, MAX_TOKENS, OPS, Bench, capture, replay_us
 from benchmarks.kernels.lora_shapes import mapping_from_groups, update_rel_err
+from benchmarks.kernels.printed import Printed, add_out_options, check_out
 
 from lora_kernels.expand import launch_expand
 from lora_kernels.linear import LinearConfig, LinearKnobs, linear_config
@@ -135,13 +136,10 @@ class Overlap:
 
 def main() -> None:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the table (markdown) to this file")
+    add_out_options(parser, "the table")
     args = parser.parse_args()
-    lines: list[str] = []
-
-    def emit(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    check_out(args)
+    emit = Printed()
 
     with torch.inference_mode():
         bench = Overlap(torch.Generator(device=DEVICE).manual_seed(0))
@@ -170,9 +168,7 @@ def main() -> None:
             emit(f"| {name} | " + " | ".join(f"{us[v]:.1f}" for v in VARIANTS) + f" | {lora['in order']:.1f} | "
                  + " | ".join(f"{lora[v]:.1f} ({1 - lora[v] / lora['in order']:+.0%})" for v in VARIANTS[2:])
                  + f" | {err:.1e} | {'yes' if same else 'NO'} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ BAD_VALUES = [
     ("benchmarks.engines.compare_engines", ["--run", "{tmp}/none", "--out", "{tmp}/o"], "does not exist"),
     ("benchmarks.robustness.kill_resume", ["--kills", "-1"], "--kills: '-1': use a positive integer"),
     ("benchmarks.serve_bridge.bench_decision", ["--out", "{tmp}/o", "--steps", "0"], "--steps: '0'"),
+    ("benchmarks.kernels.bench_lora_ops", ["--out", "/dev/null/x.md"], "which is not a directory"),
+    ("benchmarks.kernels.bench_overlap", ["--out", "{tmp}"], "is a directory; name a file"),
 ]
 
 
@@ -71,6 +73,27 @@ def test_a_bad_value_is_one_line_before_any_work(module, argv, message, tmp_path
     assert one_error_line(code, err), err
     assert message in err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.parametrize("module", ["benchmarks.kernels.bench_lora_ops", "benchmarks.kernels.bench_overlap"])
+def test_an_existing_out_file_is_kept_without_replace(module, tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "notes.md"
+    mine.write_text("mine")
+    code, err = run_command(module, ["--out", str(mine)], monkeypatch, capsys)
+    assert one_error_line(code, err) and "exists; choose a new path, or pass --replace" in err, err
+    assert mine.read_text() == "mine"
+
+
+def test_printed_lines_reach_out_whole(tmp_path, capsys):
+    from benchmarks.kernels.printed import Printed
+
+    emit = Printed()
+    emit("| a |")
+    emit()
+    emit.write(None)
+    emit.write(tmp_path / "t.md")
+    assert capsys.readouterr().out == "| a |\n\n" and (tmp_path / "t.md").read_text() == "| a |\n\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["t.md"]  # no temporary file left
 
 
 def test_an_existing_bundle_is_refused_before_the_gpu_work(tmp_path, monkeypatch, capsys):

@@ -65,7 +65,9 @@ TPOT ≤ 50 ms, every request completed) over the requests' vLLM metrics; the P9
 hit rate (Δ ``vllm:prefix_cache_hits`` / Δ ``vllm:prefix_cache_queries`` of the server's
 ``/metrics``, :func:`metrics_delta`); the share of adapters with requests whose own requests meet
 the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (Δ
-``vllm:generation_tokens`` over Δ engine steps with output); the realized skip in the lorazor modes
+``vllm:generation_tokens`` over Δ engine steps with output); the mean engine step (:func:`step_ms`:
+the run's duration over those steps, the step time the slot capacity model takes,
+``python -m serve_bridge.capacity --step-ms``); the realized skip in the lorazor modes
 (``lorazor_counters``). The summary gives each at the mode's goodput rate.
 
 **Time.** A call has ``--budget-s`` (560 s); modes that run at once share it. goodput.py's servers
@@ -146,15 +148,23 @@ def prometheus(text: str) -> dict[str, float]:
 
 
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Over one run: prefix-cache queried and hit tokens, their hit rate, and the mean decode batch
-    (tokens generated per engine step with output); a sample the server does not export is an error."""
+    """Over one run: prefix-cache queried and hit tokens, their hit rate, the engine steps with
+    output and the mean decode batch (tokens generated per such step); a sample the server does
+    not export is an error."""
     missing = sorted({CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} - set(after))
     if missing:
         raise HarnessError(f"the server's /metrics has no {', '.join(missing)}")
     d = {k: after[k] - before.get(k, 0.0) for k in (CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS)}
     return {"cache_queries": d[CACHE_QUERIES], "cache_hits": d[CACHE_HITS],
             "cache_hit_rate": d[CACHE_HITS] / d[CACHE_QUERIES] if d[CACHE_QUERIES] else None,
-            "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None}
+            "engine_steps": d[STEPS], "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None}
+
+
+def step_ms(row: dict[str, Any]) -> float | None:
+    """A run's mean engine step in ms: its benchmark duration over its engine steps with output
+    (None for a run without steps, or recorded before the steps were kept)."""
+    steps = row["server_metrics"].get("engine_steps")
+    return row["duration_s"] * 1e3 / steps if steps else None
 
 
 def adapter_slo(names: Sequence[str], data: dict[str, Any], slo: Slo) -> dict[str, int]:
@@ -215,19 +225,19 @@ def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dat
 # -- the table (pure) -------------------------------------------------------------------------------
 
 HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 ms | TPOT P90 ms | TPOT P99 ms | "
-          "prefix-cache hits | adapters meeting the SLO | decode batch | realized skip | SLO on the P90s |")
+          "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | realized skip | SLO on the P90s |")
 SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
-                  "prefix-cache hits | adapters meeting the SLO | decode batch | realized skip | vs stock |")
+                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | realized skip | vs stock |")
 
 
 def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:
-    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch and skip cells."""
+    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch, step and skip cells."""
     lat = " | ".join(f"{row[f'{m}_p{p}_ms']:.1f}" for m in ("ttft", "tpot") for p in percentiles)
-    hit, batch = row["server_metrics"]["cache_hit_rate"], row["server_metrics"]["decode_batch"]
+    hit, batch, step = row["server_metrics"]["cache_hit_rate"], row["server_metrics"]["decode_batch"], step_ms(row)
     share = row["adapter_slo"]
     skip = "—" if "counters" not in row else f"{row['counters']['realized_skip']:.3f}"
     return (f"{lat} | {'—' if hit is None else f'{hit:.1%}'} | {share['meeting']}/{share['adapters']} | "
-            f"{'—' if batch is None else f'{batch:.1f}'} | {skip}")
+            f"{'—' if batch is None else f'{batch:.1f}'} | {'—' if step is None else f'{step:.1f}'} | {skip}")
 
 
 def format_row(row: dict[str, Any], slo: Slo) -> str:
@@ -249,7 +259,7 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
     best, low_miss = goodput.goodput_rate(goodput.points_of(entry, slo))
     probe = [f"{r['request_throughput']:.1f}" for r in entry["rows"] if r["rate"] is None]
     at = next((r for r in entry["rows"] if best is not None and r["rate"] == best), None)
-    cells = "— | — | — | — | — | —" if at is None else _cells(at, (99,))
+    cells = "— | — | — | — | — | — | —" if at is None else _cells(at, (99,))
     return (f"| {LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
             f"{'none' if low_miss is None else f'{low_miss:g}'} | {probe[0] if probe else '—'} | {cells} | "
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")

@@ -112,7 +112,7 @@ def test_prefix_cache_and_batch_from_metrics():
     after = chat.prometheus(METRICS % {"queries": "101000.0", "hits": "75600.0", "generated": "6050.0",
                                        "steps": "160.0"})
     assert chat.metrics_delta(before, after) == {"cache_queries": 100000.0, "cache_hits": 75000.0,
-                                                 "cache_hit_rate": 0.75, "decode_batch": 40.0}
+                                                 "cache_hit_rate": 0.75, "engine_steps": 150.0, "decode_batch": 40.0}
     assert chat.metrics_delta(after, after)["cache_hit_rate"] is None
     with pytest.raises(HarnessError, match="vllm:prefix_cache_hits_total"):
         chat.metrics_delta(before, {k: v for k, v in after.items() if "hits" not in k})
@@ -152,7 +152,8 @@ def _row(rate: float | None, ttft90: float, tpot90: float = 30.0, **extra) -> di
             "request_throughput": 19.5 if rate else 60.0, "request_goodput": 19.0, "output_throughput": 1.0,
             "ttft_p50_ms": 100.0, "ttft_p90_ms": ttft90, "ttft_p99_ms": 1500.0, "tpot_p50_ms": 20.0,
             "tpot_p90_ms": tpot90, "tpot_p99_ms": 44.0, "wall_s": 30.0,
-            "server_metrics": {"cache_queries": 1e5, "cache_hits": 8.1e4, "cache_hit_rate": 0.81, "decode_batch": 64.5},
+            "server_metrics": {"cache_queries": 1e5, "cache_hits": 8.1e4, "cache_hit_rate": 0.81,
+                               "engine_steps": 1200.0, "decode_batch": 64.5},
             "adapter_slo": {"adapters": 300, "meeting": 290}, **extra}
 
 
@@ -183,12 +184,17 @@ def test_table_and_ratio_lines():
     lines = chat.render(doc, SLO).splitlines()
     assert lines[2] == chat.SUMMARY_HEADER
     assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | 290/300 | "
-                        "64.5 | — | 6.00 |")  # at its goodput rate, 75 req/s (no counters in that row)
-    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | 1.00 |"
+                        "64.5 | 12.5 | — | 6.00 |")  # at its goodput rate, 75 req/s (no counters in that row)
+    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | — | 1.00 |"
     i = lines.index(chat.HEADER)
     assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
-    assert lines[i + 2] == "| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | — | probe |"
-    assert lines[i + 3] == "| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 0.492 | met |"
+    probe = "| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | — | probe |"
+    assert lines[i + 2] == probe  # 12.5 ms: 15 s over 1200 engine steps
+    assert lines[i + 3] == ("| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | "
+                            "0.492 | met |")
+    old = _row(60.0, 500.0)
+    del old["server_metrics"]["engine_steps"]  # a row kept from before the steps were recorded
+    assert chat.step_ms(old) is None and " | 64.5 | — | — | met |" in chat.format_row(old, SLO)
     assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
     assert lines[-3:] == doc["ratio"] and lines[-5] == "note"
 

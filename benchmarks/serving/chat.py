@@ -67,8 +67,9 @@ hit rate (Δ ``vllm:prefix_cache_hits`` / Δ ``vllm:prefix_cache_queries`` of th
 the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (Δ
 ``vllm:generation_tokens`` over Δ engine steps with output); the mean engine step (:func:`step_ms`:
 the run's duration over those steps, the step time the slot capacity model takes,
-``python -m serve_bridge.capacity --step-ms``); the realized skip in the lorazor modes
-(``lorazor_counters``). The summary gives each at the mode's goodput rate.
+``python -m serve_bridge.capacity --step-ms``); the GPU's busy share over the run's steady part
+(:mod:`benchmarks.serving.gpu_busy`, ``nvidia-smi``; ``—`` without it); the realized skip in the
+lorazor modes (``lorazor_counters``). The summary gives each at the mode's goodput rate.
 
 **Time.** A call has ``--budget-s`` (560 s); modes that run at once share it. goodput.py's servers
 (full CUDA graphs of 12 sizes, no torch.compile, 512 adapters) were ready after 114–160 s
@@ -101,7 +102,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, goodput, placement
+from benchmarks.serving import bench, goodput, gpu_busy, placement
 from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path, with_lag
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
@@ -225,19 +226,22 @@ def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dat
 # -- the table (pure) -------------------------------------------------------------------------------
 
 HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 ms | TPOT P90 ms | TPOT P99 ms | "
-          "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | realized skip | SLO on the P90s |")
+          "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | GPU busy | realized skip | "
+          "SLO on the P90s |")
 SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
-                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | realized skip | vs stock |")
+                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | GPU busy | realized skip | "
+                  "vs stock |")
 
 
 def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:
-    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch, step and skip cells."""
+    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch, step, GPU and skip cells."""
     lat = " | ".join(f"{row[f'{m}_p{p}_ms']:.1f}" for m in ("ttft", "tpot") for p in percentiles)
     hit, batch, step = row["server_metrics"]["cache_hit_rate"], row["server_metrics"]["decode_batch"], step_ms(row)
-    share = row["adapter_slo"]
+    share, busy = row["adapter_slo"], row.get("gpu_busy")  # kept rows from before gpu_busy have none
     skip = "—" if "counters" not in row else f"{row['counters']['realized_skip']:.3f}"
     return (f"{lat} | {'—' if hit is None else f'{hit:.1%}'} | {share['meeting']}/{share['adapters']} | "
-            f"{'—' if batch is None else f'{batch:.1f}'} | {'—' if step is None else f'{step:.1f}'} | {skip}")
+            f"{'—' if batch is None else f'{batch:.1f}'} | {'—' if step is None else f'{step:.1f}'} | "
+            f"{'—' if busy is None else f'{busy:.0f}%'} | {skip}")
 
 
 def format_row(row: dict[str, Any], slo: Slo) -> str:
@@ -259,7 +263,7 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
     best, low_miss = goodput.goodput_rate(goodput.points_of(entry, slo))
     probe = [f"{r['request_throughput']:.1f}" for r in entry["rows"] if r["rate"] is None]
     at = next((r for r in entry["rows"] if best is not None and r["rate"] == best), None)
-    cells = "— | — | — | — | — | — | —" if at is None else _cells(at, (99,))
+    cells = "— | — | — | — | — | — | — | —" if at is None else _cells(at, (99,))
     return (f"| {LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
             f"{'none' if low_miss is None else f'{low_miss:g}'} | {probe[0] if probe else '—'} | {cells} | "
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")
@@ -337,8 +341,8 @@ def metrics(base_url: str) -> dict[str, float]:
 
 
 def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: argparse.Namespace, shape: ChatShape,
-            slo: Slo, deadline: float) -> Callable[[float, int], dict[str, Any]]:
-    """The sweep's measure of one mode: ``(rate, requests)`` → the rate's row (module doc)."""
+            slo: Slo, deadline: float, gpu: placement.Gpu) -> Callable[[float, int], dict[str, Any]]:
+    """The sweep's measure of one mode on ``gpu``: ``(rate, requests)`` → the rate's row (module doc)."""
     def run(rate: float, n: int) -> dict[str, Any]:
         label = goodput.rate_label(rate)
         rows = chat_rows(shape, args.seed, stream_key(rate), n, pool_for(rate, shape.think_s, n))
@@ -352,10 +356,14 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
                              slo, result, mode)
         learned = mode in LEARNED
         before, counted = metrics(base_url), counters(base_url) if learned else None
-        data, wall_s = goodput.run_client(cmd, label, log, result, deadline)
-        row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **goodput.parse_result(data),
-               "wall_s": wall_s, "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url)),
-               "adapter_slo": adapter_slo(names, data, slo)}
+        with gpu_busy.BusySampler(gpu_busy.command(gpu)) as busy:
+            data, wall_s = goodput.run_client(cmd, label, log, result, deadline)
+            exited = time.monotonic()
+        parsed = goodput.parse_result(data)
+        row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **parsed, "wall_s": wall_s,
+               "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url)),
+               "adapter_slo": adapter_slo(names, data, slo),
+               "gpu_busy": busy.mean(*gpu_busy.steady_window(exited, parsed["duration_s"]))}
         if counted is not None:
             row["counters"] = goodput.counter_delta(counted, counters(base_url))
         result.write_text(json.dumps({k: v for k, v in data.items() if k not in DETAIL_DROPPED}))
@@ -385,8 +393,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
         flush()
-        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline), entry, args,
-                           slo, deadline, flush)
+        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu), entry,
+                           args, slo, deadline, flush)
 
     goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port), env, log, base_url,
                         served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)

@@ -154,7 +154,7 @@ def _row(rate: float | None, ttft90: float, tpot90: float = 30.0, **extra) -> di
             "tpot_p90_ms": tpot90, "tpot_p99_ms": 44.0, "wall_s": 30.0,
             "server_metrics": {"cache_queries": 1e5, "cache_hits": 8.1e4, "cache_hit_rate": 0.81,
                                "engine_steps": 1200.0, "decode_batch": 64.5},
-            "adapter_slo": {"adapters": 300, "meeting": 290}, **extra}
+            "adapter_slo": {"adapters": 300, "meeting": 290}, "gpu_busy": 92.6, **extra}
 
 
 def test_table_and_ratio_lines():
@@ -183,18 +183,19 @@ def test_table_and_ratio_lines():
     doc = {"preamble": ["pre"], "modes": modes, "notes": ["note"], "ratio": chat.ratio_lines(512, modes, SLO)}
     lines = chat.render(doc, SLO).splitlines()
     assert lines[2] == chat.SUMMARY_HEADER
-    assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | 290/300 | "
-                        "64.5 | 12.5 | — | 6.00 |")  # at its goodput rate, 75 req/s (no counters in that row)
-    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | — | 1.00 |"
+    # lorazor at its goodput rate, 75 req/s (no counters in that row)
+    assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | "
+                        "290/300 | 64.5 | 12.5 | 93% | — | 6.00 |")
+    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | 93% | — | 1.00 |"
     i = lines.index(chat.HEADER)
     assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
-    probe = "| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | — | probe |"
-    assert lines[i + 2] == probe  # 12.5 ms: 15 s over 1200 engine steps
+    assert lines[i + 2] == ("| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | "
+                            "12.5 | 93% | — | probe |")  # 12.5 ms: 15 s over 1200 engine steps
     assert lines[i + 3] == ("| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | "
-                            "0.492 | met |")
+                            "93% | 0.492 | met |")
     old = _row(60.0, 500.0)
-    del old["server_metrics"]["engine_steps"]  # a row kept from before the steps were recorded
-    assert chat.step_ms(old) is None and " | 64.5 | — | — | met |" in chat.format_row(old, SLO)
+    del old["server_metrics"]["engine_steps"], old["gpu_busy"]  # a row kept from before steps and GPU were recorded
+    assert chat.step_ms(old) is None and " | 64.5 | — | — | — | met |" in chat.format_row(old, SLO)
     assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
     assert lines[-3:] == doc["ratio"] and lines[-5] == "note"
 

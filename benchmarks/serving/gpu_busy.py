@@ -13,24 +13,26 @@ when it fails, the share is None and the run goes on: a diagnostic never stops a
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
-from benchmarks.serving.placement import Gpu
+from benchmarks.serving.placement import Gpu, visible_gpus
 
 PERIOD_MS = 100
 EXIT_S = 2.0  # from the end of the benchmark's requests to the client's exit (metrics, result file)
 STEADY = (0.1, 0.9)  # the share of the duration averaged: its middle 80%
 
 
-def command(gpu: Gpu) -> list[str]:
+def command(gpu: Gpu, environ: Mapping[str, str] = os.environ) -> list[str]:
     """The sampling command for ``gpu`` (a CUDA_VISIBLE_DEVICES entry, as nvidia-smi's -i takes it;
-    None: GPU 0)."""
+    None, a mode not placed: the first GPU ``environ`` lets the server see, else GPU 0)."""
+    target = gpu if gpu is not None else next(iter(visible_gpus(environ)), "0")
     return ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS),
-            "-i", gpu or "0"]
+            "-i", target]
 
 
 def parse_sample(line: str) -> float | None:

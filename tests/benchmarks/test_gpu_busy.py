@@ -11,7 +11,9 @@ from benchmarks.serving import gpu_busy
 
 
 def test_command_and_samples():
-    assert gpu_busy.command("3")[-2:] == ["-i", "3"] and gpu_busy.command(None)[-2:] == ["-i", "0"]
+    assert gpu_busy.command("3")[-2:] == ["-i", "3"]
+    assert gpu_busy.command(None, {"CUDA_VISIBLE_DEVICES": "2,1"})[-2:] == ["-i", "2"]  # where the server runs
+    assert gpu_busy.command(None, {"CUDA_VISIBLE_DEVICES": ""})[-2:] == ["-i", "0"]
     assert "--query-gpu=utilization.gpu" in gpu_busy.command(None)
     assert [gpu_busy.parse_sample(x) for x in ("87\n", " 100 ", "0", "[N/A]", "", "101", "-1")] == \
         [87.0, 100.0, 0.0, None, None, None, None]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 from benchmarks.kernels.lora_shapes import MODELS, OpTensors, mapping_from_groups, random_op, release, update_rel_err
-from benchmarks.kernels.printed import Printed, add_out_options, check_out
+from benchmarks.printed import Printed, add_out_options, check_out
 
 from lora_kernels.expand import launch_expand
 from lora_kernels.fused import FusedConfig

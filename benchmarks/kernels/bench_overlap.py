@@ -27,7 +27,7 @@ import torch
 import triton
 from benchmarks.kernels.bench_lora_ops import DEVICE, DTYPE, MAX_LORAS, MAX_TOKENS, OPS, Bench, capture, replay_us
 from benchmarks.kernels.lora_shapes import mapping_from_groups, update_rel_err
-from benchmarks.kernels.printed import Printed, add_out_options, check_out
+from benchmarks.printed import Printed, add_out_options, check_out
 
 from lora_kernels.expand import launch_expand
 from lora_kernels.linear import LinearConfig, LinearKnobs, linear_config

@@ -1,7 +1,7 @@
 """Per-step cost of StepTrim release decisions in the serving runtime (target: p95 ≤ 0.05 ms per
 step at 256 requests with 128 learned heads). torch only, no vLLM.
 
-    python -m benchmarks.serve_bridge.bench_decision --out DIR            # on the GPU
+    python -m benchmarks.serve_bridge.bench_decision --out DIR            # on the GPU (--replace: over an earlier run)
     python -m benchmarks.serve_bridge.bench_decision --out DIR --device cpu --steps 20
 
 For 128 learned heads at hidden size 3072, each row count (32, 128, 256 tracked requests, all
@@ -43,15 +43,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
+from benchmarks.printed import add_out_dir_options, check_out
 from serve_bridge.bundle import AdapterEntry, Bundle
 from serve_bridge.command_line import Parser, number
 from serve_bridge.decision import DecisionLauncher
 from serve_bridge.runtime import ReleaseRuntime, _Pending
+from serve_bridge.safe_write import write_atomic
 from serve_bridge.steptrim import LearnedPolicy, ProfiledPolicy, StepTrim
 
 PROMPT = 64
 MODES = ("graph", "eager", "old")
+OUT_FILES = ("bench_decision.md", "bench_decision.json")
 
 
 def make_runtime(heads: int, hidden: int, device: str, mode: str, max_rows: int, seed: int = 0,
@@ -268,7 +270,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = Parser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    add_out_dir_options(ap, OUT_FILES, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=number("positive_int"), default=None, help="timed steps (500 on CUDA, 20 on CPU)")
     ap.add_argument("--warmup", type=number("non_negative_int"), default=20)
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     if args.steps is None:
         args.steps = 500 if device.type == "cuda" else 20
-    args.out.mkdir(parents=True, exist_ok=True)
+    check_out(args, OUT_FILES)
     cycles = _calibrate_sleep(device, args.forward_ms)
     results = []
     for rows in args.rows:
@@ -306,9 +308,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "Decision check (launcher vs StepTrim on the same device, bit for bit, and on the CPU): "
         + "; ".join(checks), ""])
     print(md)
-    (args.out / "bench_decision.md").write_text(md)
-    (args.out / "bench_decision.json").write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                                              "checks": checks, "results": results}, indent=1))
+    write_atomic(args.out / OUT_FILES[0], md)
+    write_atomic(args.out / OUT_FILES[1], json.dumps({"device": name, "torch": torch.__version__, "checks": checks,
+                                                      "results": results}, indent=1))
     return results
 
 

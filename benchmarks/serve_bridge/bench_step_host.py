@@ -2,7 +2,7 @@
 forward counting, decision and capture plans) plus, in calibration mode, ``capture``. No vLLM,
 no GPU: this is the Python the runner executes on every step before the forward.
 
-    python -m benchmarks.serve_bridge.bench_step_host [--rows 256 1024] [--steps 200] [--out DIR]
+    python -m benchmarks.serve_bridge.bench_step_host [--rows 256 1024] [--steps 200] [--out DIR [--replace]]
 
 Cases (each at every ``--rows``, all rows decode rows that complete a forward every step):
 - ``serving``: :class:`~serve_bridge.runtime.ReleaseRuntime` over 128 adapters with profiled
@@ -23,22 +23,22 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-
+from benchmarks.printed import add_out_dir_options, check_out
 from benchmarks.serve_bridge.bench_decision import make_runtime
-
 from serve_bridge.calibration import CalibrationRuntime, calibration_config
 from serve_bridge.command_line import Parser, number
 from serve_bridge.runtime import ReleaseRuntime
+from serve_bridge.safe_write import write_atomic
 from serve_bridge.steptrim import LearnedPolicy, StepTrim
 
 HIDDEN = 576  # SmolLM2-135M, the embedded backbone calibration runs on
 PROMPT = 100
 POINTS = (0, 1, 2, 3, 7, 15, 31, 63)
+OUT_FILES = ("step_host.md", "step_host.json")
 
 
 def serving(rows: int) -> tuple[ReleaseRuntime, list[str], list[int]]:
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=number("positive_int"), nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=number("positive_int"), default=200)
-    ap.add_argument("--out", type=Path, default=None)
+    add_out_dir_options(ap, OUT_FILES)
     args = ap.parse_args(argv)
+    check_out(args, OUT_FILES)
     torch.manual_seed(0)
     results = []
     lines = ["| case | rows | median ms/step | p95 ms/step |", "|---|---|---|---|"]
@@ -99,9 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     text = head + "\n\n" + "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "step_host.md").write_text(text)
-        (args.out / "step_host.json").write_text(json.dumps(results, indent=1))
+        write_atomic(args.out / OUT_FILES[0], text)
+        write_atomic(args.out / OUT_FILES[1], json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

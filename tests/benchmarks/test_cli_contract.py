@@ -6,6 +6,8 @@ runs in this process through :mod:`runpy`, as ``python -m`` runs it.
 """
 from __future__ import annotations
 
+import importlib
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -84,8 +86,29 @@ def test_an_existing_out_file_is_kept_without_replace(module, tmp_path, monkeypa
     assert mine.read_text() == "mine"
 
 
+DIR_OUTS = [("benchmarks.serve_bridge.bench_step_host", ["--rows", "4", "--steps", "12"], "step_host.json"),
+            ("benchmarks.serve_bridge.bench_decision", ["--device", "cpu", "--steps", "2", "--warmup", "0", "--rows", "4",
+                                                        "--heads", "2", "--hidden", "8"], "bench_decision.json")]
+
+
+@pytest.mark.parametrize("module,argv,name", DIR_OUTS)
+def test_an_out_directory_keeps_earlier_files_without_replace(module, argv, name, tmp_path, monkeypatch, capsys):
+    """A file of the benchmark's own name in --out is a user's until --replace says otherwise; a
+    file where --out should be a directory is refused; both before any work."""
+    mine = tmp_path / name
+    mine.write_text("mine")
+    code, err = run_command(module, [*argv, "--out", str(tmp_path)], monkeypatch, capsys)
+    assert one_error_line(code, err) and f"already holds {name}; choose another directory, or pass --replace" in err, err
+    assert mine.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == [name]
+    code, err = run_command(module, [*argv, "--out", str(mine)], monkeypatch, capsys)
+    assert one_error_line(code, err) and "exists and is not a directory" in err, err
+    assert mine.read_text() == "mine"
+    importlib.import_module(module).main([*argv, "--out", str(tmp_path), "--replace"])
+    assert json.loads(mine.read_text()) and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_printed_lines_reach_out_whole(tmp_path, capsys):
-    from benchmarks.kernels.printed import Printed
+    from benchmarks.printed import Printed
 
     emit = Printed()
     emit("| a |")

@@ -78,9 +78,11 @@ SmolLM2 on 0.33.0, 2026-12-02) and the capture of its FULL_AND_PIECEWISE graphs 
 176–224 s with 512 adapters on an H200 (2026-12-05, benchmarks/results/2026-12-05-vllm-defaults.md),
 400 s at most (``--ready-timeout-s``). The learned bundle, when it is not given or kept, took 185 s
 more there (an eager engine's start-up 62 s, capture passes 46 s, 32 heads 76 s). A client run
-costs its arrivals (``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus about 15–30
-s of its own start-up and drain; the probe and 4–7 rates fit what is left, and a rate that no longer
-fits is not started (the table says so).
+costs its arrivals (``--duration-s`` 15 s, at least ``--min-prompts`` 150 requests) plus its own
+overhead: about 21 s per rate when each rate started ``vllm bench serve`` afresh (2026-12-05), now
+the tokenizer and dataset only, vLLM being imported once per server while it starts
+(:mod:`benchmarks.serving.bench_client`). The probe and the rates fit what is left, and a rate that
+no longer fits is not started (the table says so).
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.serving import bench, goodput, gpu_busy, placement
+from benchmarks.serving.bench_client import BenchClient
 from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path, with_lag
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
@@ -212,7 +215,7 @@ def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_lo
 
 def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dataset: Path, per_row: Sequence[str],
                    seed: int, slo: Slo, result: Path, mode: str) -> list[str]:
-    """``vllm bench serve`` of one rate over the ``n_rows`` rows of ``dataset`` in order (the custom
+    """``vllm bench serve``'s options for one rate over the ``n_rows`` rows of ``dataset`` in order (the custom
     dataset, each row's ``output_tokens``, no chat template), request i on adapter ``per_row[i]``
     (none: the base model), per-request results kept (``--save-detailed``)."""
     cmd = goodput.client_base(base_url, model_dir, rate, n_rows, seed, slo, result, mode) + [
@@ -341,8 +344,10 @@ def metrics(base_url: str) -> dict[str, float]:
 
 
 def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: argparse.Namespace, shape: ChatShape,
-            slo: Slo, deadline: float, gpu: placement.Gpu) -> Callable[[float, int], dict[str, Any]]:
-    """The sweep's measure of one mode on ``gpu``: ``(rate, requests)`` → the rate's row (module doc)."""
+            slo: Slo, deadline: float, gpu: placement.Gpu,
+            client: BenchClient) -> Callable[[float, int], dict[str, Any]]:
+    """The sweep's measure of one mode on ``gpu`` through ``client``: ``(rate, requests)`` → the
+    rate's row (module doc)."""
     def run(rate: float, n: int) -> dict[str, Any]:
         label = goodput.rate_label(rate)
         rows = chat_rows(shape, args.seed, stream_key(rate), n, pool_for(rate, shape.think_s, n))
@@ -357,7 +362,7 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
         learned = mode in LEARNED
         before, counted = metrics(base_url), counters(base_url) if learned else None
         with gpu_busy.BusySampler(gpu_busy.command(gpu)) as busy:
-            data, wall_s = goodput.run_client(cmd, label, log, result, deadline)
+            data, wall_s = goodput.run_client(client, cmd, label, log, result, deadline)
             exited = time.monotonic()
         parsed = goodput.parse_result(data)
         row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **parsed, "wall_s": wall_s,
@@ -385,7 +390,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
         gpu, args.work, mode)
 
-    def body() -> None:
+    def body(client: BenchClient) -> None:
         missing = missing_defaults(log.read_text(errors="replace"))
         if missing:
             raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
@@ -393,8 +398,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
         flush()
-        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu), entry,
-                           args, slo, deadline, flush)
+        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu, client),
+                           entry, args, slo, deadline, flush)
 
     goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port), env, log, base_url,
                         served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)

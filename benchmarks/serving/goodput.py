@@ -25,7 +25,8 @@ the StepTrim counters around every rate (the realized skip). Before measuring, t
 the plugin's start-up lines in the server log (:func:`expected_markers`: stock none, gridtrim
 GridTrim's, steptrim StepTrim's and slot hand-back's, both all three), then sends one 4-token
 request per adapter so that every adapter has been written into a slot once (bench.py's warm-up).
-Then ``vllm bench serve`` runs, once per rate:
+Then ``vllm bench serve`` runs, once per rate, in one client process per server that imports vLLM
+while the server starts (:mod:`benchmarks.serving.bench_client`):
 
 - a capacity probe, all ``--probe-prompts`` requests at once (``--request-rate inf``); the sweep
   starts at ``--start-fraction`` of its throughput (``--start-rate R`` skips the probe);
@@ -89,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving import bench, placement, vllm_settings
+from benchmarks.serving.bench_client import BenchClient
 from benchmarks.serving.bench_table import MODE_LABEL
 from benchmarks.serving.bench_workload import N_REQUESTS, OUTPUT_LEN, PROMPT_LEN, workload_for
 from benchmarks.serving.host_memory import host_bytes_needed, host_memory_available, host_memory_problem
@@ -288,10 +290,10 @@ def rate_label(rate: float) -> str:
 
 def client_base(base_url: str, model_dir: Path, rate: float, n_prompts: int, seed: int, slo: Slo, result: Path,
                 mode: str) -> list[str]:
-    """``vllm bench serve`` for one rate (``inf``: all at once), without its dataset and adapters:
-    P50/P90/P99 of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at
+    """``vllm bench serve``'s options for one rate (``inf``: all at once), without its dataset and
+    adapters: P50/P90/P99 of TTFT, TPOT, ITL and E2EL, vLLM's goodput at ``slo``, the result JSON at
     ``result``, ``ignore_eos`` and temperature 1.0."""
-    return [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", base_url,
+    return ["--backend", "openai", "--base-url", base_url,
             "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
             "--num-prompts", str(n_prompts), "--request-rate", rate_label(rate),
             "--burstiness", "1.0", "--seed", str(seed), "--ignore-eos", "--temperature", "1.0",
@@ -414,31 +416,31 @@ class Mode:
     deadline: float
 
 
-def run_client(cmd: list[str], label: str, log: Path, result: Path, deadline: float) -> tuple[dict[str, Any], float]:
-    """Run ``vllm bench serve`` (``cmd``, environment :func:`client_env`) writing ``result``: its
-    JSON and the wall seconds taken. A failure, or a run past ``deadline`` (``time.monotonic``) less
+def run_client(client: BenchClient, options: list[str], label: str, log: Path, result: Path,
+               deadline: float) -> tuple[dict[str, Any], float]:
+    """Run ``vllm bench serve OPTIONS`` in ``client`` writing ``result``: its JSON and the wall
+    seconds taken. A failure, or a run past ``deadline`` (``time.monotonic``) less
     :data:`STOP_RESERVE_S`, is an error naming the rate ``label`` with its log's tail."""
     result.unlink(missing_ok=True)
     t0 = time.monotonic()
-    with open(log, "w") as out:
-        try:
-            code = subprocess.run(cmd, env=client_env(dict(os.environ)), stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=max(1.0, deadline - time.monotonic() - STOP_RESERVE_S)).returncode
-        except subprocess.TimeoutExpired:
-            raise HarnessError(f"rate {label}: vllm bench serve ran past the budget; {log} ends:\n" + tail(log)) from None
+    try:
+        code = client.run(options, log, max(1.0, deadline - time.monotonic() - STOP_RESERVE_S))
+    except HarnessError as e:
+        raise HarnessError(f"rate {label}: {e}") from None
     if code != 0 or not result.exists():
         raise HarnessError(f"rate {label}: vllm bench serve failed (rc {code}); {log} ends:\n" + tail(log))
     return json.loads(result.read_text()), time.monotonic() - t0
 
 
-def run_rate(m: Mode, rate: float, n_prompts: int, args: argparse.Namespace, slo: Slo) -> dict[str, Any]:
+def run_rate(m: Mode, client: BenchClient, rate: float, n_prompts: int, args: argparse.Namespace,
+             slo: Slo) -> dict[str, Any]:
     """``vllm bench serve`` at one rate (``inf``: the probe) → the row (with the StepTrim counters'
     change for steptrim/both)."""
     label = rate_label(rate)
     result, log = m.directory / f"rate_{label}.json", m.directory / f"rate_{label}.log"
     cmd = client_command(m.base_url, m.model_dir, rate, n_prompts, m.adapters, args.seed, slo, result, m.name)
     before = counters(m.base_url) if m.name in bench.STEPTRIM_MODES else None
-    data, wall_s = run_client(cmd, label, log, result, m.deadline)
+    data, wall_s = run_client(client, cmd, label, log, result, m.deadline)
     row = {"rate": None if math.isinf(rate) else rate, "prompts": n_prompts, **parse_result(data), "wall_s": wall_s,
            "result": result.name}
     if before is not None:
@@ -476,12 +478,14 @@ def sweep_mode(measure: Callable[[float, int], dict[str, Any]], entry: dict[str,
 
 def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], log: Path, base_url: str,
                 served: Sequence[str], want: set[str], timeout_s: float, deadline: float,
-                body: Callable[[], None], flush: Callable[[], None]) -> None:
-    """Start ``command`` (``vllm serve``) with ``env``, output to ``log``; once it answers and serves
-    every name in ``served``, check that its log shows exactly the plugin lines ``want``
-    (:func:`found_markers`), then run ``body``; stop the server and flush the table. A HarnessError
-    or OSError on the way becomes the ``entry``'s ``error``."""
+                body: Callable[[BenchClient], None], flush: Callable[[], None]) -> None:
+    """Start ``command`` (``vllm serve``) with ``env``, output to ``log``, and its client process
+    (:class:`BenchClient`, environment :func:`client_env`, output beside ``log``); once the server
+    answers and serves every name in ``served``, check that its log shows exactly the plugin lines
+    ``want`` (:func:`found_markers`), then run ``body(client)``; stop both and flush the table. A
+    HarnessError or OSError on the way becomes the ``entry``'s ``error``."""
     server = start_server(command, env, log)
+    client = BenchClient(client_env(dict(os.environ)), log.with_name("client.log"))
     try:
         ready_s = wait_ready(base_url, server, log, min(timeout_s, deadline - time.monotonic()), served)
         entry["facts"].append(f"server ready after {ready_s:.0f} s")
@@ -489,11 +493,12 @@ def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], 
         if found != want:
             raise HarnessError(f"the server log shows the plugin lines {sorted(found)}, expected {sorted(want)}: not "
                                f"this mode's configuration (see {log})")
-        body()
+        body(client)
     except (HarnessError, OSError) as e:
         entry["error"] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
         print(f"  {log.parent.name}: {entry['error']}", flush=True)
     finally:
+        client.close()
         stop_server(server)
         flush()
 
@@ -513,11 +518,11 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
     command = server_command(work / "model", mode, adapters, args.max_loras, port, settings)
     entry["facts"].append(f"vLLM settings: {settings.tag or 'defaults'}")
 
-    def body() -> None:
+    def body(client: BenchClient) -> None:
         warm_s = warm_up(m.base_url, m.adapters or [str(m.model_dir)] * args.adapters)
         entry["facts"].append(f"warm-up {args.adapters} requests {warm_s:.1f} s")
         flush()
-        sweep_mode(lambda rate, n: run_rate(m, rate, n, args, slo), entry, args, slo, deadline, flush)
+        sweep_mode(lambda rate, n: run_rate(m, client, rate, n, args, slo), entry, args, slo, deadline, flush)
 
     with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters) | placement.env(gpu, work, mode),
                 directory / "server.log", m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline,

@@ -20,7 +20,7 @@ from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError
 from predictors.heads import Head
 from serve_bridge.bundle import load_bundle
-from tests.benchmarks.test_goodput import FAKE_VLLM, flags
+from tests.benchmarks.test_goodput import flags, use_stand_in
 
 SLO = Slo()
 ADAPTERS = {bench.adapter_name(a): Path(f"/w/adapters/{bench.adapter_name(a)}") for a in range(3)}
@@ -283,10 +283,8 @@ def test_refuses_a_vllm_it_was_not_written_for(tmp_path, capsys):
 def _stand_in(tmp_path: Path, monkeypatch) -> tuple[list[str], Path]:
     """The chat harness's arguments against the goodput test's stand-in `vllm` (a given learned
     bundle, a tiny workload and sweep), and the file the stand-in records into."""
-    fake = tmp_path / "fake_vllm.py"
-    fake.write_text(FAKE_VLLM)
+    use_stand_in(tmp_path, monkeypatch)
     record = tmp_path / "record.jsonl"
-    monkeypatch.setattr(goodput, "VLLM_CLI", [sys.executable, str(fake)])
     monkeypatch.setattr(chat, "installed_version", lambda: chat.VERSION)
     monkeypatch.setattr(goodput, "prepare_files", lambda work, n, r, s: None)
     monkeypatch.setenv("FAKE_RECORD", str(record))

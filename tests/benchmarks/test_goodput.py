@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import bench, bench_workload, goodput, synthetic, vllm_server
+from benchmarks.serving import bench, bench_client, bench_workload, goodput, synthetic, vllm_server
 from benchmarks.serving.goodput import Slo, Sweep
 from benchmarks.serving.synthetic import write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
@@ -186,7 +186,7 @@ def test_expected_plugin_lines():
 def test_client_command():
     cmd = goodput.client_command("http://127.0.0.1:8123", Path("/w/model"), 12.5, 250, ["a00", "a01"], 0, SLO,
                                  Path("/o/both/rate_12.5.json"), "both")
-    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert cmd[:2] == ["--backend", "openai"]  # the options after `vllm bench serve`
     f = flags(cmd)
     assert set(f) <= set(BENCH_OPTIONS_033)
     assert f["--request-rate"] == ["12.5"] and f["--num-prompts"] == ["250"] and f["--burstiness"] == ["1.0"]
@@ -480,7 +480,8 @@ if sys.argv[1] == "serve":
 elif sys.argv[1:3] == ["bench", "serve"]:
     mode = values("--metadata")[0].split("=", 1)[1]
     rate, n = float(values("--request-rate")[0]), int(values("--num-prompts")[0])
-    record(what="bench", mode=mode, rate=values("--request-rate")[0], prompts=n, loras=len(values("--lora-modules")),
+    record(what="bench", mode=mode, pid=os.getpid(), rate=values("--request-rate")[0], prompts=n,
+           loras=len(values("--lora-modules")),
            lorazor=sorted(k for k in os.environ if k.startswith("LORAZOR_")))
     capacity = 1.3 * LIMIT[mode]
     over = rate > LIMIT[mode]
@@ -499,11 +500,36 @@ elif sys.argv[1:3] == ["bench", "serve"]:
 '''
 
 
-def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
-    fake = tmp_path / "fake_vllm.py"
+# The client process of benchmarks/serving/bench_client.py with the stand-in's `bench serve` for vLLM's.
+FAKE_CLIENT = r'''
+import runpy, sys
+sys.path.insert(0, sys.argv[2])
+from benchmarks.serving.bench_client import serve
+FAKE = sys.argv[1]
+
+
+def run(options):
+    sys.argv = [FAKE, "bench", "serve", *options]
+    runpy.run_path(FAKE, run_name="__main__")
+
+
+serve(lambda: run)
+'''
+
+
+def use_stand_in(tmp_path: Path, monkeypatch) -> Path:
+    """The stand-in `vllm` (:data:`FAKE_VLLM`) for the harnesses' servers and client processes."""
+    fake, client = tmp_path / "fake_vllm.py", tmp_path / "fake_client.py"
     fake.write_text(FAKE_VLLM)
-    record = tmp_path / "record.jsonl"
+    client.write_text(FAKE_CLIENT)
     monkeypatch.setattr(goodput, "VLLM_CLI", [sys.executable, str(fake)])
+    monkeypatch.setattr(bench_client, "CHILD", [sys.executable, str(client), str(fake), str(goodput.ROOT)])
+    return fake
+
+
+def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
+    use_stand_in(tmp_path, monkeypatch)
+    record = tmp_path / "record.jsonl"
     monkeypatch.setattr(goodput, "installed_version", lambda: "0.33.0")
     monkeypatch.setattr(goodput, "prepare_files", lambda work, n, r, s: (work / "bundle", [20] * n, 0.5))
     monkeypatch.setenv("FAKE_RECORD", str(record))
@@ -528,6 +554,9 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
         assert best <= limit < low_miss <= best * 1.06 + 0.1
         assert entry["rows"][1]["rate"] == round(0.5 * 1.3 * limit, 1)  # half the probe's throughput
         assert all((out / mode / r["result"]).exists() for r in entry["rows"])
+        # every rate ran in the mode's one client process, its log opening with the command it stands for
+        assert (out / mode / "client.log").exists()
+        assert (out / mode / "rate_inf.log").read_text().startswith("vllm bench serve --backend openai --base-url ")
         assert ("counters" in entry["rows"][1]) == (mode == "both")
     assert doc["modes"]["both"]["rows"][1]["counters"]["realized_skip"] == pytest.approx(0.51)
     assert doc["ratio"] == goodput.ratio_line(5, 2, doc["modes"], SLO)
@@ -544,6 +573,7 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     clients = [s for s in seen if s["what"] == "bench"]
     assert {s["loras"] for s in clients} == {5} and all(s["lorazor"] == [] for s in clients)
     assert [s["rate"] for s in clients if s["mode"] == "stock"][0] == "inf"  # the probe first
+    assert [len({s["pid"] for s in clients if s["mode"] == m}) for m in ("both", "gridtrim", "stock")] == [1, 1, 1]
     # every server is gone: its port refuses
     for s in servers:
         port = int(s["argv"][s["argv"].index("--port") + 1])

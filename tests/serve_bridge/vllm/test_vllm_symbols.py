@@ -190,6 +190,21 @@ def test_engine_calls_of_calibration_and_the_benchmarks():
         assert fragment in inspect.getsource(_attr(path)), path
 
 
+def test_bench_serve_the_benchmark_client_runs():
+    """benchmarks/serving/bench_client.py runs `vllm bench serve` as its command line does: vLLM's
+    parser from add_cli_args, then main(args), which seeds from --seed on every call."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert _names(serve.add_cli_args) == ["parser"] and _names(serve.main) == ["args"]
+    assert "random.seed(args.seed)" in inspect.getsource(serve.main_async)
+    assert "main(args)" in inspect.getsource(_attr("vllm.entrypoints.cli.benchmark.serve:BenchmarkServingSubcommand.cmd"))
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "custom", "--lora-assignment", "round-robin", "--save-detailed"])
+    assert (args.dataset_name, args.lora_assignment, args.save_detailed) == ("custom", "round-robin", True)
+
+
 def test_defaults_the_overrides_repeat():
     if vllm.__version__ != "0.26.0":
         pytest.skip("the V1 runner is hooked on vLLM 0.26.0")

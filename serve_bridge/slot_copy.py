@@ -52,6 +52,7 @@ class SlotWriter:
                      if all(t.dtype == first.dtype and t.device == first.device for t in ts)}
         shapes = [t.shape[1:] for ts in self.fast.values() for t in ts]
         sizes = [math.prod(s) for s in shapes]
+        self._layout = [(1, *s) for s in shapes], sizes
         # A normal tensor even when vLLM first activates an adapter under inference mode (its warm-up
         # dummy LoRAs): ``vllm serve --lora-modules`` writes later slots outside inference mode.
         with torch.inference_mode(False):
@@ -60,10 +61,13 @@ class SlotWriter:
         self._targets: dict[int, list[torch.Tensor]] = {}
 
     def image(self, weights: LayerWeights) -> SlotImage:
-        """Render one adapter (``weights``: its layer weights by module name)."""
-        shadows: list[torch.Tensor] = []
+        """Render one adapter (``weights``: its layer weights by module name). The layers write
+        into views of the image itself, zeroed and pinned once: no other copy of it is made."""
+        shapes, sizes = self._layout
+        flat = torch.zeros(sum(sizes), dtype=self.staging.dtype, pin_memory=torch.cuda.is_available())
+        shadows = iter([v.view(s) for v, s in zip(torch.split(flat, sizes), shapes)])
         for name, tensors in self.fast.items():
-            shadow = tuple(torch.zeros((1, *t.shape[1:]), dtype=t.dtype) for t in tensors)
+            shadow = tuple(next(shadows) for _ in tensors)
             lora = weights(name)
             if lora is not None:
                 module = self.modules[name]
@@ -74,10 +78,6 @@ class SlotWriter:
                     module.set_lora(0, *lora)
                 finally:
                     module.lora_a_stacked, module.lora_b_stacked = saved
-            shadows.extend(shadow)
-        flat = torch.cat([s.reshape(-1) for s in shadows]) if shadows else torch.empty(0, dtype=self.staging.dtype)
-        if torch.cuda.is_available():
-            flat = flat.pin_memory()
         return SlotImage(flat, {name: weights(name) for name in self.modules if name not in self.fast})
 
     def write(self, image: SlotImage, slot: int) -> None:

@@ -1,20 +1,22 @@
 """``vllm bench serve``, one process for every rate of a server: vLLM is imported once, while the
 server starts, instead of once per rate.
 
-A ``vllm bench serve`` process spent about 10 s before its first request on the 2-core
-development CPU (importing vLLM 7.6 s, its tokenizer and dataset 2.6 s; 2026-12-05, vLLM 0.33.0)
-and about 21 s per rate beside the H200's servers (wall less duration in chat512's rows,
-2026-12-05). Here each rate's options go through vLLM's own parser and entry point, as the
-command line does (``vllm/entrypoints/cli/benchmark/serve.py``: ``add_cli_args`` then
-``main(args)`` of ``vllm/benchmarks/serve.py``, the same names in 0.26.0, 0.33.0 and 0.34.0),
-so a rate is the command ``vllm bench serve OPTIONS`` would be, seeded the same way
-(``main_async`` seeds ``random`` and numpy from ``--seed`` on every call).
+A ``vllm bench serve`` process per rate cost about 21 s a rate beyond its requests beside the
+H200's servers (wall less duration in chat512's rows, 2026-12-05) and 10.5 s on the 2-core
+development CPU against a local endpoint (importing vLLM 7.6 s); in one process the same rates
+cost 1.1–1.6 s each there (vLLM 0.33.0, 1212 requests at 80.8 req/s, 2026-12-05). Each rate's
+options go through vLLM's own parser and entry point, as the command line does
+(``vllm/entrypoints/cli/benchmark/serve.py``: ``add_cli_args`` then ``main(args)`` of
+``vllm/benchmarks/serve.py``, the same names in 0.26.0, 0.33.0 and 0.34.0), so a rate is the
+command ``vllm bench serve OPTIONS`` would be, seeded the same way (``main_async`` seeds
+``random`` and numpy from ``--seed`` on every call).
 
 :class:`BenchClient` starts ``python -m benchmarks.serving.bench_client`` (:func:`serve`): it
 reads one JSON line per rate, ``{"options": [...], "log": PATH}``, runs it with its standard
-output and error in that log (the log's first line is the command), and answers one JSON line,
-``{"rc": N}``, on the standard output it had when it started. Anything printed outside a rate
-goes to the client's own log.
+output and error in that log (its first line is the command; its last the seconds the rate took
+in the process, which less the result's ``duration`` is vLLM's own overhead), and answers one JSON
+line, ``{"rc": N}``, on the standard output it had when it started. Anything printed outside a
+rate goes to the client's own log.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import select
 import shlex
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,6 +98,7 @@ def _rate(run: Callable[[list[str]], Any], options: list[str], log: str) -> int:
     with open(log, "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+        start = time.monotonic()
         try:
             print("vllm bench serve " + shlex.join(options), flush=True)
             run(options)
@@ -105,7 +109,7 @@ def _rate(run: Callable[[list[str]], Any], options: list[str], log: str) -> int:
             traceback.print_exc()
             code = 1
         finally:
-            sys.stdout.flush()
+            print(f"bench_client: {time.monotonic() - start:.1f} s in vllm bench serve", flush=True)
             sys.stderr.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)

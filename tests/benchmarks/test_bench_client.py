@@ -59,6 +59,7 @@ def test_rates_run_one_after_another_each_in_its_log(client, tmp_path):
         lines = log.read_text().splitlines()
         assert lines[0] == "vllm bench serve " + " ".join(options).replace("1 2", "'1 2'")
         assert f"python says {options[0]}" in lines and "fd 2 says hello" in lines
+        assert lines[-1].startswith("bench_client: ") and lines[-1].endswith(" s in vllm bench serve")
     assert "ValueError: no dataset" in (tmp_path / "rate2.log").read_text()
     assert (tmp_path / "client.log").read_text().splitlines()[0] == "imported"
 

@@ -65,6 +65,8 @@ BAD_VALUES = [
     ("benchmarks.serve_bridge.bench_decision", ["--out", "{tmp}/o", "--steps", "0"], "--steps: '0'"),
     ("benchmarks.kernels.bench_lora_ops", ["--out", "/dev/null/x.md"], "which is not a directory"),
     ("benchmarks.kernels.bench_overlap", ["--out", "{tmp}"], "is a directory; name a file"),
+    ("benchmarks.serving.sweep_plot", ["{tmp}/none.json"], "not a goodput or chat table"),
+    ("benchmarks.serving.sweep_plot", ["README.md", "--tpot-slo-ms", "0"], "--tpot-slo-ms: '0'"),
 ]
 
 

@@ -59,6 +59,7 @@ class BenchClient:
             raise self._gone() from None
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
         if not ready:
+            self._proc.kill()  # mid-rate: it would not end at the end of its input
             self.close()
             raise HarnessError(f"vllm bench serve ran past the budget; {log} ends:\n" + tail(log))
         line = self._proc.stdout.readline()

@@ -4,7 +4,7 @@ server starts, instead of once per rate.
 A ``vllm bench serve`` process per rate cost about 21 s a rate beyond its requests beside the
 H200's servers (wall less duration in chat512's rows, 2026-12-05) and 10.5 s on the 2-core
 development CPU against a local endpoint (importing vLLM 7.6 s); in one process the same rates
-cost 1.1–1.6 s each there (vLLM 0.33.0, 1212 requests at 80.8 req/s, 2026-12-05). Each rate's
+cost 1.1–1.7 s each there (vLLM 0.33.0, 1212 requests at 80.8 req/s, 2026-12-05). Each rate's
 options go through vLLM's own parser and entry point, as the command line does
 (``vllm/entrypoints/cli/benchmark/serve.py``: ``add_cli_args`` then ``main(args)`` of
 ``vllm/benchmarks/serve.py``, the same names in 0.26.0, 0.33.0 and 0.34.0), so a rate is the

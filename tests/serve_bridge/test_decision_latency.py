@@ -1,6 +1,6 @@
 """The runtime's decision path (decide → resolve through the launcher), its latency counters, and
-benchmarks/serve_bridge/bench_decision.py, bench_step_host.py and bench_mapping_host.py run on the
-CPU with tiny sizes."""
+benchmarks/serve_bridge/bench_decision.py, bench_step_host.py, bench_mapping_host.py and
+bench_slot_image.py run on the CPU with tiny sizes."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.serve_bridge import bench_decision as bench
-from benchmarks.serve_bridge import bench_mapping_host, bench_step_host
+from benchmarks.serve_bridge import bench_mapping_host, bench_slot_image, bench_step_host
 
 
 def _step(rt, req_ids, computed, scheduled, lora):
@@ -94,6 +94,13 @@ def test_bench_step_host_runs_on_cpu(tmp_path):
     assert [r["case"] for r in results] == ["serving", "calibration ON pass", "calibration sweep"]
     assert all(r["rows"] == 8 and 0 < r["median_ms"] <= r["p95_ms"] for r in results)
     assert "| serving | 8 |" in (tmp_path / "step_host.md").read_text()
+
+
+def test_bench_slot_image_runs_on_cpu(capsys):
+    bench_slot_image.main(["--layers", "1", "--adapters", "3"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].split("|")
+    # one Llama-3.2-3B layer at rank 8: 434,176 bf16 values (qkv 114,688, o 49,152, gate_up 180,224, down 90,112)
+    assert row[1].strip() == "0.9" and float(row[2]) > 0 and float(row[3]) > 0
 
 
 @pytest.mark.parametrize("version", ["tuples", "numpy + ints"])

@@ -1,6 +1,7 @@
 """serve_bridge.slot_copy against the layers' own ``reset_lora`` + ``set_lora``, restated from vLLM
-0.26.0 (``lora/layers/base_linear.py:153-184``, ``column_parallel_linear.py:302-328``,
-``logits_processor.py:121-139``), on fresh random adapters written into random slots."""
+0.26.0 (``lora/layers/base_linear.py:153-184``, ``column_parallel_linear.py:302-328``: the slot
+benchmark's :class:`StackedLinear`; ``logits_processor.py:121-139``: :class:`Head`), on fresh
+random adapters written into random slots."""
 from __future__ import annotations
 
 import copy
@@ -9,30 +10,17 @@ import random
 import pytest
 import torch
 
+from benchmarks.serve_bridge.bench_slot_image import StackedLinear
 from serve_bridge.slot_copy import SlotWriter
 
 MAX_LORAS, MAX_RANK = 4, 8
 
 
-class Linear:
+class Linear(StackedLinear):
     """A linear LoRA layer of ``outputs`` slices: stacked tuples [slot, 1, rank, in] and [slot, 1, out, rank]."""
 
     def __init__(self, inputs: int, outputs: list[int]) -> None:
-        self.lora_a_stacked = tuple(torch.zeros(MAX_LORAS, 1, MAX_RANK, inputs) for _ in outputs)
-        self.lora_b_stacked = tuple(torch.zeros(MAX_LORAS, 1, out, MAX_RANK) for out in outputs)
-
-    def reset_lora(self, index: int) -> None:
-        for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
-            a[index] = 0
-            b[index] = 0
-
-    def set_lora(self, index: int, lora_a: list, lora_b: list) -> None:
-        self.reset_lora(index)
-        for i, (a, b) in enumerate(zip(lora_a, lora_b)):
-            if a is not None:
-                self.lora_a_stacked[i][index, 0, :a.shape[0], :a.shape[1]].copy_(a, non_blocking=True)
-            if b is not None:
-                self.lora_b_stacked[i][index, 0, :b.shape[0], :b.shape[1]].copy_(b, non_blocking=True)
+        super().__init__(inputs, outputs, MAX_LORAS, MAX_RANK)
 
 
 class Head:

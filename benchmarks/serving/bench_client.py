@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.serving.vllm_server import HarnessError, tail
-from serve_bridge.command_line import Parser
+from serve_bridge.command_line import Parser, fail
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = [sys.executable, "-m", "benchmarks.serving.bench_client"]
@@ -132,9 +132,12 @@ def serve(make_runner: Callable[[], Callable[[list[str]], Any]], requests: IO[st
 
 
 def vllm_runner() -> Callable[[list[str]], Any]:
-    """``vllm bench serve``'s parser and entry point."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    """``vllm bench serve``'s parser and entry point; one line and exit code 2 without vLLM's."""
+    try:
+        from vllm.benchmarks.serve import add_cli_args, main
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as e:
+        fail(f"vllm bench serve is not importable here ({e}): pip install -e \".[vllm]\"")
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)

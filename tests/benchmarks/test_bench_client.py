@@ -4,6 +4,7 @@ one HarnessError. The process is real; its runner stands in for vLLM's `bench se
 checks vLLM's parser and entry point where vLLM is installed)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -77,3 +78,12 @@ def test_a_client_that_died_is_reported_with_its_log(client, tmp_path):
         client.run(["die"], tmp_path / "dies.log", 30)
     with pytest.raises(HarnessError, match="process exited"):
         client.run(["ok"], tmp_path / "after.log", 30)
+
+
+def test_without_vllm_the_real_client_stops_in_one_line(tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the real client would run")
+    with bench_client.BenchClient(dict(os.environ), tmp_path / "client.log") as c:
+        with pytest.raises(HarnessError, match=r"(?s)exited \(2\).*error: vllm bench serve is not importable here"):
+            c.run(["--help"], tmp_path / "rate.log", 60)
+    assert (tmp_path / "client.log").read_text().count("\n") == 1  # one line, no traceback

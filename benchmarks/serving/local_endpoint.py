@@ -16,7 +16,7 @@ from serve_bridge.command_line import Parser, fail, number
 
 
 def event(body: dict[str, Any]) -> bytes:
-    """One server-sent event carrying ``body``."""
+    """One server-sent event whose data is ``body``."""
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

@@ -50,22 +50,24 @@ class SlotWriter:
         first = next(iter(stacked.values()), (torch.empty(0),))[0]
         self.fast = {name: ts for name, ts in stacked.items()
                      if all(t.dtype == first.dtype and t.device == first.device for t in ts)}
-        shapes = [t.shape[1:] for ts in self.fast.values() for t in ts]
-        sizes = [math.prod(s) for s in shapes]
-        self._layout = [(1, *s) for s in shapes], sizes
+        self._shapes = [t.shape[1:] for ts in self.fast.values() for t in ts]
+        self._sizes = [math.prod(s) for s in self._shapes]
         # A normal tensor even when vLLM first activates an adapter under inference mode (its warm-up
         # dummy LoRAs): ``vllm serve --lora-modules`` writes later slots outside inference mode.
         with torch.inference_mode(False):
-            self.staging = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-            self.sources = [v.view(s) for v, s in zip(torch.split(self.staging, sizes), shapes)]
+            self.staging = torch.empty(sum(self._sizes), dtype=first.dtype, device=first.device)
+            self.sources = self._slices(self.staging)
         self._targets: dict[int, list[torch.Tensor]] = {}
+
+    def _slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into views shaped as one slot of each fast layer's stacked tensors, in order."""
+        return [v.view(s) for v, s in zip(torch.split(flat, self._sizes), self._shapes)]
 
     def image(self, weights: LayerWeights) -> SlotImage:
         """Render one adapter (``weights``: its layer weights by module name). The layers write
         into views of the image itself, zeroed and pinned once: no other copy of it is made."""
-        shapes, sizes = self._layout
-        flat = torch.zeros(sum(sizes), dtype=self.staging.dtype, pin_memory=torch.cuda.is_available())
-        shadows = iter([v.view(s) for v, s in zip(torch.split(flat, sizes), shapes)])
+        flat = torch.zeros(sum(self._sizes), dtype=self.staging.dtype, pin_memory=torch.cuda.is_available())
+        shadows = iter([v.unsqueeze(0) for v in self._slices(flat)])
         for name, tensors in self.fast.items():
             shadow = tuple(next(shadows) for _ in tensors)
             lora = weights(name)

@@ -14,7 +14,6 @@ fresh and the last kept run sent the same requests (their ``input_lens`` and ``o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,9 +23,8 @@ import time
 from pathlib import Path
 
 from benchmarks.printed import Printed, add_out_options, check_out
-from benchmarks.serving import bench, bench_client, chat
-from benchmarks.serving.chat_workload import add_shape_arguments, chat_rows, pool_for, shape_from, stream_key
-from benchmarks.serving.chat_workload import write_dataset
+from benchmarks.serving import bench, bench_client, chat, goodput
+from benchmarks.serving.chat_workload import ChatShape, chat_rows, pool_for, stream_key, write_dataset
 from benchmarks.serving.goodput import ROOT, VLLM_CLI, Slo
 from benchmarks.serving.synthetic import LLAMA32_3B, write_model_config, write_word_tokenizer
 from benchmarks.serving.vllm_server import free_port
@@ -44,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     check_out(args)
     model = write_model_config(args.work, LLAMA32_3B)
     write_word_tokenizer(model, LLAMA32_3B)
-    shape = shape_from(add_shape_defaults())
-    n = max(150, round(args.rate * 15))
+    shape = ChatShape()  # chat512's, the chat benchmark's defaults
+    n = goodput.prompts_for(args.rate, chat.DURATION_S, chat.MIN_PROMPTS)
     rows = chat_rows(shape, 0, stream_key(args.rate), n, pool_for(args.rate, shape.think_s, n))
     dataset = args.work / f"rate-{args.rate:g}.jsonl"
     write_dataset(dataset, rows, [bench.adapter_name(a) for a in range(shape.n_adapters)])
@@ -106,13 +104,6 @@ def wait_listening(port: int, timeout_s: float) -> None:
         except OSError:
             time.sleep(0.2)
     raise SystemExit(f"the local endpoint did not listen on port {port} within {timeout_s:g} s")
-
-
-def add_shape_defaults() -> argparse.Namespace:
-    """chat512's workload shape, the chat benchmark's defaults."""
-    ap = argparse.ArgumentParser()
-    add_shape_arguments(ap)
-    return ap.parse_args([])
 
 
 if __name__ == "__main__":

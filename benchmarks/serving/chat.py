@@ -121,6 +121,7 @@ BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lora
               "lorazor-lag0": "both", "nolora": "nolora"}
 LEARNED = ("lorazor", "lorazor-sync", "lorazor-lag0")
 SAME_BUNDLE = ("lorazor", "lorazor-sync")  # learned async/sync compares one bundle
+DURATION_S, MIN_PROMPTS = 15.0, 150  # a rate's seconds of arrivals and fewest requests (--duration-s, --min-prompts)
 LAG0 = "lorazor-lag0"
 LABEL = {"stock": "stock", "gridtrim": "gridtrim (LORAZOR_GRIDTRIM=1)",
          "lorazor": "lorazor (GridTrim + the learned bundle)",
@@ -521,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the learned bundle the lorazor modes serve (default: the one kept in --work, else prepared)")
     add_shape_arguments(ap)
     goodput.add_sweep_arguments(ap)
-    ap.set_defaults(duration_s=15.0, min_prompts=150, ready_timeout_s=400, min_mode_s=300)
+    ap.set_defaults(duration_s=DURATION_S, min_prompts=MIN_PROMPTS, ready_timeout_s=400, min_mode_s=300)
     return orchestrate(ap.parse_args(argv))
 
 

@@ -87,6 +87,7 @@ def test_fingerprints_follow_the_engine_not_its_throughput_knobs(tmp_path: Path)
     assert all(vllm[s] != hf[s] for s in ("labels", "heads", "sweep", "export", "test", "agreement"))
     assert vllm["data"] == hf["data"]
     assert fps("engine=vllm", "engine.max_num_seqs=64") == vllm
+    assert fps("engine=vllm", "engine.kv_cache_memory_bytes=4294967296") == vllm
     assert fps("engine=vllm", "engine.dtype=float16")["labels"] != vllm["labels"]
     assert fps("+backbone.gguf_dir=/elsewhere") == hf
     # The hf engine's multiplications count as resolved on this machine (engine.cpu_matmul).

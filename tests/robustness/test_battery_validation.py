@@ -77,6 +77,7 @@ BAD_CONFIGS = [
     ("engine=vllm;engine.gpu_memory_utilization=1.5", ConfigError, "engine.gpu_memory_utilization=1.5"),
     ("engine=vllm;engine.tensor_parallel_size=0", ConfigError, "engine.tensor_parallel_size=0"),
     ("engine=vllm;engine.max_num_seqs=-4", ConfigError, "engine.max_num_seqs=-4"),
+    ("engine=vllm;engine.kv_cache_memory_bytes=0", ConfigError, "engine.kv_cache_memory_bytes=0"),
     ("engine=vllm;engine.max_lora_rank=zero", ConfigError, "engine.max_lora_rank='zero'"),
     ("engine=vllm;engine.dtype=fp8", ConfigError, "engine.dtype='fp8'"),
     ("task.options=5", ConfigError, "task.options=5: task.options is a group of keys"),

@@ -31,7 +31,8 @@ class VLLMOptions(CheckedOptions):
 
     rules = {"dtype": ("bfloat16", "float16", "float32", "auto"), "gpu_memory_utilization": "fraction",
              "max_num_seqs": "optional_positive_int", "max_num_batched_tokens": "optional_positive_int",
-             "max_model_len": "optional_positive_int", "tensor_parallel_size": "positive_int",
+             "max_model_len": "optional_positive_int", "kv_cache_memory_bytes": "optional_positive_int",
+             "tensor_parallel_size": "positive_int",
              "data_parallel_size": "positive_int", "max_cudagraph_capture_size": "optional_positive_int",
              "max_lora_rank": "auto_or_positive_int"}
 
@@ -41,6 +42,11 @@ class VLLMOptions(CheckedOptions):
     dtype: str = "bfloat16"
     # Fraction of each GPU's memory vLLM may use (weights + KV cache + activations).
     gpu_memory_utilization: float = 0.85
+    # KV cache per GPU in bytes; None = what gpu_memory_utilization leaves after vLLM's profiling pass.
+    # Set it to start the engine beside other GPU processes: vLLM then skips its memory-profiling
+    # check, which stops start-up when another process's memory changes meanwhile
+    # (v1/worker/gpu_worker.py:656-680 in 0.33.0, :688-712 in 0.34.0; an EngineArgs field in 0.26.0).
+    kv_cache_memory_bytes: int | None = None
     # Scheduler limits: concurrent requests, and tokens per step (long prompts are chunked).
     # None = vLLM's own default for the GPU (vllm/engine/arg_utils.py:2459-2480, 0.26.0): 1024 and
     # 16384 on GPUs with >= 70 GiB (H100, H200), else 256 and 8192. On SmolLM2-135M, 1024 labeled
@@ -114,7 +120,7 @@ def llm_kwargs(model_dir: str, adapters: list[AdapterSpec], options: VLLMOptions
         "enable_prefix_caching": options.prefix_caching, "async_scheduling": False,
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "tensor_parallel_size": options.tensor_parallel_size, "enforce_eager": options.enforce_eager, "seed": 0}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes"):
         if getattr(options, key) is not None:
             kw[key] = getattr(options, key)
     if options.max_cudagraph_capture_size is not None:

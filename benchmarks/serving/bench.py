@@ -390,11 +390,12 @@ class SlotStats:
                 "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
 
 
-def expected_scheduler(slot_release: bool, async_scheduling: bool) -> str:
-    """The engine core's scheduler class for a run: LoRazor's with slot hand-back, else vLLM's;
-    their async variants with async scheduling (``config/scheduler.py:231-239``)."""
+def expected_scheduler(bundle: bool, async_scheduling: bool) -> str:
+    """The engine core's scheduler class for a run: LoRazor's wherever a bundle is served (it keys
+    released blocks for the prefix cache; slot hand-back, ``LORAZOR_SLOTS``, is a switch inside it),
+    else vLLM's; their async variants with async scheduling (``config/scheduler.py:231-239``)."""
     name = "AsyncScheduler" if async_scheduling else "Scheduler"
-    return "Release" + name if slot_release else name
+    return "Release" + name if bundle else name
 
 
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
@@ -601,7 +602,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
-        want = expected_scheduler(slot_info["slot_release"], settings.async_scheduling)
+        want = expected_scheduler(mode in STEPTRIM_MODES, settings.async_scheduling)
         if stats.scheduler_class != want:
             raise RuntimeError(f"mode {mode}: the engine core runs {stats.scheduler_class}, expected {want}")
         slot_info |= stats.summary() | {"scheduler": stats.scheduler_class}

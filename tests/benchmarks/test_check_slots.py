@@ -24,7 +24,7 @@ def _dropped(requests):
 
 
 def _write(out, requests, *, keep_tokens=None, keep_releases=None, learn_tokens=None, on_adapters=12,
-           keep_adapters=8, keep_scheduler="Scheduler"):
+           keep_adapters=8, keep_scheduler="ReleaseAsyncScheduler"):
     tokens = [[10 * i] * r["max_tokens"] for i, r in enumerate(requests)]
     # learned requests released at t = 0 run without their adapter from the second token on
     dropped = set(_dropped(requests))
@@ -33,12 +33,13 @@ def _write(out, requests, *, keep_tokens=None, keep_releases=None, learn_tokens=
     releases = [0 if i % 2 else None for i in range(len(requests))]
     stats = {"slot_steps": 10, "max_slots_held": 8, "max_adapters_scheduled": on_adapters}
     keep_stats = {**stats, "slot_steps": 14, "max_adapters_scheduled": keep_adapters}
-    (out / "stock.json").write_text(json.dumps({"scheduler": "Scheduler", "full": _run(tokens)}))
-    (out / "slots.json").write_text(json.dumps({"scheduler": "ReleaseScheduler",
+    asynchronous = {"async_scheduling": True}  # vLLM's default: the engines' schedulers are the async ones
+    (out / "stock.json").write_text(json.dumps({"scheduler": "AsyncScheduler", "full": _run(tokens)} | asynchronous))
+    (out / "slots.json").write_text(json.dumps({"scheduler": "ReleaseAsyncScheduler", **asynchronous,
                                                 "off": _run(tokens, [None] * len(requests)),
                                                 "prof": _run(tokens, releases) | stats,
                                                 "learn": _run(learned, releases) | stats}))
-    (out / "keep.json").write_text(json.dumps({"scheduler": keep_scheduler,
+    (out / "keep.json").write_text(json.dumps({"scheduler": keep_scheduler, **asynchronous,
                                                "prof": _run(keep_tokens or tokens, keep_releases or releases)
                                                | keep_stats,
                                                "learn": _run(keep_tokens or learned, keep_releases or releases)
@@ -51,7 +52,8 @@ def test_compare_passes_and_fails(tmp_path):
     rows = check_slots.compare(tmp_path, requests)
     assert len(rows) == check_slots.N_CHECKS and all(ok for _, ok, _ in rows), rows
     bad = [[999] * r["max_tokens"] for r in requests]
-    _write(tmp_path, requests, keep_tokens=bad, on_adapters=8, keep_adapters=9, keep_scheduler="ReleaseScheduler")
+    # keep serves the bundle with hand-back off: LoRazor's scheduler still, not vLLM's
+    _write(tmp_path, requests, keep_tokens=bad, on_adapters=8, keep_adapters=9, keep_scheduler="AsyncScheduler")
     failed = {name for name, ok, _ in check_slots.compare(tmp_path, requests) if not ok}
     assert failed == {"engines run the expected schedulers",
                       "(b) profiled: tokens with hand-back ≡ without, up to near-ties",

@@ -156,7 +156,7 @@ def test_second_line_settings_and_their_labels():
     table = render([], [row, row | {"settings": VllmSettings().as_dict(), "req_per_s": 20.0},
                               both | {"settings": VllmSettings().as_dict()}], [])
     assert "| 4 | uniform | steptrim + gridtrim (release, our LoRA kernels) | 30.0 | 600 | — | 1.50 |" in table
-    assert [bench.expected_scheduler(rel, asy) for rel, asy in ((True, False), (True, True), (False, True),
+    assert [bench.expected_scheduler(bundle, asy) for bundle, asy in ((True, False), (True, True), (False, True),
                                                                 (False, False))] == [
         "ReleaseScheduler", "ReleaseAsyncScheduler", "AsyncScheduler", "Scheduler"]
 

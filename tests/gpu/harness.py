@@ -14,6 +14,9 @@ import pytest
 from benchmarks.serving.placement import compile_cache
 
 ROOT = Path(__file__).resolve().parents[2]
+# Start-up budget of a GPU test's `vllm serve`: torch.compile and CUDA-graph capture while the suite's other
+# engines start beside it (200 s was short with every file at once on an H100, 2026-12-05).
+SERVER_READY_S = 400
 
 
 def gpu_count() -> int:

@@ -11,13 +11,16 @@ server in its own process group (``python -m tests.gpu.readme_serve --server NAM
   scheduler's prefix-cache hits of each pass.
 - ``lorazor-sync``: the same plus ``--no-async-scheduling`` (the one flag that turns a default
   off, to compare): the cold pass.
-- ``stock``: vLLM without the plugin; every request of the demo's three splits, each adapter's as
-  one batch (one ``/v1/completions`` call, so both servers schedule them alike).
+- ``stock``: vLLM without the plugin; every request of the demo's three splits, one at a time.
 - ``off``: the plugin with the bundle (StepTrim's runner, release-aware scheduler, prefix-cache
-  keys), the adapters served under names the bundle lacks (policy off): the same batches.
+  keys), the adapters served under names the bundle lacks (policy off): the same requests.
 
 One request at a time is the batch-invariant setting: every step then holds one request in both
-the async and the synchronous server. Beside the command the servers get only what sharing a GPU
+servers. Batches sent over HTTP are not: the engine core steps on whatever requests have reached it,
+so two servers split one ``/v1/completions`` call into steps differently, and vLLM's numerics depend
+on the batch (2026-12-05, vLLM 0.34.0 on an H100: batched, policy off equalled stock on 415 of 416
+requests). Batched policy off against stock, with one schedule for both engines, is check_slots'
+check (a) and ``test_release_defaults``. Beside the command the servers get only what sharing a GPU
 and reading the counters need: a free port, a tenth of the GPU and a 4 GiB KV cache
 (``check_slots.ENGINE_MEMORY``), and ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc``.
 """
@@ -32,12 +35,11 @@ from typing import Any
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.vllm_server import free_port, http_json, start_server, stop_server, wait_ready
-from tests.gpu.harness import ROOT, demo_arguments
+from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments
 from tests.gpu.real_engines import backbone_dir
 
 ADAPTERS = {"arith": "arith-a", "counter": "counter-a"}  # task part → the adapter serving it (conf/adapter/demo.yaml)
 SERVERS = ("lorazor", "lorazor-sync", "stock", "off")
-READY_S = 400  # start-up budget: conversion-free, torch.compile and CUDA-graph capture included
 OFF_SUFFIX = "-off"  # served names the bundle lacks: full LoRA (policy off)
 
 
@@ -101,27 +103,28 @@ def releases(records: list[dict[str, Any]], ids: list[str]) -> list[int | None]:
     return [by_prefix.get(f"{call}-0") for call in ids]
 
 
+def alone(url: str, reqs: dict[str, Any], adapter: str, model: str) -> tuple[list[str], list[list[int]]]:
+    """``adapter``'s prompts one call each, served as ``model``: the calls' ids and tokens."""
+    calls = [complete(url, model, [p], reqs["max_tokens"][adapter], reqs["stop_ids"]) for p in reqs["prompts"][adapter]]
+    return [call for call, _ in calls], [toks for _, (toks,) in calls]
+
+
+def tokens_alone(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
+    """Every prompt alone, adapter after adapter: tokens per adapter."""
+    return {"tokens": {adapter: alone(url, reqs, adapter, model_of[adapter])[1] for adapter in reqs["prompts"]}}
+
+
 def one_by_one(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
-    """Every prompt alone, adapter after adapter: tokens and release points per adapter."""
+    """Every prompt alone, adapter after adapter: tokens and release points per adapter, the
+    StepTrim counters and the prefix-cache hits."""
     out: dict[str, Any] = {"tokens": {}, "release": {}}
     rpc(url, "lorazor_requests", clear="true")
-    for adapter, prompts in reqs["prompts"].items():
-        ids, tokens = [], []
-        for p in prompts:
-            call, (toks,) = complete(url, model_of[adapter], [p], reqs["max_tokens"][adapter], reqs["stop_ids"])
-            ids.append(call)
-            tokens.append(toks)
-        out["tokens"][adapter] = tokens
+    for adapter in reqs["prompts"]:
+        ids, out["tokens"][adapter] = alone(url, reqs, adapter, model_of[adapter])
         out["release"][adapter] = releases(rpc(url, "lorazor_requests", clear="true"), ids)
     out["counters"] = rpc(url, "lorazor_counters")
     out["prefix_cache"] = rpc(url, "lorazor_prefix_cache")
     return out
-
-
-def batched(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
-    """Each adapter's prompts as one call: tokens per adapter."""
-    return {"tokens": {adapter: complete(url, model_of[adapter], prompts, reqs["max_tokens"][adapter],
-                                         reqs["stop_ids"])[1] for adapter, prompts in reqs["prompts"].items()}}
 
 
 def serve(name: str, run: Path, gguf_dir: str | None, work: Path) -> None:
@@ -149,9 +152,10 @@ def serve(name: str, run: Path, gguf_dir: str | None, work: Path) -> None:
     t0 = time.monotonic()
     server = start_server(cmd, env, log)
     try:
-        out: dict[str, Any] = {"command": cmd, "ready_s": wait_ready(url, server, log, READY_S, list(served.values()))}
+        ready_s = wait_ready(url, server, log, SERVER_READY_S, list(served.values()))
+        out: dict[str, Any] = {"command": cmd, "ready_s": ready_s}
         if name in ("stock", "off"):
-            out |= batched(url, requests(model, ("train", "validation", "test")), served)
+            out |= tokens_alone(url, requests(model, ("train", "validation", "test")), served)
         else:
             reqs = requests(model, ("test",))
             out["cold"] = one_by_one(url, reqs, served)

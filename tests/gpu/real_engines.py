@@ -36,13 +36,12 @@ from pathlib import Path
 from benchmarks.serving.check_slots import ENGINE_MEMORY
 from benchmarks.serving.vllm_server import free_port
 from serve_bridge.steptrim import skip_fraction
-from tests.gpu.harness import ROOT, demo_arguments
+from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments
 
 ADAPTER = "arith-a"
 SPLITS = ("train", "validation", "test")
 VLLM_MODES = ("vllm", "gridtrim", "server")
 PHASES = ("hf", *VLLM_MODES)
-READY_S = 200  # start-up budget of `vllm serve` (the offline engines start in 30–60 s)
 MIN_AGREEMENT = 0.9  # release points equal to hf's, as a fraction of the requests
 MARGIN = 0.25  # |s_t − τ| below which bf16 reduction order may move a decision
 
@@ -171,7 +170,7 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
     with open(log, "w") as log_file:
         server = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + READY_S
+        deadline = time.time() + SERVER_READY_S
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready; {log} ends:\n"
@@ -183,7 +182,7 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
             except OSError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"vllm serve was not ready after {READY_S} s (see {log})")
+                raise RuntimeError(f"vllm serve was not ready after {SERVER_READY_S} s (see {log})")
             time.sleep(2)
         counters = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
         out: dict = {"runner": "LoRazorGPUModelRunner" if "decision_steps" in counters else str(counters)}

@@ -19,7 +19,7 @@ from tests.gpu.harness import ROOT, Phase, run_phase, run_phases
 
 pytestmark = pytest.mark.gpu
 
-PHASE_TIMEOUT_S = 400
+PHASE_TIMEOUT_S = 560  # a server start-up (SERVER_READY_S) and its requests
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def test_async_scheduling_releases_as_the_synchronous_server(servers):
 
 def test_policy_off_is_stock_under_vllms_defaults(servers):
     """The plugin with the bundle, adapters the bundle lacks (policy off), against vLLM without the
-    plugin, both with every default on: token-identical on ≥ 320 requests."""
+    plugin, both with every default on, one request at a time: token-identical on ≥ 320 requests."""
     off, stock = _result(servers, "off")["tokens"], _result(servers, "stock")["tokens"]
     total = sum(len(v) for v in stock.values())
     same = sum(a == b for ad in stock for a, b in zip(stock[ad], off[ad]))

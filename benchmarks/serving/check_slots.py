@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         if left < 20:
             notes.append(f"{engine}: not run, {left:.0f} s left")
             continue
+        # an engine that fails must not leave an earlier run's results to be compared
+        (args.out / f"{engine}.json").unlink(missing_ok=True)
         with open(args.out / f"{engine}.log", "w") as log:
             try:
                 rc = subprocess.run([sys.executable, "-m", "benchmarks.serving.check_slots", "--engine", engine,

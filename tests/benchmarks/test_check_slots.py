@@ -243,3 +243,16 @@ def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp
         (tok_ok, tok_detail), (rel_ok, rel_detail) = checked(*args)
         assert not tok_ok and not rel_ok and tok_detail.endswith("1 far (req 1: far at token 4, release 6)")
         assert rel_detail.endswith(f"6 released (req 1: release 3 vs 6, margins {shown} at t = 2)")
+
+
+def test_a_failed_engine_leaves_no_earlier_result_to_compare(tmp_path, monkeypatch):
+    """Engines whose process fails are compared as missing (rc 1), not with a previous run's files."""
+    monkeypatch.setattr(check_slots, "entry_points", lambda group: [SimpleNamespace(name="lorazor")])
+    monkeypatch.setattr(check_slots.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1))
+    out, work = tmp_path / "out", tmp_path / "work"
+    check_slots.prepare(work, 12)
+    out.mkdir()
+    _write(out, json.loads((work / "requests.json").read_text()))  # an earlier run that passed every check
+    assert check_slots.main(["--out", str(out), "--work", str(work), "--requests", "12", "--weights", "dummy"]) == 1
+    report = (out / "check_slots.md").read_text()
+    assert "stock: rc 1" in report and "(a) policy off" not in report and not list(out.glob("*.json"))

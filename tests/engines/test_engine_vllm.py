@@ -128,7 +128,8 @@ def test_engine_arguments(engine, tmp_path) -> None:
     assert kw["max_loras"] == 2 and kw["max_lora_rank"] == 8 and kw["max_num_seqs"] == 64
     assert "max_model_len" not in kw and "data_parallel_size" not in kw and kw["tensor_parallel_size"] == 2
     assert "kv_cache_memory_bytes" not in kw  # sized by vLLM's profiling pass
-    assert llm_kwargs("/m", engine.adapters, VLLMOptions(kv_cache_memory_bytes=1 << 32))["kv_cache_memory_bytes"] == 1 << 32
+    fixed = llm_kwargs("/m", engine.adapters, VLLMOptions(kv_cache_memory_bytes=1 << 32))
+    assert fixed["kv_cache_memory_bytes"] == 1 << 32
     assert "compilation_config" not in kw  # vLLM's own graph sizes
     kw = llm_kwargs("/m", engine.adapters, VLLMOptions(prefix_caching=True, max_lora_rank="16"))
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 1024} and kw["max_lora_rank"] == 16

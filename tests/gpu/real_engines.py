@@ -28,13 +28,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY
-from benchmarks.serving.vllm_server import free_port
+from benchmarks.serving.vllm_server import free_port, start_server, stop_server, wait_ready
 from serve_bridge.steptrim import skip_fraction
 from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments
 
@@ -141,7 +140,8 @@ def run_vllm(mode: str, gguf_dir: str | None, work: Path) -> None:
 def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
     """The gridtrim engine's configuration behind ``vllm serve`` → work/server.json (module doc).
 
-    The server is this process's child, started with this process's environment plus
+    The server is this process's child in a process group of its own (``vllm_server.start_server``;
+    ready once it lists both adapter names), started with this process's environment plus
     ``VLLM_SERVER_DEV_MODE=1`` and vLLM's engine core in its own process (the OpenAI server's
     AsyncLLM always runs it so); its log goes to ``log``.
     """
@@ -167,23 +167,9 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return json.loads(resp.read() or b"null")
 
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    server = start_server(cmd, env, log)
     try:
-        deadline = time.time() + SERVER_READY_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready; {log} ends:\n"
-                                   + log.read_text(errors="replace")[-4000:])
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve was not ready after {SERVER_READY_S} s (see {log})")
-            time.sleep(2)
+        wait_ready(url, server, log, SERVER_READY_S, [f"{ADAPTER}-full", ADAPTER])
         counters = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
         out: dict = {"runner": "LoRazorGPUModelRunner" if "decision_steps" in counters else str(counters)}
         for family, name in (("full", f"{ADAPTER}-full"), ("trim", ADAPTER)):
@@ -209,11 +195,7 @@ def run_server(gguf_dir: str | None, work: Path, log: Path) -> None:
         out["counters"] = post("/collective_rpc", {"method": "lorazor_counters"})["results"][0]
         (work / "server.json").write_text(json.dumps(out))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def _strip(tokens: list[int], stops: set[int]) -> list[int]:

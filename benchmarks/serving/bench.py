@@ -495,13 +495,16 @@ def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras
     """:func:`serve_offline` ``repeats`` times in the same engine: every run's wall time, and the
     first run's token counts and step times (``after_first`` is called right after it, e.g. to stop
     counting). Every run must produce the first run's token counts. With ``turns`` each run waits
-    for its turn and reports its time (:mod:`benchmarks.serving.interleave`); else back to back."""
+    for its turn and reports its time (:mod:`benchmarks.serving.interleave`), and the runs end early
+    where the orchestrator ends the rounds (at least one run); else back to back."""
     runs: list[float] = []
     tokens: list[int] = []
     steps: list[float] = []
     for i in range(repeats):
-        if turns is not None:
-            turns.wait()
+        if turns is not None and not turns.wait():
+            if not runs:
+                raise RuntimeError("the orchestrator ended the rounds before this engine's first turn")
+            break
         elapsed, got, step_s = serve_offline(engine, prompts, params, loras)
         if turns is not None:
             turns.done(elapsed)
@@ -829,11 +832,13 @@ def orchestrate(args: argparse.Namespace) -> int:
                                             env_of(mode, n) | placement.compile_cache(work, mode), logs[-1]))
         deadline = start + args.budget_s
         interleave.await_ready(engines, deadline)
-        orders = interleave.run_rounds(engines, args.repeats, deadline)
+        rounds = interleave.run_rounds(engines, args.repeats, deadline)
         codes = interleave.finish(engines, max(30.0, deadline - time.time()))
         for log in logs:
             log.close()
-        notes.extend(round_notes(n, engines, orders))
+        notes.extend(round_notes(n, engines, rounds.orders))
+        if rounds.stopped:
+            notes.append(f"N={n}: {rounds.stopped}")
         failed = 0
         for e in engines:
             code = codes[e.mode]

@@ -11,7 +11,8 @@ compares runs a minute apart at most.
 Semantics of the protocol, one line per message over two inherited pipes per engine: the engine
 says ``ready`` once warm; the orchestrator says ``run``; the engine answers ``done <seconds>``
 after the timed run. End of file on either side ends the exchange: the orchestrator closes its end
-after the last round, and the engine then writes its result and exits.
+after the last round, or before a round that would end past the budget's deadline (every engine has
+then run the same rounds), and the engine then writes its result and exits.
 """
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ class Turns:
     def ready(self) -> None:
         self._say("ready")
 
-    def wait(self) -> None:
-        """Block until the orchestrator gives this engine its turn."""
+    def wait(self) -> bool:
+        """Block until the orchestrator gives this engine its turn (True) or ends the rounds (False,
+        end of file)."""
         line = self._in.readline().strip()
-        if line != "run":
-            raise RuntimeError(f"expected a turn from the orchestrator, got {line or 'end of file'!r}")
+        if line not in ("run", ""):
+            raise RuntimeError(f"expected a turn from the orchestrator, got {line!r}")
+        return line == "run"
 
     def done(self, seconds: float) -> None:
         self._say(f"done {seconds:.6f}")
@@ -107,13 +110,31 @@ def round_order(modes: Sequence[str], r: int) -> list[str]:
     return list(modes) if r % 2 == 0 else list(modes)[::-1]
 
 
-def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> list[list[str]]:
+@dataclass
+class Rounds:
+    """What :func:`run_rounds` ran: each round's order of the engines that ran in it and its wall
+    seconds; ``stopped`` says why rounds were left out, if any were."""
+
+    orders: list[list[str]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    stopped: str | None = None
+
+
+def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> Rounds:
     """``rounds`` rounds of one timed run per live engine, one engine at a time; each run's time
-    goes to its engine's ``runs``. An engine that does not answer by ``deadline`` or exits fails
-    and the others go on. Returns each round's order of the engines that ran in it."""
+    goes to its engine's ``runs``. A round is started only if the longest round so far would end
+    by ``deadline``, so a short budget leaves every engine with the same rounds instead of failing
+    the engine whose turn falls past it. An engine that does not answer by ``deadline`` or exits
+    fails and the others go on."""
     by_mode = {e.mode: e for e in engines}
-    orders = []
+    done = Rounds()
     for r in range(rounds):
+        left = deadline - time.time()
+        if done.seconds and max(done.seconds) > left:
+            done.stopped = (f"rounds {r + 1}-{rounds} not run: a round took up to {max(done.seconds):.0f} s, "
+                            f"{max(left, 0):.0f} s of the budget left")
+            break
+        t = time.time()
         ran = []
         for mode in round_order(list(by_mode), r):
             e = by_mode[mode]
@@ -132,8 +153,9 @@ def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> list[
                 continue
             e.runs.append(float(line.split()[1]))
             ran.append(mode)
-        orders.append(ran)
-    return orders
+        done.orders.append(ran)
+        done.seconds.append(time.time() - t)
+    return done
 
 
 def finish(engines: Sequence[Engine], timeout_s: float) -> dict[str, int | str]:

@@ -53,10 +53,12 @@ def test_rounds_take_turns_one_engine_at_a_time(tmp_path):
     engines = [_spawn(tmp_path, m, 4) for m in modes]
     deadline = time.time() + 60
     interleave.await_ready(engines, deadline)
-    orders = interleave.run_rounds(engines, 4, deadline)
+    rounds = interleave.run_rounds(engines, 4, deadline)
     codes = interleave.finish(engines, 30)
     assert codes == {m: 0 for m in modes} and all(e.error is None for e in engines)
-    assert orders == [modes, modes[::-1], modes, modes[::-1]]
+    orders = rounds.orders
+    assert orders == [modes, modes[::-1], modes, modes[::-1]] and rounds.stopped is None
+    assert len(rounds.seconds) == 4 and all(s >= 0.09 for s in rounds.seconds)  # three runs of 0.03 s each
     logged = _logged(tmp_path)
     assert [m for m, _, _ in logged] == [m for order in orders for m in order]
     assert all(b[1] >= a[2] for a, b in zip(logged, logged[1:]))  # each run starts after the one before ended
@@ -72,12 +74,39 @@ def test_an_engine_that_fails_drops_out_and_the_others_go_on(tmp_path):
     deadline = time.time() + 60
     interleave.await_ready(engines, deadline)
     assert engines[2].error == "exited before it was ready"
-    orders = interleave.run_rounds(engines, 3, deadline)
+    orders = interleave.run_rounds(engines, 3, deadline).orders
     codes = interleave.finish(engines, 30)
     assert orders == [["both", "gridtrim"], ["both"], ["both"]]  # round 2 reversed: gridtrim fails first
     assert "no answer to its turn in round 2" in engines[1].error
     assert codes["both"] == 0 and len(engines[0].runs) == 3 and len(engines[1].runs) == 1
     assert len(interleave.round_ratios(engines, "both", "gridtrim")) == 1  # only the round both ran
+
+
+def test_a_round_that_would_end_past_the_deadline_is_not_started(tmp_path):
+    """Each run sleeps 0.5 s: round 1 takes about 1 s, about 2 s are left after it, so round 2 runs and
+    round 3 does not; both engines keep their two runs and exit cleanly with them."""
+    slow = CHILD.replace("time.sleep(0.03)", "time.sleep(0.5)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    engines = [interleave.spawn(m, [sys.executable, "-c", slow, str(tmp_path / "runs.log"), m, "4", "ok"], env,
+                                open(tmp_path / f"{m}.out", "w")) for m in ("both", "gridtrim")]
+    interleave.await_ready(engines, time.time() + 60)
+    rounds = interleave.run_rounds(engines, 4, time.time() + 3.0)
+    codes = interleave.finish(engines, 30)
+    assert rounds.orders == [["both", "gridtrim"], ["gridtrim", "both"]]
+    assert rounds.stopped.startswith("rounds 3-4 not run: a round took up to 1 s")
+    assert all(e.error is None and len(e.runs) == 2 for e in engines) and codes == {"both": 0, "gridtrim": 0}
+
+
+def test_turns_end_at_end_of_file_and_refuse_anything_else():
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    os.write(to_w, b"run\nwalk\n")
+    turns = interleave.Turns(to_r, from_w)
+    assert turns.wait() is True
+    with pytest.raises(RuntimeError, match="'walk'"):
+        turns.wait()
+    os.close(to_w)
+    assert turns.wait() is False
 
 
 def test_an_engine_that_is_not_ready_by_the_deadline_fails(tmp_path):
@@ -107,9 +136,22 @@ def test_timed_runs_wait_for_their_turn_and_report_each_run():
     answers = os.read(from_r, 1000).decode().split("\n")
     assert [a.split()[0] for a in answers if a] == ["done", "done"]
     assert [float(a.split()[1]) for a in answers if a] == pytest.approx(runs, abs=1e-5)
-    os.close(to_w)
-    with pytest.raises(RuntimeError, match="end of file"):  # no third turn: the orchestrator closed its end
+    os.close(to_w)  # the orchestrator ends the rounds: no run without a turn
+    with pytest.raises(RuntimeError, match="before this engine's first turn"):
         bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 1, None, turns)
+
+
+def test_timed_runs_stop_where_the_orchestrator_ends_the_rounds():
+    from tests.benchmarks.test_serving_workload import _StepEngine
+
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    os.write(to_w, b"run\n")
+    os.close(to_w)  # one round of three
+    prompts, params, loras = [[1, 2]] * 5, ["p"] * 5, [None] * 5
+    runs, tokens, _ = bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 3, None,
+                                       interleave.Turns(to_r, from_w))
+    assert len(runs) == 1 and len(tokens) == 5
 
 
 def test_round_notes_give_each_round_and_boths_ratios():

@@ -131,7 +131,8 @@ def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> Round
     for r in range(rounds):
         left = deadline - time.time()
         if done.seconds and max(done.seconds) > left:
-            done.stopped = (f"rounds {r + 1}-{rounds} not run: a round took up to {max(done.seconds):.0f} s, "
+            which = f"round {rounds}" if r + 1 == rounds else f"rounds {r + 1}-{rounds}"
+            done.stopped = (f"{which} not run: a round took up to {max(done.seconds):.0f} s, "
                             f"{max(left, 0):.0f} s of the budget left")
             break
         t = time.time()

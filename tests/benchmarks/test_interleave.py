@@ -97,6 +97,18 @@ def test_a_round_that_would_end_past_the_deadline_is_not_started(tmp_path):
     assert all(e.error is None and len(e.runs) == 2 for e in engines) and codes == {"both": 0, "gridtrim": 0}
 
 
+def test_the_last_round_left_out_is_named_alone(tmp_path):
+    """Two rounds (the defaults' REPEATS=2) and time for one: the note names round 2, not a range."""
+    slow = CHILD.replace("time.sleep(0.03)", "time.sleep(0.5)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    e = interleave.spawn("both", [sys.executable, "-c", slow, str(tmp_path / "runs.log"), "both", "2", "ok"], env,
+                         open(tmp_path / "both.out", "w"))
+    interleave.await_ready([e], time.time() + 60)
+    rounds = interleave.run_rounds([e], 2, time.time() + 0.95)
+    assert interleave.finish([e], 30) == {"both": 0}
+    assert rounds.orders == [["both"]] and rounds.stopped.startswith("round 2 not run: a round took up to")
+
+
 def test_turns_end_at_end_of_file_and_refuse_anything_else():
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()

@@ -23,19 +23,20 @@ start together and stay alive (each compiling into a vLLM cache of its own,
 the workload, and their R timed runs go in rounds, one engine at a time
 (:mod:`benchmarks.serving.interleave`); the notes give both's ratio to every other mode round by
 round. Under vLLM's defaults each engine's start-up compiles and captures its graphs (minutes),
-so a table of several modes fits one call only this way. The modes:
+so a table of several modes fits one call only this way. Every mode runs vLLM's default
+``specialize_active_lora`` (off); ``--specialize-active-lora`` turns vLLM's adapter-count graphs on
+where vLLM's LoRA kernels run (stock, steptrim, stockfix) for a second line. The modes:
 
 - ``stock``: no ``LORAZOR_*`` variable, so the plugin stays inactive: vLLM's runner and
-  punica wrapper, with ``specialize_active_lora`` (the device README's setting).
+  punica wrapper.
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only: vLLM's runner, our punica wrapper
   (``serve_bridge.vllm.punica_wrapper``: LoRA linears on the work-list kernels). No release, so it
-  measures the kernels alone. ``specialize_active_lora`` off: the kernels ignore the adapter
-  count, so one LoRA CUDA graph per batch size serves every adapter mix.
+  measures the kernels alone. The kernels ignore the adapter count, so one LoRA CUDA graph per
+  batch size serves every adapter mix.
 - ``steptrim``: the bundle variables (``LORAZOR_BUNDLE``, ``LORAZOR_ADAPTERS``) only: the
   StepTrim runner with the profiled bundle, vLLM's LoRA kernels (released rows still launch
-  their tiles), ``specialize_active_lora`` on as in stock.
-- ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them;
-  ``specialize_active_lora`` off.
+  their tiles).
+- ``both``: both switches: StepTrim releases rows and GridTrim's kernels skip them.
 - ``stockfix`` (only when asked for): stock, plus the plugin's one registry read per step in
   vLLM's worker LoRA manager (:mod:`serve_bridge.vllm.lora_manager`), installed in the engine's
   process (the engine runs in-process here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU). The
@@ -104,9 +105,6 @@ MODES = ("stock", "gridtrim", "steptrim", "both", "nolora", "stockfix")
 DEFAULT_MODES = ("stock", "gridtrim", "steptrim", "both")
 STEPTRIM_MODES = ("steptrim", "both")  # the bundle variables are set
 GRIDTRIM_MODES = ("gridtrim", "both")  # LORAZOR_GRIDTRIM=1
-# vLLM's adapter-count graph specialization: the device README's setting where vLLM's kernels run,
-# off with ours (their grid ignores the adapter count: one LoRA graph per batch size).
-SPECIALIZE = {mode: mode not in GRIDTRIM_MODES for mode in MODES if mode != "nolora"}
 RUNNER = {"stock": "GPUModelRunner", "gridtrim": "GPUModelRunner", "steptrim": "LoRazorGPUModelRunner",
           "both": "LoRazorGPUModelRunner", "nolora": "GPUModelRunner", "stockfix": "GPUModelRunner"}
 WRAPPER = {"stock": "PunicaWrapperGPU", "gridtrim": "GridTrimPunicaWrapper", "steptrim": "PunicaWrapperGPU",
@@ -247,7 +245,8 @@ def engine_options(n_adapters: int, mode: str = "stock", lora_target_modules: Se
     unless a table says otherwise: :class:`~benchmarks.serving.vllm_settings.VllmSettings`, the same
     for every mode), max_loras = N (or ``max_loras``: the slot-bound workload), ``max_cpu_loras`` N
     (every adapter stays loaded in host memory after the warm-up request per adapter) or the given
-    one, at least max_loras, and ``specialize_active_lora`` per mode (:data:`SPECIALIZE`). Optional,
+    one, at least max_loras, and ``specialize_active_lora`` where ``settings`` ask for it and vLLM's
+    LoRA kernels run (:func:`specializes`). Optional,
     the same for every mode: ``lora_target_modules`` (vLLM's ``LoRAConfig.target_modules``,
     ``config/lora.py:49-52``: which module suffixes get LoRA layers at all, matched against the
     runtime names such as ``qkv_proj`` in ``lora/utils.py:271-301``; by default vLLM also wraps
@@ -262,13 +261,20 @@ def engine_options(n_adapters: int, mode: str = "stock", lora_target_modules: Se
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
-    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=rank, max_cpu_loras=max(max_cpu_loras or n_adapters, slots),
-                 specialize_active_lora=SPECIALIZE[mode])
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=rank, max_cpu_loras=max(max_cpu_loras or n_adapters, slots))
+    if specializes(mode, settings):
+        opts["specialize_active_lora"] = True
     if lora_target_modules:
         opts["lora_target_modules"] = list(lora_target_modules)
     if tensor_parallel_size > 1:
         opts["tensor_parallel_size"] = int(tensor_parallel_size)
     return opts
+
+
+def specializes(mode: str, settings: VllmSettings) -> bool:
+    """Whether ``mode`` runs with vLLM's adapter-count graphs: where ``settings`` ask for them and the
+    mode runs vLLM's LoRA kernels (GridTrim's ignore the adapter count: one LoRA graph per batch size)."""
+    return settings.specialize_active_lora and mode not in (*GRIDTRIM_MODES, "nolora")
 
 
 def interleaved_kv_cache_bytes(cfg: dict[str, Any], block: int = 16, margin: float = 1.25) -> int:
@@ -630,7 +636,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "elapsed_s": elapsed, "req_per_s": n_requests / elapsed, "output_tokens": sum(lengths),
            "output_tok_per_s": sum(lengths) / elapsed, "planned_skip": wl.planned_skip,
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
-           "warmup_s": warmup, **classes, "specialize_active_lora": SPECIALIZE.get(mode),
+           "warmup_s": warmup, **classes, "specialize_active_lora": specializes(mode, settings),
            "settings": settings.as_dict(),
            "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
@@ -742,8 +748,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                                                tensor_parallel_size=args.tensor_parallel_size, settings=settings,
                                                rank=args.rank)
                                 | {"max_loras": args.max_loras or "N",
-                                   "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)",
-                                   "specialize_active_lora": "per mode"}),
+                                   "max_cpu_loras": f"max({args.max_cpu_loras or 'N'}, max_loras)"}),
         f"host: one adapter {adapter_bytes(cfg, args.rank) / 2**20:.1f} MiB; a LoRA engine keeps up to "
         f"{needed / 2**30:.1f} GiB of adapters in host memory (loaded and a pinned slot image each)"
         + (f", {available / 2**30:.0f} GiB available at the start" if available else ""),
@@ -756,9 +761,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         "LoRA kernels); both = the two together; nolora = the backbone without LoRA (same requests, no adapter); "
         "stockfix = stock with the plugin's one registry read per step in vLLM's worker LoRA manager, which every "
         "LoRazor mode has. Each engine's runner, punica wrapper and registry path are checked.",
-        "specialize_active_lora: on for stock and steptrim (the device README's setting: one decode graph per batch "
-        "size and adapter-count bucket); off for gridtrim and both, whose kernels ignore the adapter count, so each "
-        "batch size has one LoRA graph (plus the no-LoRA one).",
+        "specialize_active_lora: " + (
+            "on for stock, steptrim and stockfix (one decode graph per batch size and adapter-count bucket); off for "
+            "gridtrim and both, whose kernels ignore the adapter count" if settings.specialize_active_lora else
+            "off (vLLM's default) in every mode: one LoRA graph per batch size (plus the no-LoRA one)"),
     ]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []

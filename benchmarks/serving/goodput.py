@@ -581,7 +581,8 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int]
         "modes: stock = vLLM's runner and LoRA kernels, no LORAZOR_* variable; gridtrim = LORAZOR_GRIDTRIM=1; "
         "steptrim = the bundle (StepTrim release, slot hand-back, vLLM's kernels); both = the two; nolora = the "
         "backbone without LoRA (requests to the base model). Each server's log must show exactly its mode's LoRazor "
-        "start-up lines; specialize_active_lora on for stock and steptrim, off for gridtrim and both (bench.py's).",
+        "start-up lines; specialize_active_lora " + ("on for stock and steptrim, off for gridtrim and both" if
+                                                     settings.specialize_active_lora else "off (vLLM's default)") + ".",
     ]
 
 

@@ -8,7 +8,10 @@ torch.compile: ``full`` (``cudagraph_mode`` FULL: every step, mixed ones include
 graph of its token count padded up to the next capture size, ``v1/cudagraph_dispatcher.py:189-200``;
 allowed without compilation where the attention backend supports mixed batches, FlashAttention 3
 on the H200, ``config/compilation.py:635-638``, ``v1/attention/backends/flash_attn.py:341-345``) and
-``decode`` (``FULL_DECODE_ONLY``: mixed steps eager), both of which start faster.
+``decode`` (``FULL_DECODE_ONLY``: mixed steps eager), both of which start faster. vLLM's
+adapter-count graph specialization (``specialize_active_lora``, off by default, ``config/lora.py:67``:
+one decode graph per batch size and power-of-two adapter count) is a setting of the modes that run
+vLLM's LoRA kernels; GridTrim's kernels ignore the adapter count, so it stays off for them.
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
 class VllmSettings:
     """graphs: ``default`` (vLLM's), ``full`` or ``decode`` (module doc); async_scheduling,
     prefix_caching: vLLM's switches (on by default); capture_sizes: CUDA-graph sizes (None: vLLM's
-    own with the default graphs, :data:`CAPTURE_SIZES` with the others)."""
+    own with the default graphs, :data:`CAPTURE_SIZES` with the others); specialize_active_lora:
+    vLLM's adapter-count graphs where vLLM's LoRA kernels run (off by default, module doc)."""
 
     graphs: str = "default"
     async_scheduling: bool = True
     prefix_caching: bool = True
     capture_sizes: tuple[int, ...] | None = None
+    specialize_active_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.graphs not in GRAPHS:
@@ -53,11 +58,13 @@ class VllmSettings:
         parts = ([GRAPH_LABEL[self.graphs]] if self.graphs != "default" else []) + (
             [] if self.async_scheduling else ["sync"]) + ([] if self.prefix_caching else ["prefix caching off"]) + (
             ["capture sizes " + " ".join(map(str, self.capture_sizes))]
-            if self.capture_sizes is not None and self.graphs == "default" else [])
+            if self.capture_sizes is not None and self.graphs == "default" else []) + (
+            ["adapter-count graphs for vLLM's kernels"] if self.specialize_active_lora else [])
         return f"[{', '.join(parts)}]" if parts else ""
 
     def engine_options(self) -> dict[str, Any]:
-        """The ``LLM``/``vllm serve`` options that differ from vLLM's defaults (none for them)."""
+        """The ``LLM``/``vllm serve`` options that differ from vLLM's defaults (none for them), but
+        ``specialize_active_lora``, which is a LoRA option of some modes (``bench.engine_options``)."""
         opts: dict[str, Any] = {}
         if self.graphs != "default":
             opts["compilation_config"] = {"mode": 0, "cudagraph_mode": CUDAGRAPH_MODE[self.graphs],
@@ -74,15 +81,17 @@ class VllmSettings:
         """These settings as :func:`add_arguments`' command-line options."""
         return (["--graphs", self.graphs] + ([] if self.async_scheduling else ["--sync"])
                 + ([] if self.prefix_caching else ["--no-prefix-caching"])
-                + (["--capture-sizes", *map(str, self.capture_sizes)] if self.capture_sizes is not None else []))
+                + (["--capture-sizes", *map(str, self.capture_sizes)] if self.capture_sizes is not None else [])
+                + (["--specialize-active-lora"] if self.specialize_active_lora else []))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"capture_sizes": list(self.capture_sizes) if self.capture_sizes else None}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--graphs``, ``--sync``, ``--no-prefix-caching`` and ``--capture-sizes``: every mode of a
-    table runs with them; without any, vLLM's defaults."""
+    """``--graphs``, ``--sync``, ``--no-prefix-caching``, ``--capture-sizes`` and
+    ``--specialize-active-lora``: every mode of a table runs with them (the last where vLLM's LoRA
+    kernels run); without any, vLLM's defaults."""
     g = ap.add_argument_group("vLLM settings (default: vLLM's defaults)")
     g.add_argument("--graphs", choices=GRAPHS, default="default",
                    help="default: torch.compile and vLLM's CUDA-graph mode; full: no torch.compile, a full CUDA "
@@ -92,10 +101,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off")
     g.add_argument("--capture-sizes", type=number("positive_int"), nargs="+", default=None, metavar="SIZE",
                    help=f"CUDA-graph sizes (default: vLLM's with --graphs default, else {' '.join(map(str, CAPTURE_SIZES))})")
+    g.add_argument("--specialize-active-lora", action="store_true",
+                   help="vLLM's adapter-count CUDA graphs in the modes that run vLLM's LoRA kernels (stock, steptrim, "
+                        "stockfix); off by default, as in vLLM")
 
 
 def from_arguments(args: argparse.Namespace) -> VllmSettings:
     """The settings :func:`add_arguments` parsed."""
     return VllmSettings(args.graphs, not args.sync, not args.no_prefix_caching,
-                        tuple(args.capture_sizes) if args.capture_sizes else None)
+                        tuple(args.capture_sizes) if args.capture_sizes else None, args.specialize_active_lora)
 

@@ -130,9 +130,8 @@ def test_server_command(mode):
     assert not unknown
     assert f["--port"] == ["8123"] and f["--load-format"] == ["dummy"] and f["--dtype"] == ["bfloat16"]
     assert "--no-skip-tokenizer-init" in f and "--skip-tokenizer-init" not in f  # the server needs its tokenizer
-    # nothing turns a vLLM default off (specialize_active_lora is off by default too)
-    assert not [k for k in f if k.startswith("--no-") and k not in ("--no-skip-tokenizer-init",
-                                                                   "--no-specialize-active-lora")]
+    # nothing turns a vLLM default off
+    assert not [k for k in f if k.startswith("--no-") and k != "--no-skip-tokenizer-init"]
     assert "--compilation-config" not in f and "--async-scheduling" not in f  # nothing to turn on either
     assert f["--max-num-seqs"] == ["256"] and f["--max-num-batched-tokens"] == ["2048"]
     lora = mode != "nolora"
@@ -140,8 +139,10 @@ def test_server_command(mode):
     if lora:
         assert f["--lora-modules"] == [f"a0{a}=/w/adapters/a0{a}" for a in range(3)]
         assert f["--max-loras"] == ["2"] and f["--max-cpu-loras"] == ["3"] and f["--max-lora-rank"] == ["8"]
-        specialize = mode in ("stock", "steptrim")  # bench.SPECIALIZE
-        assert ("--specialize-active-lora" in f) == specialize and ("--no-specialize-active-lora" in f) != specialize
+    assert "--specialize-active-lora" not in f  # vLLM's default: off
+    tuned = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123,
+                                         VllmSettings(specialize_active_lora=True)))
+    assert ("--specialize-active-lora" in tuned) == (mode in ("stock", "steptrim"))  # where vLLM's kernels run
     assert ("--worker-extension-cls" in f) == (mode in ("steptrim", "both"))
     second = VllmSettings("full", async_scheduling=False, prefix_caching=False, capture_sizes=(1, 2048))
     off = flags(goodput.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, second))

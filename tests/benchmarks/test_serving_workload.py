@@ -129,7 +129,7 @@ def test_engine_options_are_vllms_defaults_with_the_workloads_limits():
     assert opts["max_loras"] == 128 and opts["max_lora_rank"] == 8 and opts["max_cpu_loras"] == 128
     assert opts["max_num_seqs"] == 256 and opts["max_num_batched_tokens"] == 2048
     assert not {"enable_prefix_caching", "async_scheduling", "compilation_config"} & set(opts)
-    assert opts["specialize_active_lora"] is True and opts["load_format"] == "dummy"  # stock's setting
+    assert "specialize_active_lora" not in opts and opts["load_format"] == "dummy"  # vLLM's default: off
     assert opts["skip_tokenizer_init"] is True
     assert "lora_target_modules" not in opts and "tensor_parallel_size" not in opts  # vLLM's defaults
 
@@ -152,6 +152,8 @@ def test_second_line_settings_and_their_labels():
     assert format_row(row, row) == ("| 4 | uniform | stock [full CUDA graphs, sync, prefix caching off] | 10.0 | "
                                           "600 | — | 1.00 |")
     assert mode_label(row | {"settings": VllmSettings().as_dict()}) == "stock"
+    tuned = VllmSettings(specialize_active_lora=True).as_dict()
+    assert mode_label(row | {"settings": tuned}) == "stock [adapter-count graphs for vLLM's kernels]"
     both = row | {"mode": "both", "req_per_s": 30.0}
     table = render([], [row, row | {"settings": VllmSettings().as_dict(), "req_per_s": 20.0},
                               both | {"settings": VllmSettings().as_dict()}], [])
@@ -164,7 +166,8 @@ def test_second_line_settings_and_their_labels():
 def test_settings_arguments_round_trip():
     ap = argparse.ArgumentParser()
     vllm_settings.add_arguments(ap)
-    for settings in (VllmSettings(), VllmSettings("full", False, True, (1, 2048)), VllmSettings("decode", True, False)):
+    for settings in (VllmSettings(), VllmSettings("full", False, True, (1, 2048)), VllmSettings("decode", True, False),
+                     VllmSettings(specialize_active_lora=True)):
         assert vllm_settings.from_arguments(ap.parse_args(settings.arguments())) == settings
     assert vllm_settings.from_arguments(ap.parse_args([])).defaults
     with pytest.raises(ValueError, match="graphs='eager'"):
@@ -275,15 +278,19 @@ def test_modes_and_their_engines():
     assert set(MODE_LABEL) == set(bench.MODES)
     # stockfix differs from stock only by the registry fix it installs in-process, not by options
     assert bench.engine_options(4, mode="stockfix") == bench.engine_options(4, mode="stock")
-    spec = {m: bench.engine_options(4, mode=m)["specialize_active_lora"] for m in bench.DEFAULT_MODES}
-    assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False}
-    # everything else is the same in every LoRA mode
-    strip = [{k: v for k, v in bench.engine_options(4, mode=m).items() if k != "specialize_active_lora"}
-             for m in bench.DEFAULT_MODES]
-    assert all(o == strip[0] for o in strip)
+    # vLLM's defaults: the same options in every LoRA mode, adapter-count graphs off everywhere
+    opts = [bench.engine_options(4, mode=m) for m in bench.MODES if m != "nolora"]
+    assert all(o == opts[0] for o in opts) and "specialize_active_lora" not in opts[0]
+    # a second line turns adapter-count graphs on only where vLLM's LoRA kernels run
+    tuned = VllmSettings(specialize_active_lora=True)
+    spec = {m: bench.engine_options(4, mode=m, settings=tuned).get("specialize_active_lora", False) for m in bench.MODES}
+    assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False, "nolora": False,
+                    "stockfix": True}
+    assert spec == {m: bench.specializes(m, tuned) for m in bench.MODES}
+    assert not any(bench.specializes(m, VllmSettings()) for m in bench.MODES)
     # nolora: the same engine without any LoRA option (vLLM's enable_lora defaults to False)
-    lora_keys = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "specialize_active_lora"}
-    assert bench.engine_options(4, mode="nolora") == {k: v for k, v in strip[0].items() if k not in lora_keys}
+    lora_keys = {"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}
+    assert bench.engine_options(4, mode="nolora") == {k: v for k, v in opts[0].items() if k not in lora_keys}
     def found(mode: str, **change: str | None) -> dict[str, str | None]:
         return {"runner": bench.RUNNER[mode], "punica_wrapper": bench.WRAPPER[mode],
                 "registry": bench.REGISTRY[mode]} | change

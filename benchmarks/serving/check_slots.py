@@ -357,6 +357,17 @@ def table(rows: list[tuple[str, bool, str]]) -> str:
     return "\n".join(lines)
 
 
+def tally(rows: list[tuple[str, bool, str]]) -> tuple[str, bool]:
+    """``"P/N checks pass"`` over the :data:`N_CHECKS` checks (the (f) pairs apart), with how many
+    failed or were not reached (an engine that did not finish leaves its checks out); and whether
+    all N passed."""
+    checks = [ok for n, ok, _ in rows if not n.startswith("(f)")]
+    passed, missing = sum(checks), N_CHECKS - len(checks)
+    text = f"{passed}/{N_CHECKS} checks pass" + "".join(
+        f", {k} {what}" for k, what in ((len(checks) - passed, "failed"), (missing, "not reached")) if k)
+    return text, passed == N_CHECKS and not missing
+
+
 def engine_order(engines: list[str], pairs: list[str] | None, v1_runner: bool = True) -> list[str]:
     """The engines to run, in order: ``engines`` (of :data:`ENGINES`), then the invariance pairs'
     (``pairs``: [] means every pair the installed vLLM can run, the V1 runner's only with
@@ -426,11 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                 rc = "timeout"
         notes.append(f"{engine}: rc {rc}, {time.time() - start:.0f} s since start")
     rows = compare(args.out, requests)
-    text = table(rows) + "\n\n" + "\n".join(notes) + "\n"
+    summary, passed = tally(rows)
+    text = table(rows) + "\n\n" + "\n".join(notes) + f"\n\n{summary}\n"
     (args.out / "check_slots.md").write_text(text)
     print(text, flush=True)
-    complete = len([r for r in rows if not r[0].startswith("(f)")]) == N_CHECKS
-    return 0 if complete and all(ok for _, ok, _ in rows) else 1
+    return 0 if passed and all(ok for _, ok, _ in rows) else 1
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ def test_compare_passes_and_fails(tmp_path):
     _write(tmp_path, requests)
     rows = check_slots.compare(tmp_path, requests)
     assert len(rows) == check_slots.N_CHECKS and all(ok for _, ok, _ in rows), rows
+    assert check_slots.tally(rows) == (f"{check_slots.N_CHECKS}/{check_slots.N_CHECKS} checks pass", True)
+    # an engine that did not finish leaves its checks out: counted, never a pass
+    (tmp_path / "keep.json").unlink()
+    partial = check_slots.compare(tmp_path, requests)
+    assert 0 < len(partial) < check_slots.N_CHECKS and all(ok for _, ok, _ in partial)
+    assert check_slots.tally(partial) == (f"{len(partial)}/{check_slots.N_CHECKS} checks pass, "
+                                          f"{check_slots.N_CHECKS - len(partial)} not reached", False)
+    failed = partial[:1] + [(partial[1][0], False, "x")] + partial[2:]
+    assert check_slots.tally(failed)[0].endswith(", 1 failed, " + f"{check_slots.N_CHECKS - len(partial)} not reached")
     bad = [[999] * r["max_tokens"] for r in requests]
     # keep serves the bundle with hand-back off: LoRazor's scheduler still, not vLLM's
     _write(tmp_path, requests, keep_tokens=bad, on_adapters=8, keep_adapters=9, keep_scheduler="AsyncScheduler")

@@ -261,7 +261,8 @@ def engine_options(n_adapters: int, mode: str = "stock", lora_target_modules: Se
     if mode == "nolora":
         return opts | ({"tensor_parallel_size": int(tensor_parallel_size)} if tensor_parallel_size > 1 else {})
     slots = max_loras or n_adapters
-    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=rank, max_cpu_loras=max(max_cpu_loras or n_adapters, slots))
+    opts |= dict(enable_lora=True, max_loras=slots, max_lora_rank=rank,
+                 max_cpu_loras=max(max_cpu_loras or n_adapters, slots))
     if specializes(mode, settings):
         opts["specialize_active_lora"] = True
     if lora_target_modules:
@@ -334,15 +335,19 @@ def check_engine_classes(mode: str, found: dict[str, str | None]) -> None:
 
 class SlotStats:
     """Per scheduled step: running requests, distinct adapters holding a slot and distinct
-    adapters scheduled (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), read by wrapping the engine core's
+    adapters scheduled (:func:`serve_bridge.vllm.scheduler.scheduled_occupancy`), and whether the
+    step's tokens (``SchedulerOutput.total_num_scheduled_tokens``) exceed ``graph_tokens``, the
+    engine's largest CUDA graph (:func:`largest_graph_tokens`): vLLM runs such a step without one.
+    Read by wrapping the engine core's
     ``scheduler.schedule`` on the instance. Needs the engine core in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``LLMEngine.engine_core`` is then vLLM's
     ``InprocClient``, whose ``engine_core`` holds the ``scheduler`` (``v1/engine/core_client.py:287``,
     ``v1/engine/core.py:153``). Counting starts at :meth:`start`."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, graph_tokens: int = 0) -> None:
         from serve_bridge.vllm.scheduler import scheduled_occupancy
 
+        self.graph_tokens = graph_tokens
         self._reset()
         self.on = False
         self.scheduler_class = type(scheduler).__name__
@@ -350,15 +355,18 @@ class SlotStats:
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
             now = time.perf_counter()
-            if self.on and self._last_busy is not None:
-                self.busy_s += now - self._last_busy  # the previous step, from its schedule to this one
+            if self.on and self._last_busy is not None:  # the previous step, from its schedule to this one
+                self.busy_s[self._last_past] += now - self._last_busy
+                self.timed[self._last_past] += 1
             out = original(*args, **kwargs)
             self._last_busy = None
             if self.on:
                 running, held, present = scheduled_occupancy(scheduler, out)
                 if running:
                     self._last_busy = now
+                    self._last_past = out.total_num_scheduled_tokens > self.graph_tokens
                     self.steps += 1
+                    self.past_graphs += self._last_past
                     self.running += running
                     self.held += held
                     self.max_held = max(self.max_held, held)
@@ -372,11 +380,12 @@ class SlotStats:
         """Stats on ``llm``'s scheduler, or None when the engine core runs in another process."""
         core = getattr(llm.llm_engine.engine_core, "engine_core", None)
         scheduler = getattr(core, "scheduler", None)
-        return None if scheduler is None else SlotStats(scheduler)
+        return None if scheduler is None else SlotStats(scheduler, largest_graph_tokens(llm.llm_engine.vllm_config))
 
     def _reset(self) -> None:
-        self.steps = self.running = self.held = self.max_held = self.max_present = 0
-        self.busy_s, self._last_busy = 0.0, None
+        self.steps = self.past_graphs = self.running = self.held = self.max_held = self.max_present = 0
+        self.busy_s, self.timed = [0.0, 0.0], [0, 0]  # [within the graphs, past them]
+        self._last_busy, self._last_past = None, False
 
     def start(self) -> None:
         """Forget what was counted (warm-up) and count from the next step on."""
@@ -387,13 +396,32 @@ class SlotStats:
         """Stop counting (what was counted stays)."""
         self.on = False
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | None]:
         """Means over the steps that scheduled work; ``step_ms`` is the mean time from such a
-        step's schedule to the next one's (the last step of the run is not timed)."""
+        step's schedule to the next one's (the last step of the run is not timed), and
+        ``step_ms_within_graphs`` / ``step_ms_past_graphs`` the same over the steps of at most / more
+        than ``graph_tokens`` tokens (None where no such step was timed)."""
         n = max(1, self.steps)
+
+        def mean_ms(past: bool) -> float | None:
+            return self.busy_s[past] * 1e3 / self.timed[past] if self.timed[past] else None
+
         return {"slot_steps": self.steps, "mean_running": self.running / n, "mean_slots_held": self.held / n,
                 "max_slots_held": self.max_held, "max_adapters_scheduled": self.max_present,
-                "step_ms": self.busy_s * 1e3 / max(1, self.steps - 1)}
+                "step_ms": sum(self.busy_s) * 1e3 / max(1, self.steps - 1), "graph_tokens": self.graph_tokens,
+                "steps_past_graphs": self.past_graphs, "step_ms_within_graphs": mean_ms(False),
+                "step_ms_past_graphs": mean_ms(True)}
+
+
+def largest_graph_tokens(vllm_config: Any) -> int:
+    """The token count of the engine's largest CUDA graph: ``CompilationConfig.max_cudagraph_capture_size``
+    (``config/compilation.py:695`` in vLLM 0.33.0, :847 in 0.34.0; 512 on Hopper under vLLM's defaults,
+    ``config/vllm.py:2460-2470`` of 0.33.0), 0 with CUDA graphs off. vLLM dispatches a step of more tokens
+    without a graph (``v1/worker/gpu/cudagraph_utils.py:523-550`` in 0.33.0, the V2 runner's)."""
+    cc = vllm_config.compilation_config
+    if getattr(cc.cudagraph_mode, "name", "NONE") == "NONE":
+        return 0
+    return int(cc.max_cudagraph_capture_size or 0)
 
 
 def expected_scheduler(bundle: bool, async_scheduling: bool) -> str:
@@ -405,11 +433,11 @@ def expected_scheduler(bundle: bool, async_scheduling: bool) -> str:
 
 
 def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str, Any],
-                    arrival_steps: Sequence[int] | None = None) -> dict[str, float]:
+                    arrival_steps: Sequence[int] | None = None, graph_tokens: int | None = None) -> dict[str, float]:
     """The capacity model (:func:`serve_bridge.capacity.simulate`) on exactly this workload:
     its steps, mean running requests, mean slots held, slot loads and share of token forwards
     with an adapter, under the engine's ``max_num_seqs`` and token budget; open loop with each
-    arrival's step (``arrival_steps``)."""
+    arrival's step (``arrival_steps``); with ``graph_tokens``, also its steps of more tokens."""
     from serve_bridge import capacity
 
     n = len(wl.adapter)
@@ -417,10 +445,11 @@ def predicted_slots(wl: Workload, max_loras: int, release: bool, opts: dict[str,
                              np.asarray(wl.max_tokens), np.asarray(wl.releases()),
                              np.zeros(n, np.int64) if arrival_steps is None else np.asarray(arrival_steps, np.int64))
     res = capacity.simulate(reqs, max_loras, release=release, max_num_seqs=opts["max_num_seqs"],
-                            token_budget=opts["max_num_batched_tokens"])
+                            token_budget=opts["max_num_batched_tokens"], graph_tokens=graph_tokens)
     return {"model_steps": res.steps, "model_mean_running": res.mean_running,
             "model_mean_slots_held": res.mean_occupancy, "model_slot_loads": res.slot_loads,
-            "model_lora_share": res.lora_share}
+            "model_lora_share": res.lora_share} | (
+        {} if graph_tokens is None else {"model_steps_past_graphs": res.steps_past_graphs})
 
 
 def _wait_prepared(work: Path, timeout_s: float = 900) -> None:
@@ -618,7 +647,8 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
         step_s = max(slot_info["step_ms"], 1e-3) / 1e3  # open loop: arrivals to steps at the measured step time
         arrival = ([int(t / step_s) for t in arrival_times(n_requests, arrival_rate, seed)]
                    if arrival_rate else None)
-        slot_info |= predicted_slots(wl, opts["max_loras"], slot_info["slot_release"], opts, arrival)
+        slot_info |= predicted_slots(wl, opts["max_loras"], slot_info["slot_release"], opts, arrival,
+                                     slot_info["graph_tokens"])
     if lengths != wl.max_tokens:
         bad = sum(a != b for a, b in zip(lengths, wl.max_tokens))
         raise RuntimeError(f"{bad} requests did not produce max_tokens tokens")

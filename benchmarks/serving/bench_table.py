@@ -36,12 +36,26 @@ def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
             + f", engine start-up {row['startup_s']:.0f} s, warm-up {row['warmup_s']:.1f} s, subprocess {took_s:.0f} s"
             + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f}/"
                f"{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
+            + graphs_note(row)
             + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
                f"{row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
             + ("" if c is None else
                f"; {c['skipped_forwards']}/{c['decode_forwards']} decode forwards skipped (planned "
                f"{row['planned_skip']:.3f}), {c['released_requests']} requests released, decision "
                f"{c['decision_ms_mean']:.2f} ms/step"))
+
+
+def graphs_note(row: dict[str, Any]) -> str:
+    """How many of the row's scheduled steps had more tokens than its largest CUDA graph, and their
+    mean step time against the others' (:class:`benchmarks.serving.bench.SlotStats`); empty where
+    the row has no such count."""
+    if row.get("steps_past_graphs") is None:
+        return ""
+    ms = [row.get("step_ms_past_graphs"), row.get("step_ms_within_graphs")]
+    times = ", {} ms each against {} ms".format(*(f"{x:.1f}" for x in ms)) if None not in ms else ""
+    model = f"; model {row['model_steps_past_graphs']}" if row.get("model_steps_past_graphs") is not None else ""
+    return (f"; {row['steps_past_graphs']}/{row['slot_steps']} steps past the largest CUDA graph "
+            f"({row['graph_tokens']} tokens{model}){times}")
 
 
 def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:

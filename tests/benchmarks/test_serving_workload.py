@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -12,8 +13,8 @@ import pytest
 from safetensors import safe_open
 
 from benchmarks.serving import bench, vllm_settings
-from benchmarks.serving.bench_table import (HEADER, LATENCY_HEADER, MODE_LABEL, SLOT_HEADER, format_row, mode_label,
-                                            render, slot_table)
+from benchmarks.serving.bench_table import (HEADER, LATENCY_HEADER, MODE_LABEL, SLOT_HEADER, format_row, graphs_note,
+                                            mode_label, render, slot_table)
 from benchmarks.serving.bench_workload import (N_REQUESTS, arrival_times, choose_k, hot_adapter_count, make_workload,
                                                profiled_ks, workload_for)
 from benchmarks.serving.host_memory import adapter_bytes, host_bytes_needed, host_memory_available, host_memory_problem
@@ -283,7 +284,8 @@ def test_modes_and_their_engines():
     assert all(o == opts[0] for o in opts) and "specialize_active_lora" not in opts[0]
     # a second line turns adapter-count graphs on only where vLLM's LoRA kernels run
     tuned = VllmSettings(specialize_active_lora=True)
-    spec = {m: bench.engine_options(4, mode=m, settings=tuned).get("specialize_active_lora", False) for m in bench.MODES}
+    spec = {m: bench.engine_options(4, mode=m, settings=tuned).get("specialize_active_lora", False)
+            for m in bench.MODES}
     assert spec == {"stock": True, "gridtrim": False, "steptrim": True, "both": False, "nolora": False,
                     "stockfix": True}
     assert spec == {m: bench.specializes(m, tuned) for m in bench.MODES}
@@ -581,20 +583,31 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
             ids = [f"r{self.steps}", f"s{self.steps}"]
             for j, rid in enumerate(ids):
                 requests[rid] = SimpleNamespace(num_computed_tokens=4, lora_request=SimpleNamespace(lora_int_id=j))
-            return SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in ids})
+            tokens = 600 if self.steps % 2 else 2  # odd steps: a prefill past the largest graph
+            time.sleep(0.02 if self.steps % 2 else 0.0)  # taken by the next schedule as this step's time
+            return SimpleNamespace(num_scheduled_tokens={ids[0]: tokens - 1, ids[1]: 1},
+                                   total_num_scheduled_tokens=tokens)
 
     sched = Scheduler()
     sched.requests = requests
-    stats = bench.SlotStats(sched)
+    stats = bench.SlotStats(sched, graph_tokens=512)
     assert stats.scheduler_class == "Scheduler"
     sched.schedule()  # warm-up: not counted
     stats.start()
-    for _ in range(3):
+    for _ in range(5):
         sched.schedule()
     summary = stats.summary()
-    assert summary["slot_steps"] == 3 and summary["mean_running"] == 2 and summary["mean_slots_held"] == 2
+    assert summary["slot_steps"] == 5 and summary["mean_running"] == 2 and summary["mean_slots_held"] == 2
     assert summary["max_slots_held"] == summary["max_adapters_scheduled"] == 2
-    assert summary["step_ms"] >= 0
+    # steps 2-6: 2, 600, 2, 600, 2 tokens; a step runs from its schedule call to the next (the
+    # sleep inside a 600-token step's call is its time); the last step is not timed
+    assert summary["graph_tokens"] == 512 and summary["steps_past_graphs"] == 2
+    assert summary["step_ms_past_graphs"] >= 15 and summary["step_ms_within_graphs"] < 15
+    assert summary["step_ms"] == pytest.approx((summary["step_ms_within_graphs"] + summary["step_ms_past_graphs"]) / 2)
+    note = graphs_note(summary)
+    assert note.startswith("; 2/5 steps past the largest CUDA graph (512 tokens), ") and note.endswith(" ms")
+    assert graphs_note({}) == "" and "ms each" not in graphs_note(summary | {"step_ms_past_graphs": None})
+    assert "(512 tokens; model 3), " in graphs_note(summary | {"model_steps_past_graphs": 3})
     opts = bench.engine_options(64, max_loras=8)
     pred = bench.predicted_slots(wl, 8, True, opts)
     reqs = capacity.Requests(np.asarray(wl.adapter), np.asarray([len(p) for p in wl.prompt]),
@@ -604,6 +617,12 @@ def test_slot_stats_and_prediction(sched):  # noqa: F811
                     "model_mean_slots_held": ref.mean_occupancy, "model_slot_loads": ref.slot_loads,
                     "model_lora_share": ref.lora_share}
     assert bench.predicted_slots(wl, 8, False, opts)["model_steps"] > pred["model_steps"]
+    # the steps past a CUDA-graph size: every work step past 0 tokens, none past the token budget
+    steps_ref = capacity.simulate(reqs, 8, release=True, max_num_seqs=256, token_budget=2048, graph_tokens=0)
+    assert steps_ref.steps_past_graphs == steps_ref.steps  # offline: every step has work
+    assert bench.predicted_slots(wl, 8, True, opts, graph_tokens=2048)["model_steps_past_graphs"] == 0
+    some = bench.predicted_slots(wl, 8, True, opts, graph_tokens=40)["model_steps_past_graphs"]
+    assert 0 < some < ref.steps
 
 
 def test_rank_reaches_the_adapters_the_engine_and_the_stamp(tmp_path):
@@ -634,3 +653,16 @@ def test_llama8b_shape_gives_the_production_table_sizes():
     assert 7.9e9 < params < 8.1e9
     lora = n * 16 * sum(n_in + n_out for _, n_in, n_out in lora_targets(cfg).values())  # what the writer writes
     assert 83e6 < 2 * lora < 85e6
+
+
+def test_largest_graph_tokens_reads_the_engines_compilation_config():
+    """vLLM runs a step of more tokens than max_cudagraph_capture_size without a CUDA graph, and
+    none at all with cudagraph_mode NONE (CUDAGraphMode is an enum: its members have a name)."""
+    def config(mode: str, size: int | None) -> SimpleNamespace:
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode),
+                                                                  max_cudagraph_capture_size=size))
+
+    assert bench.largest_graph_tokens(config("FULL_AND_PIECEWISE", 512)) == 512
+    assert bench.largest_graph_tokens(config("FULL", 2048)) == 2048
+    assert bench.largest_graph_tokens(config("NONE", 512)) == 0
+    assert bench.largest_graph_tokens(config("FULL_AND_PIECEWISE", None)) == 0

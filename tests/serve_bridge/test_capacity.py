@@ -96,6 +96,17 @@ def test_idle_time_between_arrivals_is_skipped_not_stepped():
     assert result.mean_wait_steps == 0 and result.mean_running == 1 and result.slot_loads == 3
 
 
+def test_steps_past_the_largest_cuda_graph_by_hand():
+    """Prompts 7 and 3 at once, budget 16: step 1 schedules 10 tokens (both prompts), then one token
+    per running request (2, then 1 and 1 once the 2-token request ends): only the first is past 4."""
+    reqs = capacity.Requests(np.array([0, 1]), np.array([7, 3]), np.array([4, 2]), np.full(2, capacity.NEVER),
+                             np.zeros(2, np.int64))
+    assert capacity.simulate(reqs, 2, max_num_seqs=4, token_budget=16, graph_tokens=4).steps_past_graphs == 1
+    assert capacity.simulate(reqs, 2, max_num_seqs=4, token_budget=16, graph_tokens=1).steps_past_graphs == 2
+    assert capacity.simulate(reqs, 2, max_num_seqs=4, token_budget=16, graph_tokens=0).steps_past_graphs == 4
+    assert capacity.simulate(reqs, 2, max_num_seqs=4, token_budget=16).steps_past_graphs == 0  # not asked
+
+
 def test_release_admits_more_and_unlimited_slots_do_not_care():
     dists = [capacity.ReleaseDistribution.point(2)]
     reqs = capacity.draw_requests(400, dists, 64, prompt_len=(5, 20), output_len=(10, 30), seed=1)

@@ -186,8 +186,15 @@ def test_engine_calls_of_calibration_and_the_benchmarks():
     assert {"DELTA", "FINAL_ONLY"} <= set(RequestOutputKind.__members__)
     for path, fragment in (("vllm.entrypoints.llm:LLM.__init__", "self.llm_engine = LLMEngine"),
                            ("vllm.v1.engine.core_client:InprocClient.__init__", "self.engine_core = EngineCore("),
-                           ("vllm.v1.engine.core:EngineCore.__init__", "self.scheduler")):
+                           ("vllm.v1.engine.core:EngineCore.__init__", "self.scheduler"),
+                           ("vllm.v1.engine.llm_engine:LLMEngine.__init__", "self.vllm_config = vllm_config")):
         assert fragment in inspect.getsource(_attr(path)), path
+    # SlotStats: a step's token count against the engine's largest CUDA graph (bench.largest_graph_tokens)
+    from vllm.config import CompilationConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert "total_num_scheduled_tokens" in _fields(SchedulerOutput)
+    assert {"cudagraph_mode", "max_cudagraph_capture_size"} <= _fields(CompilationConfig)
 
 
 def test_bench_serve_the_benchmark_client_runs():

@@ -383,7 +383,7 @@ def popularity_label(skew: float | None, zipf: float | None) -> str:
 ARG_RULES = {"adapters": "positive_int", "skew": "probability", "zipf": "non_negative_number",
              "requests": "positive_int", "rate": "positive_number", "step_ms": "positive_number",
              "max_num_seqs": "positive_int", "max_num_batched_tokens": "positive_int", "tolerance": "share",
-             "seed": "seed"}
+             "seed": "seed", "graph_tokens": "non_negative_int"}
 
 
 def parser() -> Parser:
@@ -400,6 +400,9 @@ def parser() -> Parser:
     ap.add_argument("--output-len", type=int, nargs=2, action=MinMax, default=(20, 100), metavar=("MIN", "MAX"))
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--graph-tokens", type=int, default=512,
+                    help="the engine's largest CUDA graph in tokens (vLLM's default on Hopper: 512; 0: no graphs): "
+                         "steps of more tokens run without one")
     ap.add_argument("--max-loras", type=int, nargs="+", default=None,
                     help="candidate max_loras (default: powers of two up to --adapters)")
     ap.add_argument("--tolerance", type=float, default=0.05,
@@ -470,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          output_len=tuple(args.output_len), rate=args.rate, step_ms=args.step_ms, seed=args.seed)
     powers = [2 ** i for i in range(args.adapters.bit_length()) if 2 ** i < args.adapters]
     candidates = sorted(set(args.max_loras or powers))
-    engine = {"max_num_seqs": args.max_num_seqs, "token_budget": args.max_num_batched_tokens}
+    engine = {"max_num_seqs": args.max_num_seqs, "token_budget": args.max_num_batched_tokens,
+              "graph_tokens": args.graph_tokens}
     results = sweep(reqs, [m for m in candidates if m < args.adapters], **engine)
     unlimited = {rel: simulate(reqs, args.adapters, release=rel, **engine) for rel in (False, True)}
     results += list(unlimited.values())
@@ -484,12 +488,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}")
     print("| max_loras | release | steps | req/step | mean running | mean slots held | max slots held | "
-          "wait mean / P90 (steps) | token forwards with adapter | slot loads |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"wait mean / P90 (steps) | token forwards with adapter | slot loads | steps past {args.graph_tokens} "
+          "tokens (no CUDA graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r.max_loras, r.release)):
         print(f"| {r.max_loras} | {'yes' if r.release else 'no'} | {r.steps} | {r.requests_per_step:.3f} | "
               f"{r.mean_running:.1f} | {r.mean_occupancy:.1f} | {r.max_occupancy} | {r.mean_wait_steps:.1f} / "
-              f"{r.p90_wait_steps:.1f} | {r.lora_share:.1%} | {r.slot_loads} |")
+              f"{r.p90_wait_steps:.1f} | {r.lora_share:.1%} | {r.slot_loads} | {r.steps_past_graphs} "
+              f"({r.steps_past_graphs / max(1, r.steps):.0%}) |")
     for rel in (False, True):
         m = need[rel]
         print(f"max_loras needed {'with' if rel else 'without'} release (within {args.tolerance:.0%} of one slot "

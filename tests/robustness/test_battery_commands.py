@@ -47,6 +47,7 @@ CAPACITY_MISTAKES = {  # name: (arguments besides --bundle and QUICK, message fr
     "tolerance_above_one": (["--adapters", "8", "--tolerance", "1.5"], "--tolerance=1.5"),
     "tolerance_negative": (["--adapters", "8", "--tolerance", "-0.1"], "--tolerance=-0.1"),
     "seed_negative": (["--adapters", "8", "--seed", "-1"], "--seed=-1: use an integer from 0"),
+    "graph_tokens_negative": (["--adapters", "8", "--graph-tokens", "-1"], "--graph-tokens=-1: use a non-negative integer"),
     "skew_over_one_adapter": (["--adapters", "1", "--skew", "0.5"], "--skew=0.5: needs --adapters ≥ 2"),
     "adapters_past_int64": (["--adapters", str(10 ** 19)], f"--adapters={10 ** 19}: use at most"),
     "prompt_length_past_int64": (["--adapters", "8", "--prompt-len", "1", str(10 ** 20)], "--prompt-len="),

@@ -187,6 +187,13 @@ def test_command(bundle, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {r["max_loras"] for r in data["results"]} == {1, 2, 4, 8, 16, 32}
     assert all(0 < r["lora_share"] <= 1 and r["slot_loads"] >= 1 for r in data["results"])
+    assert "steps past 512 tokens (no CUDA graph) |" in text  # 200 requests of ≤ 50 tokens: 256-token steps
+    assert all(r["steps_past_graphs"] == 0 for r in data["results"])
+    assert capacity.main(["--bundle", str(bundle), "--adapters", "32", "--requests", "200", "--prompt-len", "5", "20",
+                          "--output-len", "5", "30", "--max-num-seqs", "32", "--max-num-batched-tokens", "256",
+                          "--graph-tokens", "0", "--max-loras", "8"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 |")]
+    assert len(rows) == 2 and all(r[2] in r[-1] and r[-1].endswith("(100%) |") for r in rows)  # every step
     assert capacity.main(["--bundle", str(bundle), "--adapters", "8", "--rate", "5", "--requests", "50",
                           "--step-ms", "20", "--prompt-len", "5", "9", "--output-len", "3", "9"]) == 0
     assert capacity.main(["--bundle", str(bundle), "--adapters", "64", "--zipf", "1", "--requests", "200",

@@ -1,6 +1,6 @@
 """Slot hand-back changes no request's tokens beyond numerical near-ties. Needs a GPU and a supported vLLM.
 
-    python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240]
+    python -m benchmarks.serving.check_slots --out DIR [--requests 320] [--budget-s 240] [--parallel 3]
         [--invariance [PAIR ...]] [--engines [ENGINE ...]] [--lora-kernels vllm|gridtrim]
         [--weights random|dummy]
 
@@ -10,7 +10,8 @@ A small Llama (SmolLM2-135M-like shape, 8 layers, random weights at a trained mo
 vLLM's dummy weights) serves 48 random rank-8 adapters with ``max_loras`` = 8, so slots are the
 bottleneck. Each adapter is served under four names: plain (full LoRA, the stock engine), ``-off``
 (policy none), ``-prof`` (profiled k) and ``-learn`` (random learned heads: one third release at
-t = 0, one third never, one third where wᵀh < 0). Three engines, each in its own process:
+t = 0, one third never, one third where wᵀh < 0). Three engines, each in its own process, side by
+side on the GPU (``--parallel``; each with a fixed KV cache and a vLLM compile cache of its own):
 
 - ``stock``: plain vLLM (no ``LORAZOR_*``), the plain names;
 - ``slots``: the bridge with slot hand-back (``LORAZOR_SLOTS`` unset: on), -off, -prof, -learn;
@@ -50,10 +51,12 @@ import subprocess
 import sys
 import time
 from importlib.metadata import entry_points
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from benchmarks.serving.bench import SlotStats, expected_scheduler
+from benchmarks.serving.placement import compile_cache
 from benchmarks.serving.synthetic import write_model_config, write_random_adapters, write_random_weights
 from serve_bridge.command_line import Parser, number
 from serve_bridge.vllm.versions import has_v1_runner, runner_environment
@@ -379,12 +382,52 @@ def engine_order(engines: list[str], pairs: list[str] | None, v1_runner: bool = 
     return chosen
 
 
+def run_engines(engines: list[str], launch: Callable[[str, IO[str]], subprocess.Popen], out: Path, deadline: float,
+                parallel: int, min_left_s: float = 20) -> list[str]:
+    """Run ``engines`` in order, at most ``parallel`` at a time (they share the GPU through fixed KV
+    caches, :data:`ENGINE_MEMORY`; each compiles into a vLLM cache of its own), each logging to
+    ``out/<engine>.log``; an engine is started only with ``min_left_s`` left before ``deadline``
+    (time.time()) and killed at it. Returns one note per engine: its exit code or ``timeout`` and
+    when it ended, or why it was not run. An engine's earlier result file is removed before it
+    starts, so a failed engine is compared as missing."""
+    t0, notes, running = time.time(), {}, {}
+    waiting = list(engines)
+
+    def reap(engine: str, rc: int | str) -> None:
+        proc, log = running.pop(engine)
+        log.close()
+        notes[engine] = f"{engine}: rc {rc}, {time.time() - t0:.0f} s since start"
+
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            engine = waiting.pop(0)
+            if deadline - time.time() < min_left_s:
+                notes[engine] = f"{engine}: not run, {max(deadline - time.time(), 0):.0f} s left"
+                continue
+            (out / f"{engine}.json").unlink(missing_ok=True)
+            log = open(out / f"{engine}.log", "w")
+            running[engine] = (launch(engine, log), log)
+        for engine, (proc, _) in list(running.items()):
+            if (rc := proc.poll()) is not None:
+                reap(engine, rc)
+            elif time.time() >= deadline:
+                proc.kill()
+                proc.wait()
+                reap(engine, "timeout")
+        if running:
+            time.sleep(0.2)
+    return [notes[e] for e in engines]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lorazor_check_slots"))
     ap.add_argument("--requests", type=number("positive_int"), default=320)
-    ap.add_argument("--budget-s", type=number("positive_number"), default=240, help="do not start an engine past this")
+    ap.add_argument("--budget-s", type=number("positive_number"), default=240,
+                    help="seconds from the start: no engine starts in its last 20, none runs past it")
+    ap.add_argument("--parallel", type=number("positive_int"), default=3,
+                    help="engines at once on the GPU (default 3: stock, slots and keep together)")
     ap.add_argument("--invariance", nargs="*", choices=sorted(INVARIANCE_PAIRS), metavar="PAIR",
                     help="also check (f) on stock vLLM: each named pair (default: all of "
                          f"{', '.join(INVARIANCE_PAIRS)}) runs an engine with max_num_seqs 128 and 16")
@@ -418,24 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.work}/requests.json holds {len(requests)} requests, not {args.requests}: remove {args.work}",
               file=sys.stderr)
         return 2
-    notes = []
-    for engine in engine_order(args.engines, args.invariance, v1_runner):
-        left = args.budget_s - (time.time() - start)
-        if left < 20:
-            notes.append(f"{engine}: not run, {left:.0f} s left")
-            continue
-        # an engine that fails must not leave an earlier run's results to be compared
-        (args.out / f"{engine}.json").unlink(missing_ok=True)
-        with open(args.out / f"{engine}.log", "w") as log:
-            try:
-                rc = subprocess.run([sys.executable, "-m", "benchmarks.serving.check_slots", "--engine", engine,
-                                     "--work", str(args.work), "--out", str(args.out), "--weights", args.weights],
-                                    env=engine_env(engine, args.work, dict(os.environ),
-                                                   gridtrim=args.lora_kernels == "gridtrim"), stdout=log,
-                                    stderr=subprocess.STDOUT, timeout=left).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        notes.append(f"{engine}: rc {rc}, {time.time() - start:.0f} s since start")
+    def launch(engine: str, log: IO[str]) -> subprocess.Popen:
+        env = engine_env(engine, args.work, dict(os.environ), gridtrim=args.lora_kernels == "gridtrim")
+        return subprocess.Popen([sys.executable, "-m", "benchmarks.serving.check_slots", "--engine", engine,
+                                 "--work", str(args.work), "--out", str(args.out), "--weights", args.weights],
+                                env=env | compile_cache(args.work, engine), stdout=log, stderr=subprocess.STDOUT)
+
+    engines = engine_order(args.engines, args.invariance, v1_runner)
+    notes = run_engines(engines, launch, args.out, start + args.budget_s, args.parallel)
     rows = compare(args.out, requests)
     summary, passed = tally(rows)
     text = table(rows) + "\n\n" + "\n".join(notes) + f"\n\n{summary}\n"

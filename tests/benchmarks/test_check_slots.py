@@ -3,6 +3,7 @@ fabricated engine results."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 from benchmarks.serving import check_slots
@@ -257,7 +258,7 @@ def test_a_release_difference_at_a_decision_near_tie_passes_and_nothing_else(tmp
 def test_a_failed_engine_leaves_no_earlier_result_to_compare(tmp_path, monkeypatch):
     """Engines whose process fails are compared as missing (rc 1), not with a previous run's files."""
     monkeypatch.setattr(check_slots, "entry_points", lambda group: [SimpleNamespace(name="lorazor")])
-    monkeypatch.setattr(check_slots.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1))
+    monkeypatch.setattr(check_slots.subprocess, "Popen", lambda *a, **k: SimpleNamespace(poll=lambda: 1))
     out, work = tmp_path / "out", tmp_path / "work"
     check_slots.prepare(work, 12)
     out.mkdir()
@@ -265,3 +266,33 @@ def test_a_failed_engine_leaves_no_earlier_result_to_compare(tmp_path, monkeypat
     assert check_slots.main(["--out", str(out), "--work", str(work), "--requests", "12", "--weights", "dummy"]) == 1
     report = (out / "check_slots.md").read_text()
     assert "stock: rc 1" in report and "(a) policy off" not in report and not list(out.glob("*.json"))
+
+
+def test_engines_run_side_by_side_within_the_budget(tmp_path):
+    """Real child processes: at most ``parallel`` at once, in order, each logging to its file; one
+    still running at the deadline is killed, one that would start in the last ``min_left_s`` is not
+    started, and an earlier result file of an engine that runs is removed before it starts."""
+    import subprocess
+    import sys
+
+    started: list[tuple[str, float]] = []
+    naps = {"a": 0.6, "slow": 60, "b": 0.6, "c": 2.0, "late": 0}
+
+    def launch(engine, log):
+        started.append((engine, time.time()))
+        code = f"import time; print('{engine} ran', flush=True); time.sleep({naps[engine]})"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+
+    (tmp_path / "a.json").write_text("{}")  # an earlier run's
+    (tmp_path / "late.json").write_text("{}")
+    t0 = time.time()
+    notes = check_slots.run_engines(list(naps), launch, tmp_path, t0 + 6.0, parallel=2, min_left_s=3.0)
+    took = time.time() - t0
+    first = dict(started)
+    assert list(first) == ["a", "slow", "b", "c"]  # late: c ends at least 3.2 s in, under 3 s before the deadline
+    assert first["slow"] - first["a"] < 0.5 and first["b"] - first["a"] >= 0.5  # b waits for a's place
+    assert [n.split(",")[0] for n in notes] == ["a: rc 0", "slow: rc timeout", "b: rc 0", "c: rc 0", "late: not run"]
+    assert notes[-1].endswith(" s left")
+    assert 5.9 < took < 20  # slow was killed at the deadline, not waited for
+    assert (tmp_path / "a.log").read_text() == "a ran\n" and not (tmp_path / "a.json").exists()
+    assert (tmp_path / "late.json").exists() and not (tmp_path / "late.log").exists()

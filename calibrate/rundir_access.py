@@ -107,20 +107,30 @@ def _read_record(record: Path) -> str:
         os.close(fd)
 
 
-def _holder(record: Path) -> str:
-    """The PID the lock's holder recorded (it records it right after locking)."""
+def _holder_unless_freed(fd: int, record: Path) -> str | None:
+    """The PID the lock's holder recorded (it records it right after locking), waiting up to
+    :data:`PID_WAIT_S` for it; None where the holder let go meanwhile (a short run ends, writing an
+    empty record) and this process took the lock on ``fd``."""
     deadline = time.monotonic() + PID_WAIT_S
     while True:
         text = _read_record(record)
-        if text.isdigit() or time.monotonic() > deadline:
-            return f"PID {text}" if text.isdigit() else "a process that has not written its PID"
+        if text.isdigit():
+            return f"PID {text}"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            pass
+        if time.monotonic() > deadline:
+            return "a process that has not written its PID"
         time.sleep(0.05)
 
 
 def acquire(root: Path, dirs: Iterable[str] = (), need_bytes: int = FREE_SPACE_FLOOR) -> int:
     """Check ``root`` (:func:`check_usable`), lock it for this process and record this process's PID
     in its ``.lock``; return the locked directory's file descriptor (closing it releases the lock).
-    RunDirError if another process holds it."""
+    RunDirError if another process holds it, naming its PID; a holder that lets go while this waits
+    for that PID (:data:`PID_WAIT_S`) hands the lock over instead."""
     check_usable(root, dirs, need_bytes)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -131,9 +141,10 @@ def acquire(root: Path, dirs: Iterable[str] = (), need_bytes: int = FREE_SPACE_F
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        raise RunDirError(f"run directory {root} is in use by another run ({_holder(root / LOCK_FILE)}); wait for it "
-                          f"to finish, or choose another hydra.run.dir.") from None
+        if (holder := _holder_unless_freed(fd, root / LOCK_FILE)) is not None:
+            os.close(fd)
+            raise RunDirError(f"run directory {root} is in use by another run ({holder}); wait for it to finish, "
+                              f"or choose another hydra.run.dir.") from None
     try:
         write_atomic(root / LOCK_FILE, f"{os.getpid()}\n")
     except OSError as err:

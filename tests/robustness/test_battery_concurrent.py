@@ -91,6 +91,44 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     assert (tmp_path / "run" / ".lock").read_text() == ""  # released: nobody's PID
 
 
+# the directory locked, no PID recorded: a holder between its lock and its record, or one whose record
+# was emptied as it let go
+BARE_HOLD = "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n" \
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(float(sys.argv[2]))\n"
+
+
+def _bare_holder(run_dir: Path, seconds: float) -> subprocess.Popen:
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", BARE_HOLD, str(run_dir), str(seconds)], stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_holder_that_lets_go_while_the_pid_is_awaited_hands_the_lock_over(tmp_path: Path) -> None:
+    """Two runs together, the first short: the second, refused at first, waits for the holder's PID
+    and takes the lock once the holder lets go, instead of refusing with no PID to name."""
+    holder = _bare_holder(tmp_path / "run", 0.5)
+    try:
+        with RunDir(tmp_path / "run").locked():
+            assert holder.poll() is not None  # taken only once the holder had gone
+            assert (tmp_path / "run" / ".lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_that_never_records_its_pid_is_named_so(tmp_path: Path) -> None:
+    holder = _bare_holder(tmp_path / "run", 60)
+    try:
+        with pytest.raises(RunDirError, match=r"in use by another run \(a process that has not written its PID\)"):
+            with RunDir(tmp_path / "run").locked():
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # --- a marker whose outputs do not satisfy its stage ------------------------------------------
 
 def _drop_from_marker(run_dir: Path, stage: str, rel: str) -> None:

@@ -274,12 +274,18 @@ def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: R
     development CPU, for ~113 calls per eager step)."""
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
     if torch.compiler.is_compiling():
-        _OPS[name](*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
-                   meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
-                   worklist.tile_tokens, worklist.num_tiles, worklist.positions,
-                   worklist.block_m, *tail)
+        _OPS[name](*op_arguments(head, meta, worklist, tail))
     else:
         _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
+
+
+def op_arguments(head: tuple, meta: LoRABatchMeta, worklist: RowTileWorklist, tail: tuple) -> tuple:
+    """The flat arguments of ``torch.ops.lorazor.<name>`` (its schema's order), as a compiled graph
+    passes them at run time: ``head`` (y, x, then the weight sequences as lists), the metadata and
+    work-list tensors, ``block_m``, then ``tail``."""
+    return (*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
+            meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
+            worklist.tile_tokens, worklist.num_tiles, worklist.positions, worklist.block_m, *tail)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
@@ -442,7 +448,7 @@ def _op_impl(name: str) -> Callable[..., None]:
         tail = args[n_head + _N_META + 1:]
         if name == OP_NAME:  # the layer's cached plan, as the eager path reads it (the traced call was eligible)
             y, x, lora_a, lora_b = args[:4]
-            widths = tuple(as_3d(b).shape[1] for b in lora_b)
+            widths = tuple(b.shape[-2] for b in lora_b)  # [L, (1,) out, rank], eligible when traced
             extra = {"config": _linear_plan(y, x, lora_a, lora_b, widths, tail[1])[1]}
         else:
             extra = {}

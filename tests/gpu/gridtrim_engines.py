@@ -5,11 +5,16 @@ Every 5th request runs without an adapter, so batches mix adapter rows and rows 
 engines run, each in its own process (``python -m tests.gpu.gridtrim_engines --phase ...``), on
 the same requests (greedy, ``ignore_eos``, ``logprobs=5``):
 
-- ``stock``: no ``LORAZOR_*`` variable: vLLM's runner and ``PunicaWrapperGPU``, decode CUDA graphs,
-  ``specialize_active_lora``. It also runs every request without an adapter, to size the
-  adapters' effect.
+- ``stock``: no ``LORAZOR_*`` variable: vLLM's runner and ``PunicaWrapperGPU``. It also runs every
+  request without an adapter, to size the adapters' effect.
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1``: ``GridTrimPunicaWrapper`` (LoRA linears on the work-list
-  kernels), the same options but ``specialize_active_lora=False``.
+  kernels, through the custom ops under torch.compile).
+
+Phases ending in ``-defaults`` run both with vLLM's defaults (torch.compile in its default
+CUDA-graph mode, async scheduling, prefix caching; ``release_engines.engine_options``), the test's
+main line; the others with ``release_engines.ENGINE``'s decode CUDA graphs, synchronous and
+without torch.compile, stock with ``specialize_active_lora``, the second line that tensor
+parallelism runs.
 
 Both pin vLLM's shrink to split_k=1, so the stock side is deterministic. Dummy weights give
 near-flat logits and near-ties, and the two sides sum in different orders, so identical tokens
@@ -32,20 +37,33 @@ from tests.gpu import release_engines
 BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
 TOP_LOGPROBS = 5
 MODES = ("stock", "gridtrim")
+DEFAULTS = "-defaults"  # phase suffix: vLLM's defaults
 
 
 def uses_adapter(i: int) -> bool:
     return i % BASE_EVERY != BASE_EVERY - 1
 
 
-def serve(mode: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_sharded: bool = False) -> None:
+def phases(defaults: bool) -> list[str]:
+    """The two engines' phase names, with vLLM's defaults or on the second line."""
+    return [mode + (DEFAULTS if defaults else "") for mode in MODES]
+
+
+def options(mode: str, defaults: bool, tp: int, fully_sharded: bool) -> dict:
+    """The engine's ``LLM`` options: vLLM's defaults, or the second line's (stock with vLLM's
+    adapter-count graphs, which GridTrim does not read)."""
+    opts = release_engines.engine_options(tp, fully_sharded, defaults)
+    return opts if defaults else opts | {"specialize_active_lora": mode == "stock"}
+
+
+def serve(phase: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_sharded: bool = False) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    mode, defaults = phase.removesuffix(DEFAULTS), phase.endswith(DEFAULTS)
     requests = json.loads((work / "requests.json").read_text())[:n_requests]
     t0 = time.time()
-    llm = LLM(model=str(work / "model"), **{**release_engines.engine_options(tp, fully_sharded),
-                                            "specialize_active_lora": mode == "stock"})
+    llm = LLM(model=str(work / "model"), **options(mode, defaults, tp, fully_sharded))
     per_rank = llm.collective_rpc(engine_classes)
     for classes in per_rank:  # every rank, not only rank 0
         check_engine_classes(mode, classes)
@@ -68,7 +86,7 @@ def serve(mode: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_
     result["mixed_s"] = time.time() - t
     if mode == "stock":
         result["base"] = run(False)
-    (out / f"{mode}.json").write_text(json.dumps(result))
+    (out / f"{phase}.json").write_text(json.dumps(result))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -107,9 +125,11 @@ def compare(ref: list[dict], other: list[dict], subset: list[int]) -> dict:
             "first_missing": missing, "first_missing_bound": bound, "prefix_max": along}
 
 
-def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
-    stock = json.loads((out / "stock.json").read_text())
-    grid = json.loads((out / "gridtrim.json").read_text())
+def report(out: Path, n_requests: int, tol: float, defaults: bool = False) -> tuple[str, bool]:
+    """The check rows and the pass verdict of the two engines of one line (module doc)."""
+    stock_phase, grid_phase = phases(defaults)
+    stock = json.loads((out / f"{stock_phase}.json").read_text())
+    grid = json.loads((out / f"{grid_phase}.json").read_text())
     lora = [i for i in range(n_requests) if uses_adapter(i)]
     base = [i for i in range(n_requests) if not uses_adapter(i)]
     g_lora = compare(stock["mixed"], grid["mixed"], lora)
@@ -140,9 +160,11 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
         f"| for scale: stock without adapters vs stock with (the adapters' effect) | {effect['requests']} | "
         f"{fmt(effect)} |",
         "",
-        f"tensor_parallel_size={grid.get('ranks', 1)}; requests: {n_requests} (every {BASE_EVERY}th without adapter), "
-        f"{sum(len(r['tokens']) for r in stock['mixed'])} output tokens; start-up: stock {stock['startup_s']:.0f} s, gridtrim {grid['startup_s']:.0f} s; generate: "
-        f"stock {stock['mixed_s']:.1f} s, gridtrim {grid['mixed_s']:.1f} s",
+        f"{'vLLM defaults' if defaults else 'second line'}; tensor_parallel_size={grid.get('ranks', 1)}; "
+        f"requests: {n_requests} (every {BASE_EVERY}th without adapter), "
+        f"{sum(len(r['tokens']) for r in stock['mixed'])} output tokens; "
+        f"start-up: stock {stock['startup_s']:.0f} s, gridtrim {grid['startup_s']:.0f} s; "
+        f"generate: stock {stock['mixed_s']:.1f} s, gridtrim {grid['mixed_s']:.1f} s",
     ]
     (out / "results.json").write_text(json.dumps({"gridtrim_vs_stock_lora": g_lora, "gridtrim_vs_stock_base": g_base,
                                                   "adapter_effect": effect, "classes": {
@@ -152,8 +174,8 @@ def report(out: Path, n_requests: int, tol: float) -> tuple[str, bool]:
 
 
 def main() -> None:
-    args = release_engines.engine_arguments("one engine of the GridTrim test, in this process", list(MODES),
-                                            requests=int)
+    args = release_engines.engine_arguments("one engine of the GridTrim test, in this process",
+                                            phases(False) + phases(True), requests=int)
     serve(args.phase, args.work, args.out, args.requests, args.tensor_parallel_size, args.fully_sharded_loras)
 
 

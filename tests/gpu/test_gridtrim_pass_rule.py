@@ -48,3 +48,25 @@ def test_a_present_first_token_with_a_large_difference_fails(tmp_path):
     _write(tmp_path, stock, grid)
     _, ok = check.report(tmp_path, N, tol=0.05)
     assert not ok
+
+
+def test_the_defaults_line_reads_its_own_engines_files(tmp_path):
+    # the second line's files pass; the defaults line's engines differ on request 0: only it fails
+    _write(tmp_path, FILL + [_response(1, TOP)], FILL + [_response(1, TOP)])
+    for mode, mixed in (("stock", [_response(1, TOP)] + FILL), ("gridtrim", [_response(1, {**TOP, 1: -10.2})] + FILL)):
+        data = json.loads((tmp_path / f"{mode}.json").read_text()) | {"mixed": mixed}
+        (tmp_path / f"{mode}{check.DEFAULTS}.json").write_text(json.dumps(data))
+    assert check.report(tmp_path, N, tol=0.05)[1]
+    text, ok = check.report(tmp_path, N, tol=0.05, defaults=True)
+    assert not ok and "vLLM defaults" in text
+
+
+def test_the_defaults_line_runs_vllms_defaults_and_the_second_line_its_own_settings():
+    for mode in check.MODES:
+        opts = check.options(mode, defaults=True, tp=1, fully_sharded=False)
+        assert "compilation_config" not in opts and "specialize_active_lora" not in opts
+        assert opts["async_scheduling"] and opts["enable_prefix_caching"]
+        second = check.options(mode, defaults=False, tp=1, fully_sharded=False)
+        assert second["compilation_config"]["mode"] == 0 and not second["async_scheduling"]
+        assert second["specialize_active_lora"] is (mode == "stock")
+    assert check.phases(True) == ["stock-defaults", "gridtrim-defaults"]

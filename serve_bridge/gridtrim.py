@@ -376,7 +376,7 @@ _META = ("Tensor token_lora_mapping, Tensor token_indices_sorted, Tensor num_tok
          "Tensor positions, int block_m")
 # Each op mutates y in place (``Tensor(a!)``) and returns nothing, so torch.compile functionalizes
 # the call and keeps it opaque; the fake kernel (:func:`_fake`) has nothing to allocate.
-_SCHEMAS = {
+OP_SCHEMAS = {
     OP_NAME: (f"{OP_NAME}(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, {_META}, float scale, "
               "int offset_start, bool add_inputs, int num_programs) -> ()"),
     SHRINK_OP: f"{SHRINK_OP}(Tensor(a!) y, Tensor x, Tensor[] lora_a, {_META}, float scale, int num_programs) -> ()",
@@ -469,15 +469,15 @@ def _register() -> dict[str, Any]:
     forward (Dynamo refuses to trace ``torch.library.Library``). An op already defined in this
     process (the module imported again under another name) is kept."""
     global _LIB
-    missing = [n for n in _SCHEMAS if not hasattr(torch.ops.lorazor, n)]
+    missing = [n for n in OP_SCHEMAS if not hasattr(torch.ops.lorazor, n)]
     if missing:
         _LIB = torch.library.Library("lorazor", "FRAGMENT")  # the ops live as long as this object
         for name in missing:
-            _LIB.define(_SCHEMAS[name])
+            _LIB.define(OP_SCHEMAS[name])
             for key in ("CPU", "CUDA"):
                 _LIB.impl(name, _op_impl(name), key)
             torch.library.register_fake(f"lorazor::{name}", _fake, lib=_LIB)
-    return {name: getattr(torch.ops.lorazor, name) for name in _SCHEMAS}
+    return {name: getattr(torch.ops.lorazor, name) for name in OP_SCHEMAS}
 
 
 _LIB: torch.library.Library | None = None

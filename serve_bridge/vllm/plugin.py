@@ -49,12 +49,15 @@ def register() -> None:
 
 
 def install_gridtrim() -> None:
-    """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER` (idempotent).
+    """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER`, and key vLLM's
+    compile cache by it (:mod:`serve_bridge.vllm.compile_cache`); idempotent.
 
     The classmethod is replaced on the platform's class, so every reference to the platform sees it
     (docs/vllm_integration.md §4).
     """
     from vllm.platforms import current_platform
+
+    from serve_bridge.vllm import compile_cache
 
     if not current_platform.is_cuda():
         raise BridgeError(f"LoRazor GridTrim ({GRIDTRIM_ENV} is on) runs Triton kernels on NVIDIA GPUs only, "
@@ -62,3 +65,4 @@ def install_gridtrim() -> None:
     cls = type(current_platform)
     if cls.get_punica_wrapper() != GRIDTRIM_WRAPPER:
         cls.get_punica_wrapper = classmethod(lambda _cls: GRIDTRIM_WRAPPER)
+    compile_cache.install(GRIDTRIM_WRAPPER)

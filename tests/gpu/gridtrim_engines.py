@@ -56,6 +56,13 @@ def options(mode: str, defaults: bool, tp: int, fully_sharded: bool) -> dict:
     return opts if defaults else opts | {"specialize_active_lora": mode == "stock"}
 
 
+def aot_keys(cache_root: Path) -> set[str]:
+    """The keys under which an engine with ``VLLM_CACHE_ROOT=cache_root`` saved its compiled model
+    (vLLM's AOT compile cache, ``compilation/decorators.py:556-580`` of 0.33.0 and 0.34.0)."""
+    aot = cache_root / "torch_compile_cache" / "torch_aot_compile"
+    return {p.name for p in aot.iterdir() if p.is_dir()} if aot.is_dir() else set()
+
+
 def serve(phase: str, work: Path, out: Path, n_requests: int, tp: int = 1, fully_sharded: bool = False) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest

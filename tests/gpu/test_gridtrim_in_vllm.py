@@ -5,8 +5,11 @@ eager, synchronous second line (engines and pass rule: ``tests/gpu/gridtrim_engi
 1.5 minutes per line on one H200."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from benchmarks.serving.placement import compile_cache
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
 from tests.gpu.harness import Phase, needs_gpus, run_phases
@@ -39,3 +42,7 @@ def test_gridtrim_logprobs_match_stock(tp, sharded, defaults, vllm_env, tmp_path
                 for phase in engines.phases(defaults)], ENGINE_TIMEOUT_S)
     text, ok = engines.report(out, N_REQUESTS, TOLERANCE, defaults)
     assert ok, text
+    if defaults:  # each engine saved its compiled model under vLLM's AOT key; GridTrim's is not stock's
+        keys = {phase: engines.aot_keys(Path(compile_cache(tmp_path, phase)["VLLM_CACHE_ROOT"]))
+                for phase in engines.phases(defaults)}
+        assert all(keys.values()) and not set.intersection(*keys.values()), keys

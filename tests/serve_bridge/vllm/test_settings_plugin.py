@@ -10,7 +10,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.vllm import lora_manager, plugin, versions
+from serve_bridge.vllm import compile_cache, lora_manager, plugin, versions
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env, parse_adapters,
                                         refuse)
 from tests.serve_bridge.vllm.stubs import fake_lora_managers
@@ -205,6 +205,12 @@ def _fake_vllm(monkeypatch, platform_cls, version="0.26.0"):
     platforms.current_platform = platform_cls()
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    compilation, caching = ModuleType("vllm.compilation"), ModuleType("vllm.compilation.caching")
+    # vLLM's own factors: its environment's and its config's hashes (compilation/caching.py)
+    caching.aot_compile_hash_factors = lambda vllm_config: ["env-hash", f"config-hash:{vllm_config}"]
+    compilation.caching = caching
+    monkeypatch.setitem(sys.modules, "vllm.compilation", compilation)
+    monkeypatch.setitem(sys.modules, "vllm.compilation.caching", caching)
     if versions.has_v1_runner(version):
         v1 = ModuleType("vllm.v1.worker.gpu_model_runner")
         v1.GPUModelRunner = type("GPUModelRunner", (), {})
@@ -236,6 +242,22 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch, version):
     plugin.register()  # idempotent
     assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
     assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class
+    # vLLM's compile-cache key gains the wrapper, once
+    factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
+    assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER)]
+
+
+def test_compile_cache_factor_names_the_wrapper_and_its_ops(monkeypatch):
+    """The factor changes with the wrapper and with any op schema, so a stock engine's compiled model
+    (or one of an older GridTrim) is never loaded by a GridTrim engine, nor GridTrim's by stock."""
+    from serve_bridge import gridtrim
+
+    factor = compile_cache.factor(plugin.GRIDTRIM_WRAPPER)
+    assert plugin.GRIDTRIM_WRAPPER in factor
+    assert compile_cache.factor("vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU") != factor
+    name = sorted(gridtrim.OP_SCHEMAS)[0]
+    monkeypatch.setitem(gridtrim.OP_SCHEMAS, name, gridtrim.OP_SCHEMAS[name].replace("-> ()", ", int extra) -> ()"))
+    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER) != factor
 
 
 def test_register_gridtrim_refuses_non_cuda(monkeypatch):
@@ -244,6 +266,7 @@ def test_register_gridtrim_refuses_non_cuda(monkeypatch):
     with pytest.raises(BridgeError, match="NVIDIA GPUs only.*CpuPlatform.*unset LORAZOR_GRIDTRIM"):
         plugin.register()
     assert platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER
+    assert sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg") == ["env-hash", "config-hash:cfg"]
 
 
 @pytest.mark.parametrize("version, v2_runner, message", [
@@ -308,3 +331,5 @@ def test_register_installs_the_release_scheduler_with_a_bundle(monkeypatch, slot
     assert calls == [runner, "scheduler", "prefix_cache"]  # LORAZOR_SLOTS=0 only stops hand-back
     if version == "0.33.0":  # vLLM falls back to V1 for features V2 lacks; 0.34 has no V1 (and nothing is imported)
         assert sys.modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner.lorazor_refused
+    # StepTrim alone leaves the compiled model stock's, and so vLLM's compile-cache key
+    assert sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg") == ["env-hash", "config-hash:cfg"]

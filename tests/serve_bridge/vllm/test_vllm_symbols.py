@@ -117,6 +117,7 @@ SIGNATURES = {
     "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["request"],
     "vllm.v1.core.sched.scheduler:Scheduler._free_request": ["request", "delay_free_blocks"],
     "vllm.config.scheduler:SchedulerConfig.get_scheduler_cls": [],
+    "vllm.compilation.caching:aot_compile_hash_factors": ["vllm_config"],
 }
 
 
@@ -268,6 +269,15 @@ def test_attributes_set_where_the_hooks_expect_them(path, fragments):
     source = inspect.getsource(_attr(path))
     missing = [f for f in fragments if f not in source]
     assert not missing, f"{path} no longer sets {missing}"
+
+
+def test_compile_cache_factors_are_read_at_call_time():
+    """The compiled model imports ``aot_compile_hash_factors`` when it compiles (docs/vllm_integration.md
+    §4b), so GridTrim's wrapper of the caching module's function is the one it calls."""
+    from vllm.compilation import decorators
+
+    assert "\n            from .caching import aot_compile_hash_factors\n" in inspect.getsource(decorators)
+    assert not hasattr(decorators, "aot_compile_hash_factors")
 
 
 def test_block_pool_imports_the_extra_keys_function_by_name():

@@ -71,12 +71,17 @@ def model_for(tp: int) -> dict:
 def engine_options(tp: int = 1, fully_sharded: bool = False, defaults: bool = False) -> dict:
     """ENGINE, with ``tensor_parallel_size`` and vLLM's ``fully_sharded_loras`` when asked; with
     ``defaults``, vLLM's own compilation, CUDA-graph mode, async scheduling, prefix caching and
-    adapter-count graphs in place of ENGINE's."""
+    adapter-count graphs in place of ENGINE's (synchronous on 0.26's V1 runner, as the plugin
+    serves it there: docs/serving.md)."""
+    from serve_bridge.vllm import versions
+
     opts = dict(ENGINE)
     if defaults:
         for key in ("compilation_config", "specialize_active_lora"):
             del opts[key]
-        opts |= {"enable_prefix_caching": True, "async_scheduling": True}
+        version = versions.installed_version()  # read without importing vLLM
+        v1_runner = version in versions.SEAMS and versions.seam(version).RUNNER == "V1"
+        opts |= {"enable_prefix_caching": True, "async_scheduling": not v1_runner}
     if tp > 1:
         opts["tensor_parallel_size"] = tp
     if fully_sharded:

@@ -70,3 +70,12 @@ def test_the_defaults_line_runs_vllms_defaults_and_the_second_line_its_own_setti
         assert second["compilation_config"]["mode"] == 0 and not second["async_scheduling"]
         assert second["specialize_active_lora"] is (mode == "stock")
     assert check.phases(True) == ["stock-defaults", "gridtrim-defaults"]
+
+
+@pytest.mark.parametrize("version, asynchronous", [("0.34.0", True), ("0.33.0", True), ("0.26.0", False)])
+def test_the_defaults_line_schedules_as_the_plugin_serves_each_line(monkeypatch, version, asynchronous):
+    """0.26's V1 runner is served synchronously (docs/serving.md); the V2 lines asynchronously, vLLM's default."""
+    from serve_bridge.vllm import versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda: version)
+    assert check.options("gridtrim", defaults=True, tp=1, fully_sharded=False)["async_scheduling"] is asynchronous

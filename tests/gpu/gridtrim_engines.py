@@ -33,11 +33,13 @@ from pathlib import Path
 
 from benchmarks.serving.bench import check_engine_classes, engine_classes
 from tests.gpu import release_engines
+from tests.gpu.harness import Phase
 
 BASE_EVERY = 5  # request i runs without an adapter when i % BASE_EVERY == BASE_EVERY - 1
 TOP_LOGPROBS = 5
 MODES = ("stock", "gridtrim")
 DEFAULTS = "-defaults"  # phase suffix: vLLM's defaults
+TOLERANCE = 0.05  # the pass rule's largest first-token |Δ logprob|
 
 
 def uses_adapter(i: int) -> bool:
@@ -54,6 +56,18 @@ def options(mode: str, defaults: bool, tp: int, fully_sharded: bool) -> dict:
     adapter-count graphs, which GridTrim does not read)."""
     opts = release_engines.engine_options(tp, fully_sharded, defaults)
     return opts if defaults else opts | {"specialize_active_lora": mode == "stock"}
+
+
+def phase(name: str, work: Path, base_env: dict[str, str], n_requests: int, tp: int = 1,
+          fully_sharded: bool = False) -> Phase:
+    """The engine process of phase ``name`` on ``release_engines.prepare``'s ``work``: its results under
+    ``work/out``, its log ``work/<name>.log``; ``base_env`` with the pinned shrink config, and
+    ``LORAZOR_GRIDTRIM=1`` for the gridtrim phases."""
+    args = ["--phase", name, "--work", str(work), "--out", str(work / "out"), "--requests", str(n_requests),
+            "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if fully_sharded else [])
+    env = release_engines.phase_env(work, base_env, "stock")
+    return Phase(__name__, args, env | ({"LORAZOR_GRIDTRIM": "1"} if name.startswith("gridtrim") else {}),
+                 work / f"{name}.log")
 
 
 def aot_keys(cache_root: Path) -> set[str]:

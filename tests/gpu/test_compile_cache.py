@@ -9,28 +9,25 @@ import pytest
 
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
-from tests.gpu.harness import run_phase
+from tests.gpu.harness import run_phases
 
 pytestmark = pytest.mark.gpu
 
 N_REQUESTS = 64
-TOLERANCE = 0.05  # largest first-token |Δ logprob|, as test_gridtrim_in_vllm
 ENGINE_TIMEOUT_S = 400
 LOADED = "Directly load AOT compilation"  # vLLM's log line for a compiled model taken from the cache
 
 
 def test_gridtrim_after_stock_compiles_its_own_model(vllm_env, tmp_path):
     release_engines.prepare(tmp_path, N_REQUESTS, release_engines.model_for(1))
-    out, cache = tmp_path / "out", tmp_path / "vllm-cache"
-    env = release_engines.phase_env(tmp_path, vllm_env, "stock") | {"VLLM_CACHE_ROOT": str(cache)}
-    args = ["--work", str(tmp_path), "--out", str(out), "--requests", str(N_REQUESTS), "--tensor-parallel-size", "1"]
-    stock, gridtrim = engines.phases(defaults=True)
-    run_phase("tests.gpu.gridtrim_engines", ["--phase", stock, *args], env, tmp_path / f"{stock}.log", ENGINE_TIMEOUT_S)
+    cache = tmp_path / "vllm-cache"
+    env = vllm_env | {"VLLM_CACHE_ROOT": str(cache)}
+    stock, gridtrim = (engines.phase(name, tmp_path, env, N_REQUESTS) for name in engines.phases(defaults=True))
+    run_phases([stock], ENGINE_TIMEOUT_S)
     assert len(engines.aot_keys(cache)) == 1, "stock saved no compiled model: vLLM's AOT compile cache is off"
-    run_phase("tests.gpu.gridtrim_engines", ["--phase", gridtrim, *args], env | {"LORAZOR_GRIDTRIM": "1"},
-              tmp_path / f"{gridtrim}.log", ENGINE_TIMEOUT_S)
-    log = (tmp_path / f"{gridtrim}.log").read_text(errors="replace")
+    run_phases([gridtrim], ENGINE_TIMEOUT_S)
+    log = gridtrim.log.read_text(errors="replace")
     assert LOADED not in log, [line for line in log.splitlines() if LOADED in line]
     assert len(engines.aot_keys(cache)) == 2, engines.aot_keys(cache)
-    text, ok = engines.report(out, N_REQUESTS, TOLERANCE, True)
+    text, ok = engines.report(tmp_path / "out", N_REQUESTS, engines.TOLERANCE, True)
     assert ok, text

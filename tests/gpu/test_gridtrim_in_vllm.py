@@ -12,12 +12,11 @@ import pytest
 from benchmarks.serving.placement import compile_cache
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
-from tests.gpu.harness import Phase, needs_gpus, run_phases
+from tests.gpu.harness import needs_gpus, run_phases
 
 pytestmark = pytest.mark.gpu
 
 N_REQUESTS = 128
-TOLERANCE = 0.05  # largest first-token |Δ logprob|
 ENGINE_TIMEOUT_S = 400
 
 
@@ -32,15 +31,9 @@ def test_gridtrim_logprobs_match_stock(tp, sharded, defaults, vllm_env, tmp_path
         if versions.current().RUNNER != "V2":
             pytest.skip("vLLM's defaults (async scheduling) are served by the V2 runner (vLLM 0.33 and 0.34)")
     release_engines.prepare(tmp_path, N_REQUESTS, release_engines.model_for(tp))
-    out = tmp_path / "out"
-    env = release_engines.phase_env(tmp_path, vllm_env, "stock")
-    args = ["--work", str(tmp_path), "--out", str(out), "--requests", str(N_REQUESTS),
-            "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if sharded else [])
-    run_phases([Phase("tests.gpu.gridtrim_engines", ["--phase", phase, *args],
-                      env | ({"LORAZOR_GRIDTRIM": "1"} if phase.startswith("gridtrim") else {}),
-                      tmp_path / f"{phase}.log")
+    run_phases([engines.phase(phase, tmp_path, vllm_env, N_REQUESTS, tp, sharded)
                 for phase in engines.phases(defaults)], ENGINE_TIMEOUT_S)
-    text, ok = engines.report(out, N_REQUESTS, TOLERANCE, defaults)
+    text, ok = engines.report(tmp_path / "out", N_REQUESTS, engines.TOLERANCE, defaults)
     assert ok, text
     if defaults:  # each engine saved its compiled model under vLLM's AOT key; GridTrim's is not stock's
         keys = {phase: engines.aot_keys(Path(compile_cache(tmp_path, phase)["VLLM_CACHE_ROOT"]))

@@ -79,3 +79,14 @@ def test_the_defaults_line_schedules_as_the_plugin_serves_each_line(monkeypatch,
 
     monkeypatch.setattr(versions, "installed_version", lambda: version)
     assert check.options("gridtrim", defaults=True, tp=1, fully_sharded=False)["async_scheduling"] is asynchronous
+
+
+def test_each_phase_runs_its_engine_with_its_switch(tmp_path):
+    for defaults in (False, True):
+        stock, grid = (check.phase(name, tmp_path, {"BASE": "1"}, 64, tp=2, fully_sharded=True)
+                       for name in check.phases(defaults))
+        assert "LORAZOR_GRIDTRIM" not in stock.env and grid.env["LORAZOR_GRIDTRIM"] == "1"
+        assert stock.env["BASE"] == grid.env["BASE"] == "1" and "VLLM_TUNED_CONFIG_FOLDER" in grid.env
+        assert grid.module == "tests.gpu.gridtrim_engines" and grid.log == tmp_path / f"{check.phases(defaults)[1]}.log"
+        assert grid.args[:2] == ["--phase", check.phases(defaults)[1]] and grid.args[-3:] == [
+            "--tensor-parallel-size", "2", "--fully-sharded-loras"]

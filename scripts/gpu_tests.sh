@@ -11,7 +11,8 @@
 #   JOBS=N bash scripts/gpu_tests.sh ...                  at most N files at a time (default: all at once;
 #                                                         each file's engine holds its 4 GiB KV cache plus
 #                                                         its weights and workspace: on a small GPU, fewer)
-# Writes OUT_DIR/<file>.txt, each file's pytest output, and OUT_DIR/<file>.rc, its exit code.
+# Writes OUT_DIR/<file>.txt, each file's pytest output (with what passed tests printed: their figures), and
+# OUT_DIR/<file>.rc, its exit code.
 # test_readme_serve reads make demo's run (LORAZOR_DEMO_RUN, default runs/mix-smollm2-demo), test_learned_real
 # an arith run (LORAZOR_ARITH_RUN, default runs/arith-smollm2-arith-demo); each skips without its run.
 set -uo pipefail
@@ -32,7 +33,7 @@ for f in "${files[@]}"; do
     name=$(basename "$f" .py)
     rm -f "$out/$name.rc"
     while [ "$jobs_max" -gt 0 ] && [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
-    (python3 -m pytest -p no:cacheprovider -rs -m "$mark" "$f" > "$out/$name.txt" 2>&1; echo $? > "$out/$name.rc") &
+    (python3 -m pytest -p no:cacheprovider -rsP -m "$mark" "$f" > "$out/$name.txt" 2>&1; echo $? > "$out/$name.rc") &
 done
 wait
 rc=0

@@ -16,13 +16,20 @@ server in its own process group (``python -m tests.gpu.readme_serve --server NAM
   keys), the adapters served under names the bundle lacks (policy off): the same requests.
 
 One request at a time is the batch-invariant setting: every step then holds one request in both
-servers. Batches sent over HTTP are not: the engine core steps on whatever requests have reached it,
-so two servers split one ``/v1/completions`` call into steps differently, and vLLM's numerics depend
-on the batch (2026-12-05, vLLM 0.34.0 on an H100: batched, policy off equalled stock on 415 of 416
-requests). Batched policy off against stock, with one schedule for both engines, is check_slots'
-check (a) and ``test_release_defaults``. Beside the command the servers get only what sharing a GPU
-and reading the counters need: a free port, a tenth of the GPU and a 4 GiB KV cache
-(``check_slots.ENGINE_MEMORY``), and ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc``.
+servers (batches sent over HTTP are split into steps by arrival, differently in two servers). It is
+not a bitwise-reproducible one for stock vLLM's LoRA kernels: their shrink splits K into partials
+summed with atomic adds (split_k 64 below 128 rows, ``lora/ops/triton_ops/utils.py:218``,
+``kernel_utils.py:356``, 0.33.0 and 0.34.0), in whatever order the GPU finishes them, so two runs of
+the same request may flip a token where the logits nearly tie (2026-12-06, vLLM 0.34.0 on an H100,
+commit 34a6c2d: policy off equalled stock on 415 of 416 requests one at a time; that run kept no
+logprobs to tell whether the other one was such a near-tie). The ``stock`` and
+``off`` servers therefore also return each position's most likely tokens, and the test allows a
+near-tie (``check_slots.divergence``) but no far difference. Batched policy off against stock, with one
+schedule for both engines, is check_slots' check (a) and ``test_release_defaults``.
+
+Beside the command the servers get only what sharing a GPU and reading the counters need: a free
+port, a tenth of the GPU and a 4 GiB KV cache (``check_slots.ENGINE_MEMORY``), and
+``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc``.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving.check_slots import ENGINE_MEMORY
+from benchmarks.serving.check_slots import ENGINE_MEMORY, TOP_LOGPROBS
 from benchmarks.serving.vllm_server import free_port, http_json, start_server, stop_server, wait_ready
 from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments
 from tests.gpu.real_engines import backbone_dir
@@ -80,16 +87,29 @@ def requests(model_dir: str, splits: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def complete(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-             stop_ids: list[int]) -> tuple[str, list[list[int]]]:
-    """One ``/v1/completions`` call for ``prompts`` (token ids), greedy: (its id, tokens per prompt)."""
+def complete(url: str, model: str, prompts: list[list[int]], max_tokens: int, stop_ids: list[int],
+             top: int = 0) -> tuple[str, list[list[int]], list[list[list[int]]]]:
+    """One ``/v1/completions`` call for ``prompts`` (token ids), greedy: (its id, tokens per prompt,
+    per prompt and position the ``top`` most likely token ids, none when ``top`` is 0)."""
     body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
             "stop_token_ids": stop_ids, "return_token_ids": True}
+    if top:
+        body |= {"logprobs": top, "return_tokens_as_token_ids": True}
     resp = http_json(url + "/v1/completions", body, timeout_s=600)
     tokens: list[list[int]] = [[] for _ in prompts]
+    tops: list[list[list[int]]] = [[] for _ in prompts]
     for choice in resp["choices"]:
         tokens[choice["index"]] = choice["token_ids"]
-    return resp["id"], tokens
+        if top:
+            tops[choice["index"]] = top_token_ids(choice["logprobs"]["top_logprobs"])
+    return resp["id"], tokens, tops
+
+
+def top_token_ids(top_logprobs: list[dict[str, float] | None]) -> list[list[int]]:
+    """A completion choice's ``top_logprobs`` under ``return_tokens_as_token_ids`` (keys
+    ``token_id:<id>``, ``format_token_id_placeholder`` in ``entrypoints/generate/base/serving.py``
+    of 0.33.0 and 0.34.0) as token ids per position, most likely first as vLLM lists them."""
+    return [[int(key.rsplit(":", 1)[1]) for key in position or {}] for position in top_logprobs]
 
 
 def rpc(url: str, method: str, **kwargs: Any) -> Any:
@@ -103,15 +123,21 @@ def releases(records: list[dict[str, Any]], ids: list[str]) -> list[int | None]:
     return [by_prefix.get(f"{call}-0") for call in ids]
 
 
-def alone(url: str, reqs: dict[str, Any], adapter: str, model: str) -> tuple[list[str], list[list[int]]]:
-    """``adapter``'s prompts one call each, served as ``model``: the calls' ids and tokens."""
-    calls = [complete(url, model, [p], reqs["max_tokens"][adapter], reqs["stop_ids"]) for p in reqs["prompts"][adapter]]
-    return [call for call, _ in calls], [toks for _, (toks,) in calls]
+def alone(url: str, reqs: dict[str, Any], adapter: str, model: str,
+          top: int = 0) -> tuple[list[str], list[list[int]], list[list[list[int]]]]:
+    """``adapter``'s prompts one call each, served as ``model``: the calls' ids, tokens and most
+    likely tokens (:func:`complete`)."""
+    calls = [complete(url, model, [p], reqs["max_tokens"][adapter], reqs["stop_ids"], top)
+             for p in reqs["prompts"][adapter]]
+    return [call for call, _, _ in calls], [toks for _, (toks,), _ in calls], [t for _, _, (t,) in calls]
 
 
 def tokens_alone(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
-    """Every prompt alone, adapter after adapter: tokens per adapter."""
-    return {"tokens": {adapter: alone(url, reqs, adapter, model_of[adapter])[1] for adapter in reqs["prompts"]}}
+    """Every prompt alone, adapter after adapter: tokens per adapter and, for the near-tie test
+    (``check_slots.divergence``), each position's TOP_LOGPROBS most likely tokens."""
+    runs = {adapter: alone(url, reqs, adapter, model_of[adapter], TOP_LOGPROBS) for adapter in reqs["prompts"]}
+    return {"tokens": {adapter: run[1] for adapter, run in runs.items()},
+            "top": {adapter: run[2] for adapter, run in runs.items()}}
 
 
 def one_by_one(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
@@ -120,7 +146,7 @@ def one_by_one(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict
     out: dict[str, Any] = {"tokens": {}, "release": {}}
     rpc(url, "lorazor_requests", clear="true")
     for adapter in reqs["prompts"]:
-        ids, out["tokens"][adapter] = alone(url, reqs, adapter, model_of[adapter])
+        ids, out["tokens"][adapter], _ = alone(url, reqs, adapter, model_of[adapter])
         out["release"][adapter] = releases(rpc(url, "lorazor_requests", clear="true"), ids)
     out["counters"] = rpc(url, "lorazor_counters")
     out["prefix_cache"] = rpc(url, "lorazor_prefix_cache")

@@ -8,9 +8,10 @@ test splits), in bf16 on the same GPU, each engine in its own process
 - ``hf``: the calibration engine (``labeling.engines.hf``) generates full LoRA, then with the
   bundle's StepTrim (release points), then full LoRA again with the heads as a scorer, which
   gives s_t along the full-LoRA trajectory (equal to the released one up to its release).
-- ``vllm``: a supported vLLM with the plugin (``LORAZOR_BUNDLE``) and vLLM's defaults, stock LoRA kernels. The adapter is
-  served twice: as ``arith-a`` (the bundle's learned policy) and as ``arith-a-full`` (absent from
-  the bundle, hence full LoRA). Release points come from the runtime's request records.
+- ``vllm``: a supported vLLM with the plugin (``LORAZOR_BUNDLE``) and vLLM's defaults, stock LoRA
+  kernels. The adapter is served twice: as ``arith-a`` (the bundle's learned policy) and as
+  ``arith-a-full`` (absent from the bundle, hence full LoRA). Release points come from the
+  runtime's request records.
 - ``gridtrim``: the same with ``LORAZOR_GRIDTRIM=1``.
 - ``server``: the gridtrim configuration behind ``vllm serve`` (``--worker-extension-cls
   serve_bridge.vllm.rpc.LoRazorWorkerExtension``, ``VLLM_SERVER_DEV_MODE=1``): one ``POST
@@ -20,8 +21,8 @@ test splits), in bf16 on the same GPU, each engine in its own process
 engine, stock and GridTrim kernels, the offline engine and the server) where their bf16 kernels
 (different reduction orders) move s_t across τ: the row passes when at least
 :data:`MIN_AGREEMENT` of the requests agree and every other one is explained, either by a score
-within :data:`MARGIN` of τ at the first disagreeing step or by full-LoRA trajectories that already
-differ there.
+within :data:`MARGIN` of τ at the decision of the earlier release (the release minus the policy's
+lag) or by full-LoRA trajectories that already differ there.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def run_hf(run: Path, gguf_dir: str | None, work: Path) -> None:
     examples = [ex for split in SPLITS for ex in task.load_split(split)]
     pairs = build_requests(engine, task, examples, [0])
     reqs = [r for _, r in pairs]
-    out: dict = {"stop_ids": sorted(stops), "tau": policy.tau,
+    out: dict = {"stop_ids": sorted(stops), "tau": policy.tau, "lag": policy.lag,
                  "prompts": [r.prompt_ids for r in reqs], "uids": [ex.uid for ex, _ in pairs]}
     for name, kwargs in (("full", {}), ("trim", {"steptrim": steptrim}), ("scored", {"scorer": steptrim})):
         torch.cuda.synchronize()
@@ -204,10 +205,11 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
 
 
 def release_row(label: str, names: tuple[str, str], releases: tuple[list, list], fulls: tuple[list, list],
-                scores: list[list[float]], scored: list[list[int]], tau: float, stops: set[int],
+                scores: list[list[float]], scored: list[list[int]], tau: float, lag: int, stops: set[int],
                 notes: list[str]) -> tuple[str, bool, str]:
     """Check row for two engines' release points: at least MIN_AGREEMENT equal, every other one explained
-    at the earlier release t, either by hf's score ``scores[j][t]`` within MARGIN of τ or by full-LoRA
+    at the decision t of the earlier release (t = that release − ``lag``, the policy's forwards between
+    decision and release), either by hf's score ``scores[j][t]`` within MARGIN of τ or by full-LoRA
     tokens up to t that differ between the two engines or from ``scored`` (the trajectory hf scored,
     whose score then says nothing about theirs). Appends one note per difference."""
     agree = sum(x == y for x, y in zip(*releases))
@@ -215,13 +217,13 @@ def release_row(label: str, names: tuple[str, str], releases: tuple[list, list],
     for j, (x, y) in enumerate(zip(*releases)):
         if x == y:
             continue
-        t = min(r for r in (x, y, len(scores[j]) - 1) if r is not None)
+        t = min(min(r for r in (x, y) if r is not None) - lag, len(scores[j]) - 1)
         prefix = _strip(fulls[0][j], stops)[:t + 1] == _strip(fulls[1][j], stops)[:t + 1] \
             == _strip(scored[j], stops)[:t + 1]
         s = scores[j][t] if t < len(scores[j]) else float("nan")
         unexplained += prefix and not abs(s - tau) < MARGIN
-        notes.append(f"{label} request {j}: release {names[0]} {x} vs {names[1]} {y}; at t={t} hf s_t={s:.3f} "
-                     f"(τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
+        notes.append(f"{label} request {j}: release {names[0]} {x} vs {names[1]} {y}; at decision t={t} "
+                     f"hf s_t={s:.3f} (τ={tau:.3f}, margin {abs(s - tau):.3f}); full-LoRA prefixes up to t "
                      f"{'agree' if prefix else 'differ'}")
     ok = agree >= MIN_AGREEMENT * len(releases[0]) and not unexplained
     return (f"{label} (≥ {MIN_AGREEMENT:.0%}, the rest explained)", ok,
@@ -247,7 +249,8 @@ def compare(gguf_dir: str | None, work: Path) -> tuple[list[tuple[str, bool, str
 
     rows: list[tuple[str, bool, str]] = []
     notes: list[str] = []
-    shared = (hf["scores"], hf["full"], tau, stops, notes)  # what every release_row reads besides the two engines
+    # what every release_row reads besides the two engines
+    shared = (hf["scores"], hf["full"], tau, hf["lag"], stops, notes)
 
     rows.append(("hf: full LoRA / learned policy accuracy", True, f"{accuracy(hf['full']):.1f}% / "
                  f"{accuracy(hf['trim']):.1f}%, skip {skip(hf['trim'], hf['release']):.3f}"))

@@ -1,7 +1,7 @@
 """The parts of the GPU tests' harness that need no GPU, run on the CPU: the requests the
-README-command test's servers are sent (``tests/gpu/readme_serve.py``), how release points are matched
-to them, and how engine processes are run at once (``tests/gpu/harness.run_phases``). Unmarked, so
-CI runs them; ``pytest -m gpu tests/gpu`` deselects them."""
+README-command test's servers are sent (``tests/gpu/readme_serve.py``), how release points and most
+likely tokens are matched to them, and how engine processes are run at once
+(``tests/gpu/harness.run_phases``). Unmarked, so CI runs them; ``pytest -m gpu tests/gpu`` deselects them."""
 from __future__ import annotations
 
 import os
@@ -34,6 +34,13 @@ def test_release_points_are_matched_to_their_calls():
     records = [{"req_id": "cmpl-b-0-1a2b3c4d", "release": 7}, {"req_id": "cmpl-a-0-deadbeef", "release": None},
                {"req_id": "cmpl-c-0-00000000", "release": 3}]
     assert rs.releases(records, ["cmpl-a", "cmpl-b", "cmpl-c", "cmpl-d"]) == [None, 7, 3, None]
+
+
+def test_most_likely_tokens_are_read_as_ids():
+    """vLLM's completion logprobs with ``return_tokens_as_token_ids``: one dict per position (None
+    where it has none), keys ``token_id:<id>``; the sampled token may repeat among them."""
+    top = [{"token_id:39": -0.01, "token_id:1232": -4.6}, None, {"token_id:7": -0.7, "token_id:33": -0.71}]
+    assert rs.top_token_ids(top) == [[39, 1232], [], [7, 33]]
 
 
 # A stand-in engine process: it announces itself in DIR, waits up to 60 s for WAIT others to have

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
 
+from benchmarks.serving.check_slots import divergence
 from tests.gpu import readme_serve as rs
 from tests.gpu.harness import ROOT, Phase, run_phases
 
@@ -99,9 +101,12 @@ def test_async_scheduling_releases_as_the_synchronous_server(servers):
 
 def test_policy_off_is_stock_under_vllms_defaults(servers):
     """The plugin with the bundle, adapters the bundle lacks (policy off), against vLLM without the
-    plugin, both with every default on, one request at a time: token-identical on ≥ 320 requests."""
-    off, stock = _result(servers, "off")["tokens"], _result(servers, "stock")["tokens"]
-    total = sum(len(v) for v in stock.values())
-    same = sum(a == b for ad in stock for a, b in zip(stock[ad], off[ad]))
-    print(f"policy off vs stock: {same}/{total} token-identical")
-    assert total >= 320 and off == stock
+    plugin, both with every default on, one request at a time, ≥ 320 requests: token-identical up to
+    near-ties, which stock's own LoRA kernels do not reproduce bitwise (``readme_serve``'s doc)."""
+    off, stock = _result(servers, "off"), _result(servers, "stock")
+    kinds = [divergence({k: stock[k][ad] for k in ("tokens", "top")}, {k: off[k][ad] for k in ("tokens", "top")}, i)
+             for ad in stock["tokens"] for i in range(len(stock["tokens"][ad]))]
+    counts = Counter(kind for kind, _ in kinds)
+    print(f"policy off vs stock: {counts['identical']}/{len(kinds)} token-identical, {counts['near-tie']} near-tie, "
+          f"{counts['far']} far")
+    assert len(kinds) >= 320 and counts["far"] == 0 and set(off["tokens"]) == set(stock["tokens"])

@@ -18,10 +18,10 @@ def _case(n: int, seed: int):
     return fulls, scores, releases
 
 
-def _row(releases_b, fulls_b, fulls, scores, releases, scored=None):
+def _row(releases_b, fulls_b, fulls, scores, releases, scored=None, lag=0):
     notes: list[str] = []
     _, ok, detail = release_row("x", ("a", "b"), (releases, releases_b), (fulls, fulls_b), scores,
-                                fulls if scored is None else scored, TAU, {STOP}, notes)
+                                fulls if scored is None else scored, TAU, lag, {STOP}, notes)
     return ok, detail, notes
 
 
@@ -60,3 +60,17 @@ def test_too_many_explained_differences_still_fail():
         scores[j][releases[j]] = TAU
     ok, detail, notes = _row(moved, fulls, fulls, scores, releases)
     assert not ok and "0 unexplained" in detail and len(notes) == k
+
+
+def test_a_lagged_policy_is_judged_at_its_decision_not_at_its_release():
+    fulls, scores, releases = _case(50, 3)
+    moved = list(releases)
+    r = releases[0] - 1
+    moved[0] = r  # the other engine releases one step earlier: with lag 1 it decided at r − 1
+    scores[0][r - 1] = TAU + MARGIN / 2  # the decision was a near-tie: explained
+    scores[0][r] = TAU + 3 * MARGIN  # the score at the release itself says nothing
+    ok, detail, notes = _row(moved, fulls, fulls, scores, releases, lag=1)
+    assert ok and "0 unexplained" in detail and f"decision t={r - 1}" in notes[0]
+    scores[0][r - 1], scores[0][r] = TAU + 3 * MARGIN, TAU  # a far decision, a tie one step late: a fault
+    ok, detail, _ = _row(moved, fulls, fulls, scores, releases, lag=1)
+    assert not ok and "1 unexplained" in detail

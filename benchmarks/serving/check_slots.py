@@ -265,7 +265,7 @@ def divergence(a: dict[str, Any], b: dict[str, Any], i: int) -> tuple[str, int]:
     return ("near-tie" if near else "far"), j
 
 
-def _divergences(a: dict[str, Any], b: dict[str, Any], rows: range | list[int],
+def divergences(a: dict[str, Any], b: dict[str, Any], rows: range | list[int],
                  note: Any = None, ties: dict[int, int] | None = None) -> tuple[dict[str, int], str]:
     """Counts of each :func:`divergence` kind over ``rows`` and a detail string (the first far
     differences, else the first near-ties; ``note(i)`` adds to each example). A far difference of a
@@ -320,12 +320,12 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
         # the near-tie test can see an adapter: requests released at t = 0 run without it from
         # their second token on, so they must differ far from full LoRA
         dropped = [i for i, r in enumerate(requests) if learned_bias(r["adapter"]) < 0 and r["max_tokens"] > 1]
-        counts, detail = _divergences(res["stock"]["full"], res["slots"]["learn"], dropped)
+        counts, detail = divergences(res["stock"]["full"], res["slots"]["learn"], dropped)
         rows.append(("(g) dropping the adapter is far, not a near-tie (learned release at t = 0 vs full LoRA)",
                      bool(dropped) and counts["far"] >= 0.9 * len(dropped), detail))
     for big, small, what in INVARIANCE_PAIRS.values():  # not among the checks: what a batch change alone does
         if big in res and small in res:
-            counts, detail = _divergences(res[big]["full"], res[small]["full"], range(n))
+            counts, detail = divergences(res[big]["full"], res[small]["full"], range(n))
             rows.append((f"(f) stock vLLM's batch dependence is near-ties only, {what} (max_num_seqs 128 vs 16)",
                          counts["far"] == 0, detail))
     if "slots" in res and "keep" in res:
@@ -333,7 +333,7 @@ def compare(out: Path, requests: list[dict[str, Any]]) -> list[tuple[str, bool, 
             on, keep = res["slots"][fam], res["keep"][fam]
             same_inputs = comparable_releases(on, keep, n)
             ties = decision_ties(on, keep, same_inputs)
-            counts, detail = _divergences(on, keep, range(n), lambda i: f", release {keep['releases'][i]}", ties)
+            counts, detail = divergences(on, keep, range(n), lambda i: f", release {keep['releases'][i]}", ties)
             rows.append((f"{tag}: tokens with hand-back ≡ without, up to near-ties", counts["far"] == 0, detail))
             released = sum(r is not None for r in keep["releases"])
             equal = sum(on["releases"][i] == keep["releases"][i] for i in same_inputs)

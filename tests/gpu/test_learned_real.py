@@ -45,5 +45,6 @@ def test_learned_release_points_match_the_calibration_engine(demo_run, vllm_env,
     run_phases([Phase("tests.gpu.real_engines", ["--phase", phase, *args], envs[phase], tmp_path / f"{phase}.log")
                 for phase in engines.VLLM_MODES], PHASE_TIMEOUT_S)
     rows, notes = engines.compare(gguf_dir, tmp_path)
+    print("\n".join(f"{name}: {detail}" for name, _, detail in rows))  # the figures, kept by -rsP when it passes
     failed = [f"{name}: {detail}" for name, ok, detail in rows if not ok]
     assert not failed, "; ".join(failed) + "\n" + "\n".join(notes)

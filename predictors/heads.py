@@ -86,6 +86,11 @@ def fit_head(adapter: str, features: np.ndarray, labels: np.ndarray, request_ids
     features [n, H] (h_{i,t}), labels [n] in {0, 1} (1 = risky), request_ids [n] (i of each
     point; |T_i| is its count). A label set with a single class (or no points) returns a
     ``single_class`` head with a message instead of raising, so the pipeline continues.
+
+    The solver runs with one BLAS thread whatever the machine: its products are small (n points ×
+    H), a BLAS thread pool costs more than it gives there (four fits of 190 points × 3072: 1.8 s
+    with one thread against 39 s with two, 2-core CPU, 2026-12-06), and the head then does not
+    depend on the machine's core count.
     """
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
@@ -109,10 +114,12 @@ def fit_head(adapter: str, features: np.ndarray, labels: np.ndarray, request_ids
                    f"never-release policy (full LoRA). Label more requests or release points to get both.")
         return Head(adapter, np.zeros(x.shape[1], np.float32), 0.0, n_req, n, pos, "single_class", message)
     from sklearn.linear_model import LogisticRegression  # ~1 s to import: only where a head is fitted
+    from threadpoolctl import threadpool_limits  # scikit-learn's own dependency
 
     mu = x.mean(axis=0)
     clf = LogisticRegression(C=1.0 / (lam * n_req), l1_ratio=0, solver="lbfgs", tol=1e-10, max_iter=10_000)
-    clf.fit(x - mu, y, sample_weight=1.0 / counts[inverse])
+    with threadpool_limits(limits=1, user_api="blas"):
+        clf.fit(x - mu, y, sample_weight=1.0 / counts[inverse])
     w = clf.coef_[0]  # coef_ belongs to classes_[1] = 1 (risky): s is the logit of P(risky)
     bias = float(np.float32(clf.intercept_[0] - w @ mu))  # float32-exact: every consumer scores alike
     return Head(adapter, w.astype(np.float32), bias, n_req, n, pos, "ok")

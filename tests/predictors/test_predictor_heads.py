@@ -52,6 +52,25 @@ def test_matches_direct_minimisation_of_eq13():
         assert (head.n_requests, head.n_points, head.positives) == (50, len(y), int(y.sum()))
 
 
+def test_the_solver_runs_with_one_blas_thread_whatever_the_machine(monkeypatch):
+    from sklearn.linear_model import LogisticRegression
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    seen, fit = [], LogisticRegression.fit
+
+    def recording(self, *args, **kwargs):
+        seen.append({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(LogisticRegression, "fit", recording)
+    x, y, rid = _requests(0)
+    with threadpool_limits(limits=2):  # as on a machine with more cores and no OMP_NUM_THREADS
+        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {2}
+        head = fit_head("a", x, y, rid)
+        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {2}  # restored
+    assert head.ok and seen == [{1}]
+
+
 def test_per_request_weighting_matters():
     """Duplicating one request's points must not change the fit (1/|T_i| weights), unlike plain BCE."""
     x, y, rid = _requests(2)

@@ -56,18 +56,21 @@ def test_the_solver_runs_with_one_blas_thread_whatever_the_machine(monkeypatch):
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_info, threadpool_limits
 
+    def blas_threads() -> set[int]:
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
     seen, fit = [], LogisticRegression.fit
 
     def recording(self, *args, **kwargs):
-        seen.append({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+        seen.append(blas_threads())
         return fit(self, *args, **kwargs)
 
     monkeypatch.setattr(LogisticRegression, "fit", recording)
     x, y, rid = _requests(0)
     with threadpool_limits(limits=2):  # as on a machine with more cores and no OMP_NUM_THREADS
-        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {2}
+        assert blas_threads() == {2}
         head = fit_head("a", x, y, rid)
-        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {2}  # restored
+        assert blas_threads() == {2}  # restored
     assert head.ok and seen == [{1}]
 
 

@@ -47,7 +47,8 @@
 # with SETTINGS the default is one run per engine, one engine after another; SETTINGS (offline
 # tables and goodput512: a second line's vLLM settings for every mode, e.g. SETTINGS="--graphs full --sync
 # --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048", benchmarks/serving/vllm_settings.py; default: vLLM's
-# defaults); BUNDLE (chat512: the learned bundle the lorazor modes serve); MODES="stock nolora" runs only those
+# defaults); BUNDLE (chat512: the learned bundle the lorazor modes serve); PROFILE_RATE (chat512: after each
+# mode's sweep, one run at that rate under vLLM's profiler, benchmarks/serving/chat.py); MODES="stock nolora" runs only those
 # modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
 # call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
 set -uo pipefail
@@ -125,7 +126,8 @@ PY
     chat512)  # vLLM's defaults in every server; the learned bundle is prepared on the GPU unless BUNDLE names one
         python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) --gpus all \
-            ${MODES:+--modes $MODES --append} ${BUNDLE:+--bundle "$BUNDLE"} || rc=1 ;;
+            ${MODES:+--modes $MODES --append} ${BUNDLE:+--bundle "$BUNDLE"} ${PROFILE_RATE:+--profile-rate "$PROFILE_RATE"} \
+            || rc=1 ;;
     *)
         echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512, goodput512 or chat512" >&2
         exit 2 ;;

@@ -71,6 +71,14 @@ the run's duration over those steps, the step time the slot capacity model takes
 (:mod:`benchmarks.serving.gpu_busy`, ``nvidia-smi``; ``—`` without it); the realized skip in the
 lorazor modes (``lorazor_counters``). The summary gives each at the mode's goodput rate.
 
+**Where a step's time goes** (``--profile-rate R``): each mode's server starts with vLLM's torch
+profiler configured for its worker (idle until asked; Python stacks off), and after the sweep one
+more run at R req/s, kept out of the table's rows, records ``--profile-steps`` engine steps
+(after :data:`PROFILE_DELAY_STEPS`). The trace stays in ``OUT/MODE/profile/trace``; the mode's
+facts gain :func:`benchmarks.serving.step_profile.trace_line`: the mean step, the host time inside
+``execute_model`` and outside it (the engine core's scheduling and output handling), and the GPU
+busy share from the trace's own kernels. The sweep leaves that run's time in the budget.
+
 **Time.** A call has ``--budget-s`` (560 s); modes that run at once share it. goodput.py's servers
 (full CUDA graphs of 12 sizes, no torch.compile, 512 adapters) were ready after 114–160 s
 (benchmarks/results/2026-12-04-*goodput); vLLM's default compilation adds torch.compile (37 s for
@@ -104,7 +112,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, goodput, gpu_busy, placement
+from benchmarks.serving import bench, goodput, gpu_busy, placement, step_profile
 from benchmarks.serving.bench_client import BenchClient
 from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path, with_lag
@@ -122,6 +130,9 @@ BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lora
 LEARNED = ("lorazor", "lorazor-sync", "lorazor-lag0")
 SAME_BUNDLE = ("lorazor", "lorazor-sync")  # learned async/sync compares one bundle
 DURATION_S, MIN_PROMPTS = 15.0, 150  # a rate's seconds of arrivals and fewest requests (--duration-s, --min-prompts)
+# --profile-rate: steps skipped after /start_profile (about a second of arrivals), steps recorded, and the
+# longest wait for the worker to write its trace
+PROFILE_DELAY_STEPS, PROFILE_STEPS, PROFILE_WRITE_S = 100, 200, 60.0
 LAG0 = "lorazor-lag0"
 LABEL = {"stock": "stock", "gridtrim": "gridtrim (LORAZOR_GRIDTRIM=1)",
          "lorazor": "lorazor (GridTrim + the learned bundle)",
@@ -200,12 +211,20 @@ def missing_defaults(log_text: str) -> list[str]:
 
 # -- commands (pure) --------------------------------------------------------------------------------
 
-def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int) -> list[str]:
+def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int,
+                   profile: tuple[Path, int] | None = None) -> list[str]:
     """``vllm serve`` of a mode with vLLM's defaults (module doc): the dummy model, LoRA and its
     adapters (not for nolora), LoRazor's worker extension in the lorazor modes, and
-    ``--no-async-scheduling`` for lorazor-sync."""
+    ``--no-async-scheduling`` for lorazor-sync. ``profile`` (trace directory, steps) configures
+    vLLM's torch profiler for the worker alone, idle until ``POST /start_profile``, then recording
+    that many steps after :data:`PROFILE_DELAY_STEPS`, without Python stacks."""
     cmd = [*goodput.VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--load-format", "dummy"]
+    if profile is not None:
+        config = {"profiler": "torch", "torch_profiler_dir": str(profile[0].resolve()), "ignore_frontend": True,
+                  "torch_profiler_with_stack": False, "delay_iterations": PROFILE_DELAY_STEPS,
+                  "max_iterations": profile[1]}
+        cmd += ["--profiler-config", json.dumps(config)]
     if mode != "nolora":
         cmd += ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(bench.RANK),
                 "--max-cpu-loras", str(len(adapters)), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
@@ -378,6 +397,44 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
     return run
 
 
+def post(base_url: str, path: str) -> None:
+    """``POST`` with an empty body to the server, e.g. ``/start_profile``."""
+    with urllib.request.urlopen(urllib.request.Request(base_url + path, data=b"", method="POST"), timeout=120):
+        pass
+
+
+def profiled_run(run: Callable[[float, int], dict[str, Any]], base_url: str, trace_dir: Path, rate: float,
+                 args: argparse.Namespace, deadline: float, overhead_s: float) -> str:
+    """One client run at ``rate`` under vLLM's profiler (started before it, stopped after it), kept
+    out of the sweep; returns the table's line: the steps :func:`step_profile.trace_summary` reads off
+    the worker's trace, or why there are none."""
+    n = goodput.prompts_for(rate, args.duration_s, args.min_prompts)
+    need = goodput.predicted_wall_s(rate, n, overhead_s, None)
+    left = deadline - time.monotonic() - goodput.STOP_RESERVE_S
+    if need + PROFILE_WRITE_S > left:
+        return f"profile at {rate:g} req/s not run: it needs about {need + PROFILE_WRITE_S:.0f} s, {left:.0f} s left"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        post(base_url, "/start_profile")
+    except OSError as e:
+        return f"profile at {rate:g} req/s not started: POST /start_profile: {e}"
+    try:
+        run(rate, n)
+    finally:
+        post(base_url, "/stop_profile")  # a no-op once the profiler stopped itself after its steps
+    end = time.monotonic() + PROFILE_WRITE_S
+    while not (traces := sorted(trace_dir.glob("*.pt.trace.json*"))) and time.monotonic() < end:
+        time.sleep(2.0)
+    if not traces:
+        return f"profile at {rate:g} req/s: no trace in {trace_dir} after {PROFILE_WRITE_S:.0f} s"
+    time.sleep(2.0)  # the worker may still be writing it
+    try:
+        line = step_profile.trace_line(step_profile.trace_summary(traces[-1]))
+    except ValueError as e:
+        return f"profile at {rate:g} req/s: {e}"
+    return f"profile at {rate:g} req/s ({traces[-1].name}, not in the sweep): {line}"
+
+
 def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: ChatShape, bundle: Path | None,
              deadline: float, slo: Slo, flush: Callable[[], None], gpu: placement.Gpu) -> None:
     """Start the mode's server (on ``gpu``, :func:`placement.env`), check it, warm it up, sweep, stop
@@ -391,6 +448,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
         gpu, args.work, mode)
 
+    trace_dir = directory / "profile" / "trace"  # --profile-rate's: vLLM's worker writes its trace there
+
     def body(client: BenchClient) -> None:
         missing = missing_defaults(log.read_text(errors="replace"))
         if missing:
@@ -399,11 +458,21 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
         flush()
+        rate = args.profile_rate
+        reserve = 0.0 if rate is None else PROFILE_WRITE_S + goodput.predicted_wall_s(
+            rate, goodput.prompts_for(rate, args.duration_s, args.min_prompts), args.client_overhead_s, None)
         goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu, client),
-                           entry, args, slo, deadline, flush)
+                           entry, args, slo, deadline - reserve, flush)
+        if rate is not None:
+            last = entry["rows"][-1] if entry["rows"] else {}
+            overhead = max(0.0, last["wall_s"] - last["duration_s"]) if last else args.client_overhead_s
+            profiled = measure(mode, base_url, model_dir, trace_dir.parent, args, shape, slo, deadline, gpu, client)
+            entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead))
 
-    goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port), env, log, base_url,
-                        served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline, body, flush)
+    profile = None if args.profile_rate is None else (trace_dir, args.profile_steps)
+    goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port, profile), env, log,
+                        base_url, served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline,
+                        body, flush)
 
 
 def manifest_sha(bundle: Path) -> str:
@@ -522,6 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the learned bundle the lorazor modes serve (default: the one kept in --work, else prepared)")
     add_shape_arguments(ap)
     goodput.add_sweep_arguments(ap)
+    ap.add_argument("--profile-rate", type=number("positive_number"), default=None, metavar="R",
+                    help="after each mode's sweep, one run at R req/s under vLLM's torch profiler (kept out of the "
+                         "sweep): the worker's trace in OUT/MODE/profile/trace and a line of where its steps go")
+    ap.add_argument("--profile-steps", type=number("positive_int"), default=PROFILE_STEPS,
+                    help="engine steps the profiler records, after %d steps of the run" % PROFILE_DELAY_STEPS)
     ap.set_defaults(duration_s=DURATION_S, min_prompts=MIN_PROMPTS, ready_timeout_s=400, min_mode_s=300)
     return orchestrate(ap.parse_args(argv))
 

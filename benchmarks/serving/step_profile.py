@@ -15,15 +15,29 @@ kernel durations are not affected.
 :func:`python_profile` is the host-side complement: ``cProfile`` over further steps, for the
 Python functions (vLLM's runner, the plugin's hooks, the scheduler) that the operator table
 cannot name. cProfile slows Python calls down, so its times are only compared within a window.
+
+:func:`trace_summary` reads the same question off a server: the Chrome trace that vLLM's own
+profiler (``--profiler-config``, ``POST /start_profile``; ``vllm/profiler/wrapper.py`` of 0.33.0)
+writes for its engine-core worker. The worker marks each ``execute_model`` with a
+``user_annotation`` named ``execute_context_C(c)_generation_G(g)`` (``v1/worker/gpu_worker.py:1212-1323``):
+C prefill requests of c tokens, G decoding requests of g tokens. Between two of them the engine core
+schedules, samples and hands out the previous step's output.
 """
 from __future__ import annotations
 
 import cProfile
+import gzip
 import io
+import json
 import pstats
+import re
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device-side events
 
 
 def busy_time_us(intervals: Sequence[tuple[float, float]]) -> float:
@@ -122,3 +136,56 @@ def python_profile(step: Callable[[], Any], has_work: Callable[[], bool], n_step
         out.write(f"\nby {key} time:\n")
         stats.sort_stats(key).print_stats(top)
     return out.getvalue(), done
+
+
+def trace_summary(path: Path) -> dict[str, float | int | None]:
+    """Per-step figures of a vLLM worker's Chrome trace (``.json`` or ``.json.gz``), over the window
+    from the first step's start to the last step's end:
+
+    - ``steps``; ``step_ms``: the mean time from one step's start to the next;
+    - ``execute_ms``: the mean host time inside ``execute_model`` (input preparation, launches, the
+      plugin's hooks); ``outside_ms`` = ``step_ms`` − ``execute_ms``, the engine core's share;
+    - ``gpu_busy``: the union of device events over the window, as a share (None without any), and
+      ``device_events`` per step (what CUPTI recorded: a step replayed from a CUDA graph shows
+      its kernels only where the profiler traces graph nodes);
+    - ``tokens``, ``decoding``: mean scheduled tokens and decoding requests per step.
+
+    Raises ValueError for a file that is not such a trace or holds fewer than two steps."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as f:
+            events = json.load(f)
+    except (OSError, EOFError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    steps, device = [], []
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
+            continue
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        m = _STEP.fullmatch(str(e.get("name", "")))
+        if e.get("cat") == "user_annotation" and m:
+            steps.append((start, end, int(m[2]) + int(m[4]), int(m[3])))
+        elif e.get("cat") in DEVICE_CATEGORIES:
+            device.append((start, end))
+    if len(steps) < 2:
+        raise ValueError(f"{path}: {len(steps)} execute_model step(s) in the trace, at least 2 needed")
+    steps.sort()
+    n, (first, last) = len(steps), (steps[0][0], max(s[1] for s in steps))
+    step_ms = (steps[-1][0] - first) / (n - 1) / 1e3
+    execute_ms = sum(s[1] - s[0] for s in steps) / n / 1e3
+    clipped = [(max(s, first), min(e, last)) for s, e in device if e > first and s < last]
+    return {"steps": n, "step_ms": step_ms, "execute_ms": execute_ms, "outside_ms": step_ms - execute_ms,
+            "gpu_busy": busy_time_us(clipped) / (last - first) if device else None,
+            "device_events": len(clipped) / n,
+            "tokens": sum(s[2] for s in steps) / n, "decoding": sum(s[3] for s in steps) / n}
+
+
+def trace_line(summary: dict[str, float | int | None]) -> str:
+    """One line of :func:`trace_summary`'s figures."""
+    busy = summary["gpu_busy"]
+    return (f"{summary['steps']} steps of {summary['step_ms']:.2f} ms: "
+            f"{summary['execute_ms']:.2f} ms in execute_model, "
+            f"{summary['outside_ms']:.2f} ms outside it; GPU busy {'—' if busy is None else f'{busy:.0%}'} "
+            f"({summary['device_events']:.0f} device events per step); "
+            f"{summary['tokens']:.1f} tokens and {summary['decoding']:.1f} decoding requests per step")

@@ -56,6 +56,28 @@ def test_servers_keep_vllms_defaults(mode):
     assert ("--worker-extension-cls" in f) == (mode in chat.LEARNED)
 
 
+def test_profiling_server_configures_vllms_profiler_for_its_worker(tmp_path):
+    cmd = chat.server_command(Path("/w/model"), "gridtrim", ADAPTERS, 2, 8123, (tmp_path / "trace", 50))
+    f = flags(cmd)
+    assert set(f) <= set(SERVE_OPTIONS_033) | {"--profiler-config"}  # arg_utils.py:1908 of vLLM 0.33.0
+    assert json.loads(f["--profiler-config"][0]) == {  # config/profiler.py's fields
+        "profiler": "torch", "torch_profiler_dir": str(tmp_path / "trace"), "ignore_frontend": True,
+        "torch_profiler_with_stack": False, "delay_iterations": chat.PROFILE_DELAY_STEPS, "max_iterations": 50}
+    assert "--profiler-config" not in chat.server_command(Path("/w/model"), "gridtrim", ADAPTERS, 2, 8123)
+
+
+def test_profiled_run_says_why_it_did_not_run(tmp_path):
+    runs = []
+    args = argparse.Namespace(duration_s=15.0, min_prompts=150)
+    port = chat.free_port()  # nothing listens there
+    line = chat.profiled_run(lambda r, n: runs.append((r, n)), f"http://127.0.0.1:{port}", tmp_path / "trace", 40.0,
+                             args, time.monotonic() + 600, 5.0)
+    assert line.startswith("profile at 40 req/s not started: POST /start_profile: ") and runs == []
+    line = chat.profiled_run(lambda r, n: runs.append((r, n)), f"http://127.0.0.1:{port}", tmp_path / "trace", 40.0,
+                             args, time.monotonic() + 60, 5.0)
+    assert line.startswith("profile at 40 req/s not run: it needs about ") and runs == []
+
+
 @pytest.mark.parametrize("mode", chat.MODES)
 def test_server_environment(mode):
     environ = {"PATH": "/bin", "LORAZOR_GRIDTRIM": "1", "LORAZOR_BUNDLE": "/elsewhere"}

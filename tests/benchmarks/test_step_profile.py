@@ -1,10 +1,14 @@
 """The step profiler's arithmetic and its torch.profiler window (CPU)."""
+import gzip
+import json
 import random
+import time
 
 import pytest
 import torch
 
-from benchmarks.serving.step_profile import busy_time_us, profile_steps, python_profile, summarize
+from benchmarks.serving.step_profile import busy_time_us, profile_steps, python_profile, summarize, trace_line
+from benchmarks.serving.step_profile import trace_summary as summarize_trace
 
 
 def test_busy_time_is_the_union_of_intervals():
@@ -48,3 +52,57 @@ def test_python_profile_names_the_step_functions():
     assert done == 4 and text.startswith("cProfile: 4 steps,")
     assert "by cumulative time:" in text and "by tottime time:" in text
     assert "step_function_under_test" in text.split("by tottime time:")[0]
+
+
+def _execute_trace(tmp_path, steps, gzipped):
+    """A Chrome trace that torch.profiler writes on this CPU: ``steps`` annotated execute_model
+    calls (vLLM's worker annotation) with a sleep between them."""
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for ctx, gen in steps:
+            with torch.profiler.record_function(f"execute_context_{len(ctx)}({sum(ctx)})_generation_{gen}({gen})"):
+                torch.relu(x @ x)
+            time.sleep(0.002)
+    path = tmp_path / "worker.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    if gzipped:
+        gz = path.with_suffix(".json.gz")
+        gz.write_bytes(gzip.compress(path.read_bytes()))
+        path.unlink()
+        path = gz
+    return path
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_trace_summary_reads_vllms_step_annotations(tmp_path, gzipped):
+    rng = random.Random(gzipped)
+    steps = [([rng.randint(1, 300) for _ in range(rng.randint(0, 3))], rng.randint(1, 64)) for _ in range(7)]
+    summary = summarize_trace(_execute_trace(tmp_path, steps, gzipped))
+    assert summary["steps"] == 7 and summary["gpu_busy"] is None  # no device on this CPU
+    assert summary["tokens"] == pytest.approx(sum(sum(c) + g for c, g in steps) / 7)
+    assert summary["decoding"] == pytest.approx(sum(g for _, g in steps) / 7)
+    # the 2 ms sleeps lie between steps, outside execute_model
+    assert summary["outside_ms"] >= 2.0 * 6 / 7 - 1e-6 and summary["step_ms"] == pytest.approx(
+        summary["execute_ms"] + summary["outside_ms"])
+    line = trace_line(summary)
+    assert line.startswith("7 steps of ") and "GPU busy — (0 device events per step)" in line
+
+
+def test_trace_summary_counts_device_time_inside_the_window(tmp_path):
+    steps = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_4(4)", "ts": t, "dur": 3}
+             for t in (100, 110, 120)]
+    kernels = [{"ph": "X", "cat": "kernel", "name": "k", "ts": s, "dur": d}
+               for s, d in ((90, 15), (112, 4), (114, 4), (121, 100))]  # clipped to [100, 123): 5 + 6 + 2
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": steps + kernels}))
+    summary = summarize_trace(path)
+    assert summary["steps"] == 3 and summary["step_ms"] == pytest.approx(0.010)
+    assert summary["gpu_busy"] == pytest.approx(13 / 23) and summary["device_events"] == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"traceEvents": []})])
+def test_trace_summary_refuses_what_is_no_step_trace(tmp_path, content):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=str(path)):
+        summarize_trace(path)

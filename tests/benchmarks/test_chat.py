@@ -364,6 +364,25 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     assert {s["mode"] for s in clients} == set(chat.MODES) and all(s["lorazor"] == [] for s in clients)
 
 
+def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):
+    """``--profile-rate``: the server starts with vLLM's profiler configured, the sweep runs as
+    without it, then one more run between /start_profile and /stop_profile, whose trace becomes a
+    line of the mode's facts."""
+    argv, record = _stand_in(tmp_path, monkeypatch)
+    assert chat.main(argv + ["--modes", "gridtrim", "--profile-rate", "5"]) == 0
+    entry = json.loads((tmp_path / "out" / "chat.json").read_text())["modes"]["gridtrim"]
+    assert entry["error"] is None and len(entry["rows"]) > 2
+    line = next(f for f in entry["facts"] if f.startswith("profile at 5 req/s"))
+    assert line == ("profile at 5 req/s (stand_in_worker.1.pt.trace.json.gz, not in the sweep): 4 steps of 0.01 ms: "
+                    "0.00 ms in execute_model, 0.01 ms outside it; GPU busy 53% (1 device events per step); "
+                    "39.0 tokens and 9.0 decoding requests per step")
+    seen = [json.loads(s) for s in record.read_text().splitlines()]
+    what = [s["what"] for s in seen if s["what"] in ("serve", "bench", "start_profile", "stop_profile")]
+    assert what[0] == "serve" and what[-3:] == ["start_profile", "bench", "stop_profile"]
+    assert "--profiler-config" in seen[0]["argv"]
+    assert list((tmp_path / "out" / "gridtrim" / "profile").glob("rate_5*.json"))
+
+
 def test_the_six_modes_run_at_once_one_gpu_each(tmp_path, monkeypatch):
     """``--gpus 0 1 2 3 4 5``: one call, the six servers at once (the stand-in's servers become
     healthy only once all six have started: one after another, none would), each seeing its own

@@ -161,6 +161,47 @@ def host_probe_ms(repeats: int = 5) -> float:
     return best * 1e3
 
 
+def device_probe_ms(repeats: int = 5, size: int = 4096, copy_mib: int = 128) -> dict[str, float]:
+    """The best of ``repeats`` CUDA-event timings (ms) of two fixed GPU workloads: eight bf16
+    matmuls of ``size``² (``matmul_ms``, the clocks) and a device copy of ``copy_mib`` MiB
+    (``copy_ms``, the memory). Beside :func:`host_probe_ms` before each timed run, it tells a slower
+    GPU from a slower host when runs of one engine, or of two calls, differ. Empty without CUDA or
+    when its 224 MiB do not fit beside the engine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        a, c = torch.randn(size, size, device="cuda", dtype=torch.bfloat16), None
+        c = torch.empty_like(a)
+        src = torch.empty(copy_mib << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return {}
+
+    def best(work: Callable[[], None]) -> float:
+        out = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            out = min(out, start.elapsed_time(end))
+        return out
+
+    result = {"matmul_ms": best(lambda: [torch.matmul(a, a, out=c) for _ in range(8)]),
+              "copy_ms": best(lambda: dst.copy_(src))}
+    del a, c, src, dst
+    torch.cuda.empty_cache()
+    return result
+
+
+def probe() -> dict[str, float]:
+    """:func:`host_probe_ms` and :func:`device_probe_ms` at one moment, as one run's ``probes`` entry."""
+    return {"host_ms": host_probe_ms()} | device_probe_ms()
+
+
 # -- files: model config, adapters, bundles -------------------------------------------------------
 
 def adapter_name(a: int) -> str:
@@ -525,13 +566,14 @@ def serve_offline(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
 
 
 def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras: Sequence[Any], repeats: int,
-               after_first: Callable[[], None] | None = None,
-               turns: Turns | None = None) -> tuple[list[float], list[int], list[float]]:
+               after_first: Callable[[], None] | None = None, turns: Turns | None = None,
+               before_each: Callable[[], None] | None = None) -> tuple[list[float], list[int], list[float]]:
     """:func:`serve_offline` ``repeats`` times in the same engine: every run's wall time, and the
     first run's token counts and step times (``after_first`` is called right after it, e.g. to stop
     counting). Every run must produce the first run's token counts. With ``turns`` each run waits
     for its turn and reports its time (:mod:`benchmarks.serving.interleave`), and the runs end early
-    where the orchestrator ends the rounds (at least one run); else back to back."""
+    where the orchestrator ends the rounds (at least one run); else back to back. ``before_each``
+    is called right before each run, inside its turn (e.g. :func:`probe`: no other engine runs then)."""
     runs: list[float] = []
     tokens: list[int] = []
     steps: list[float] = []
@@ -540,6 +582,8 @@ def timed_runs(engine: Any, prompts: Sequence[Any], params: Sequence[Any], loras
             if not runs:
                 raise RuntimeError("the orchestrator ended the rounds before this engine's first turn")
             break
+        if before_each is not None:
+            before_each()
         elapsed, got, step_s = serve_offline(engine, prompts, params, loras)
         if turns is not None:
             turns.done(elapsed)
@@ -622,7 +666,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     loras = [lora(a) for a in wl.adapter]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    probe_before = host_probe_ms()
+    probes: list[dict[str, float]] = []  # each run's, taken in its turn
     if turns is not None:
         turns.ready()
     if stats is not None:
@@ -630,14 +674,16 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
     timing: dict[str, Any] = {}  # open loop: TTFT/TPOT percentiles; offline: engine steps
     # LLM keeps its V1 LLMEngine as llm_engine (entrypoints/llm.py:338)
     if arrival_rate:
+        probes.append(probe())
         elapsed, timing, lengths = serve_open_loop(llm.llm_engine, prompts, params, loras,
                                                     arrival_times(n_requests, arrival_rate, seed))
         first_run_done()
     else:
-        runs, lengths, step_s = timed_runs(llm.llm_engine, prompts, params, loras, repeats, first_run_done, turns)
+        runs, lengths, step_s = timed_runs(llm.llm_engine, prompts, params, loras, repeats, first_run_done, turns,
+                                           lambda: probes.append(probe()))
         elapsed = float(np.median(runs))
         timing = step_summary(step_s) | {"elapsed_runs_s": runs}
-    probe = {"host_probe_ms": [probe_before, host_probe_ms()], "loadavg": list(os.getloadavg())}
+    probed = {"probes": probes, "loadavg": list(os.getloadavg())}
     slot_info: dict[str, Any] = {"max_loras": opts.get("max_loras"), "slot_release": mode in STEPTRIM_MODES and slots}
     if stats is not None and mode != "nolora":
         want = expected_scheduler(mode in STEPTRIM_MODES, settings.async_scheduling)
@@ -668,7 +714,7 @@ def run_engine(mode: str, n: int, skewed: bool, n_requests: int, seed: int, work
            "k_min": min(wl.k), "k_max": max(wl.k), "startup_s": startup, "waited_for_prepare_s": waited,
            "warmup_s": warmup, **classes, "specialize_active_lora": specializes(mode, settings),
            "settings": settings.as_dict(),
-           "arrival_rate": arrival_rate, **timing, **probe, **slot_info,
+           "arrival_rate": arrival_rate, **timing, **probed, **slot_info,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "counters": counters}
     result.write_text(json.dumps(out, indent=1))
     if profile_steps > 0:  # after the result is written: a failing profiler loses no measurement

@@ -27,6 +27,19 @@ MODE_LABEL = {"stock": "stock", "gridtrim": "gridtrim (our LoRA kernels, no rele
               "stockfix": "stock + one registry read per step (the plugin's vLLM fix alone)"}
 
 
+def probe_note(row: dict[str, Any]) -> str:
+    """The probes' part of :func:`run_note`: each run's host, matmul and copy probe (ms, taken in
+    its turn, ``bench.probe``), or an older row's host probe before and after its runs."""
+    if row.get("probes"):
+        parts = ["/".join(f"{p[k]:.2f}" if k in p else "—" for k in ("host_ms", "matmul_ms", "copy_ms"))
+                 for p in row["probes"]]
+        return f"; probes host/matmul/copy ms, each run in its turn: {', '.join(parts)}, load {row['loadavg'][0]:.1f}"
+    if row.get("host_probe_ms"):
+        return (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
+                f"{row['loadavg'][0]:.1f}")
+    return ""
+
+
 def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
     """The notes' line of a finished engine: its runs, start-up, steps, host probe and release counters."""
     runs_s = row.get("elapsed_runs_s", [])
@@ -37,8 +50,7 @@ def run_note(label: str, row: dict[str, Any], took_s: float) -> str:
             + (f"; {row['steps']} steps, step P50/P90/max {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f}/"
                f"{row['step_ms_max']:.1f} ms" if row.get("steps") else "")
             + graphs_note(row)
-            + (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
-               f"{row['loadavg'][0]:.1f}" if row.get("host_probe_ms") else "")
+            + probe_note(row)
             + ("" if c is None else
                f"; {c['skipped_forwards']}/{c['decode_forwards']} decode forwards skipped (planned "
                f"{row['planned_skip']:.3f}), {c['released_requests']} requests released, decision "

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from benchmarks.serving import bench, vllm_settings
 from benchmarks.serving.bench_table import (HEADER, LATENCY_HEADER, MODE_LABEL, SLOT_HEADER, format_row, graphs_note,
-                                            mode_label, render, slot_table)
+                                            mode_label, render, run_note, slot_table)
 from benchmarks.serving.bench_workload import (N_REQUESTS, arrival_times, choose_k, hot_adapter_count, make_workload,
                                                profiled_ks, workload_for)
 from benchmarks.serving.host_memory import adapter_bytes, host_bytes_needed, host_memory_available, host_memory_problem
@@ -494,6 +494,9 @@ def test_timed_runs_repeat_the_workload_in_one_engine():
     assert seen == [7]  # once, between the first run and the repeats
     assert len(engine.added) == 21 and not engine.has_unfinished_requests()
     assert len(bench.timed_runs(_StepEngine(lambda i: 2), prompts, params, loras, 1)[0]) == 1
+    engine, before = _StepEngine(lambda i: 2), []
+    bench.timed_runs(engine, prompts, params, loras, 3, None, None, lambda: before.append(len(engine.added)))
+    assert before == [0, 7, 14]  # right before each run
 
     class Drifting(_StepEngine):
         def step(self):
@@ -538,6 +541,25 @@ def test_host_probe_times_a_fixed_workload():
     assert all(0 < p < 5000 for p in probes)
     # the best of more repeats can only be faster or equal on the same host state; allow noise
     assert bench.host_probe_ms(repeats=5) < 3 * max(probes)
+
+
+def test_probe_times_the_host_and_the_gpu_where_there_is_one():
+    got = bench.probe()
+    assert 0 < got["host_ms"] < 5000
+    import torch
+    if torch.cuda.is_available():
+        assert set(got) == {"host_ms", "matmul_ms", "copy_ms"} and min(got.values()) > 0
+    else:
+        assert set(got) == {"host_ms"} and bench.device_probe_ms() == {}
+
+
+def test_run_note_gives_each_runs_probes_and_an_older_rows_before_and_after():
+    row = {"elapsed_s": 12.0, "startup_s": 100.0, "warmup_s": 30.0, "counters": None, "loadavg": [1.25, 1.0, 1.0],
+           "probes": [{"host_ms": 1.5, "matmul_ms": 1.71, "copy_ms": 0.09}, {"host_ms": 1.625}]}
+    note = run_note("N=512 both", row, 280.0)
+    assert note.endswith("; probes host/matmul/copy ms, each run in its turn: 1.50/1.71/0.09, 1.62/—/—, load 1.2")
+    older = {k: v for k, v in row.items() if k != "probes"} | {"host_probe_ms": [1.48, 2.01]}
+    assert run_note("N=512 both", older, 280.0).endswith("; host probe 1.48/2.01 ms before/after, load 1.2")
 
 
 def test_profile_python_needs_profile_steps(capsys):

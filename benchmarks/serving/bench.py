@@ -172,7 +172,7 @@ def device_probe_ms(repeats: int = 5, size: int = 4096, copy_mib: int = 128) -> 
     if not torch.cuda.is_available():
         return {}
     try:
-        a, c = torch.randn(size, size, device="cuda", dtype=torch.bfloat16), None
+        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
         c = torch.empty_like(a)
         src = torch.empty(copy_mib << 20, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)

@@ -172,12 +172,21 @@ def device_probe_ms(repeats: int = 5, size: int = 4096, copy_mib: int = 128) -> 
     if not torch.cuda.is_available():
         return {}
     try:
-        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-        c = torch.empty_like(a)
-        src = torch.empty(copy_mib << 20, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
+        result = _device_work_ms(repeats, size, copy_mib)
     except torch.cuda.OutOfMemoryError:
-        return {}
+        result = {}
+    torch.cuda.empty_cache()  # the probe's blocks back to the engine
+    return result
+
+
+def _device_work_ms(repeats: int, size: int, copy_mib: int) -> dict[str, float]:
+    """:func:`device_probe_ms`'s timings, its tensors freed on return."""
+    import torch
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    src = torch.empty(copy_mib << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
 
     def best(work: Callable[[], None]) -> float:
         out = float("inf")
@@ -190,11 +199,8 @@ def device_probe_ms(repeats: int = 5, size: int = 4096, copy_mib: int = 128) -> 
             out = min(out, start.elapsed_time(end))
         return out
 
-    result = {"matmul_ms": best(lambda: [torch.matmul(a, a, out=c) for _ in range(8)]),
-              "copy_ms": best(lambda: dst.copy_(src))}
-    del a, c, src, dst
-    torch.cuda.empty_cache()
-    return result
+    return {"matmul_ms": best(lambda: [torch.matmul(a, a, out=c) for _ in range(8)]),
+            "copy_ms": best(lambda: dst.copy_(src))}
 
 
 def probe() -> dict[str, float]:

@@ -119,7 +119,7 @@ from benchmarks.serving.chat_bundle import summary_path, with_lag
 from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, chat_rows, pool_for, shape_arguments,
                                               shape_from, shape_key, stream_key, system_prompts, words, write_dataset)
 from benchmarks.serving.goodput import Slo
-from benchmarks.serving.vllm_server import HarnessError, counters, free_port, tail, warm_up
+from benchmarks.serving.vllm_server import HarnessError, counters, free_port, http_json, tail, warm_up
 from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.vllm.versions import installed_version
 
@@ -397,31 +397,24 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
     return run
 
 
-def post(base_url: str, path: str) -> None:
-    """``POST`` with an empty body to the server, e.g. ``/start_profile``."""
-    with urllib.request.urlopen(urllib.request.Request(base_url + path, data=b"", method="POST"), timeout=120):
-        pass
-
-
 def profiled_run(run: Callable[[float, int], dict[str, Any]], base_url: str, trace_dir: Path, rate: float,
                  args: argparse.Namespace, deadline: float, overhead_s: float) -> str:
     """One client run at ``rate`` under vLLM's profiler (started before it, stopped after it), kept
     out of the sweep; returns the table's line: the steps :func:`step_profile.trace_summary` reads off
     the worker's trace, or why there are none."""
-    n = goodput.prompts_for(rate, args.duration_s, args.min_prompts)
-    need = goodput.predicted_wall_s(rate, n, overhead_s, None)
-    left = deadline - time.monotonic() - goodput.STOP_RESERVE_S
+    n, need = goodput.planned_run(rate, args, overhead_s, None)
+    left = goodput.budget_left_s(deadline)
     if need + PROFILE_WRITE_S > left:
         return f"profile at {rate:g} req/s not run: it needs about {need + PROFILE_WRITE_S:.0f} s, {left:.0f} s left"
     trace_dir.mkdir(parents=True, exist_ok=True)
     try:
-        post(base_url, "/start_profile")
+        http_json(base_url + "/start_profile", {}, 120)
     except OSError as e:
         return f"profile at {rate:g} req/s not started: POST /start_profile: {e}"
     try:
         run(rate, n)
     finally:
-        post(base_url, "/stop_profile")  # a no-op once the profiler stopped itself after its steps
+        http_json(base_url + "/stop_profile", {}, 120)  # a no-op once the profiler stopped itself after its steps
     end = time.monotonic() + PROFILE_WRITE_S
     while not (traces := sorted(trace_dir.glob("*.pt.trace.json*"))) and time.monotonic() < end:
         time.sleep(2.0)
@@ -459,13 +452,12 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
         flush()
         rate = args.profile_rate
-        reserve = 0.0 if rate is None else PROFILE_WRITE_S + goodput.predicted_wall_s(
-            rate, goodput.prompts_for(rate, args.duration_s, args.min_prompts), args.client_overhead_s, None)
+        reserve = 0.0 if rate is None else PROFILE_WRITE_S + goodput.planned_run(
+            rate, args, args.client_overhead_s, None)[1]
         goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu, client),
                            entry, args, slo, deadline - reserve, flush)
         if rate is not None:
-            last = entry["rows"][-1] if entry["rows"] else {}
-            overhead = max(0.0, last["wall_s"] - last["duration_s"]) if last else args.client_overhead_s
+            overhead = goodput.client_overhead_s(entry["rows"][-1]) if entry["rows"] else args.client_overhead_s
             profiled = measure(mode, base_url, model_dir, trace_dir.parent, args, shape, slo, deadline, gpu, client)
             entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead))
 

@@ -189,6 +189,23 @@ def predicted_wall_s(rate: float, n_prompts: int, overhead_s: float, capacity: f
     return overhead_s + n_prompts / served_at
 
 
+def planned_run(rate: float, args: argparse.Namespace, overhead_s: float, capacity: float | None) -> tuple[int, float]:
+    """A client run at ``rate``: its requests (:func:`prompts_for` with ``--duration-s`` and
+    ``--min-prompts``) and its :func:`predicted_wall_s`."""
+    n = prompts_for(rate, args.duration_s, args.min_prompts)
+    return n, predicted_wall_s(rate, n, overhead_s, capacity)
+
+
+def client_overhead_s(row: dict[str, Any]) -> float:
+    """A measured run's client overhead: its wall time beyond its requests' duration."""
+    return max(0.0, row["wall_s"] - row["duration_s"])
+
+
+def budget_left_s(deadline: float) -> float:
+    """Seconds to ``deadline`` (``time.monotonic``) less :data:`STOP_RESERVE_S`."""
+    return deadline - time.monotonic() - STOP_RESERVE_S
+
+
 def expected_skip(ks: Sequence[int], output_len: tuple[int, int] = OUTPUT_LEN) -> float:
     """The skip fraction release points ``ks`` (one per adapter) converge to when every adapter
     and every output length in the inclusive range are equally likely: :func:`skip_fraction` over
@@ -424,7 +441,7 @@ def run_client(client: BenchClient, options: list[str], label: str, log: Path, r
     result.unlink(missing_ok=True)
     t0 = time.monotonic()
     try:
-        code = client.run(options, log, max(1.0, deadline - time.monotonic() - STOP_RESERVE_S))
+        code = client.run(options, log, max(1.0, budget_left_s(deadline)))
     except HarnessError as e:
         raise HarnessError(f"rate {label}: {e}") from None
     if code != 0 or not result.exists():
@@ -459,13 +476,12 @@ def sweep_mode(measure: Callable[[float, int], dict[str, Any]], entry: dict[str,
         entry["rows"].append(probe)
         flush()
         capacity = probe["request_throughput"]
-        overhead = max(0.0, probe["wall_s"] - probe["duration_s"])
+        overhead = client_overhead_s(probe)
         start = args.start_fraction * capacity
     sweep = Sweep(args.factor, args.tolerance, args.min_rate)
     while (rate := next_rate(points_of(entry, slo), start, sweep)) is not None:
-        n = prompts_for(rate, args.duration_s, args.min_prompts)
-        need = predicted_wall_s(rate, n, overhead, capacity)
-        left = deadline - time.monotonic() - STOP_RESERVE_S
+        n, need = planned_run(rate, args, overhead, capacity)
+        left = budget_left_s(deadline)
         if need > left:
             entry["facts"].append(f"rate {rate:g} not run: it needs about {need:.0f} s, {left:.0f} s left")
             break
@@ -473,7 +489,7 @@ def sweep_mode(measure: Callable[[float, int], dict[str, Any]], entry: dict[str,
         row = measure(rate, n)
         entry["rows"].append(row)
         flush()
-        overhead = max(0.0, row["wall_s"] - row["duration_s"])
+        overhead = client_overhead_s(row)
 
 
 def with_server(entry: dict[str, Any], command: list[str], env: dict[str, str], log: Path, base_url: str,

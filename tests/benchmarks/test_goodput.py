@@ -477,7 +477,7 @@ if sys.argv[1] == "serve":
             self.reply(None if self.path == "/health" else {"data": [{"id": n} for n in names]})
 
         def do_POST(self):
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
             if self.path in ("/start_profile", "/stop_profile"):
                 if not values("--profiler-config"):  # vLLM attaches these routes only with a profiler
                     self.reply(None, 404)

@@ -144,7 +144,8 @@ def trace_summary(path: Path) -> dict[str, float | int | None]:
 
     - ``steps``; ``step_ms``: the mean time from one step's start to the next;
     - ``execute_ms``: the mean host time inside ``execute_model`` (input preparation, launches, the
-      plugin's hooks); ``outside_ms`` = ``step_ms`` − ``execute_ms``, the engine core's share;
+      plugin's hooks) of the same steps, every one but the last; ``outside_ms`` = ``step_ms`` −
+      ``execute_ms``, the mean time from a step's end to the next one's start, the engine core's share;
     - ``gpu_busy``: the union of device events over the window, as a share (None without any), and
       ``device_events`` per step (what CUPTI recorded: a step replayed from a CUDA graph shows
       its kernels only where the profiler traces graph nodes);
@@ -173,7 +174,7 @@ def trace_summary(path: Path) -> dict[str, float | int | None]:
     steps.sort()
     n, (first, last) = len(steps), (steps[0][0], max(s[1] for s in steps))
     step_ms = (steps[-1][0] - first) / (n - 1) / 1e3
-    execute_ms = sum(s[1] - s[0] for s in steps) / n / 1e3
+    execute_ms = sum(s[1] - s[0] for s in steps[:-1]) / (n - 1) / 1e3
     clipped = [(max(s, first), min(e, last)) for s, e in device if e > first and s < last]
     return {"steps": n, "step_ms": step_ms, "execute_ms": execute_ms, "outside_ms": step_ms - execute_ms,
             "gpu_busy": busy_time_us(clipped) / (last - first) if device else None,

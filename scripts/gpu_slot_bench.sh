@@ -30,7 +30,9 @@
 # otherwise, REQUESTS requests (default 2048), every adapter kept in host memory; mean running requests and slots
 # held per step beside the capacity model's prediction. Each offline table prints the line
 #   slot-bound <table> [settings other than vLLM's defaults]: both/gridtrim = X.XX, both/stock = Y.YY,
-#   both/nolora = Z.ZZ (those measured)
+#   both/nolora = Z.ZZ, gridtrim/stock = W.WW (those measured; benchmarks/serving/bench_ratios.py)
+# and, with VLLM_PYTHONS="A B" (two interpreters, each with its own vLLM install: every mode once per
+# vLLM, all engines in the same interleaved rounds), one such line per vLLM, "vLLM 0.34.0 slot-bound ...".
 # Usage, from anywhere (a supported vLLM installed with `pip install -e ".[vllm]"`, or on PYTHONPATH,
 # e.g. through LORAZOR_VLLM_SITE, see scripts/env.sh):
 #   bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]
@@ -47,10 +49,11 @@
 # with SETTINGS the default is one run per engine, one engine after another; SETTINGS (offline
 # tables and goodput512: a second line's vLLM settings for every mode, e.g. SETTINGS="--graphs full --sync
 # --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048", benchmarks/serving/vllm_settings.py; default: vLLM's
-# defaults); BUNDLE (chat512: the learned bundle the lorazor modes serve); PROFILE_RATE (chat512: after each
-# mode's sweep, one run at that rate under vLLM's profiler, benchmarks/serving/chat.py); MODES="stock nolora" runs only those
-# modes and adds their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each
-# call the same OUT_DIR, e.g. one under /tmp that outlives the call, and copy it out).
+# defaults); VLLM_PYTHONS (offline tables, interleaved: interpreters of several vLLM installs, above); BUNDLE
+# (chat512: the learned bundle the lorazor modes serve); PROFILE_RATE (chat512: after each mode's sweep, one run at
+# that rate under vLLM's profiler, benchmarks/serving/chat.py); MODES="stock nolora" runs only those modes and adds
+# their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each call the same OUT_DIR, e.g. one
+# under /tmp that outlives the call, and copy it out).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
@@ -77,21 +80,9 @@ bench() {  # table, then bench arguments
     # shellcheck disable=SC2086  # SETTINGS is a list of options
     python3 -m benchmarks.serving.bench --out "$out/$table" --work "/tmp/lorazor_bench_$table" --requests "$requests" \
         --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} \
-        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${SETTINGS:-} || rc=1
-    python3 - "$table" "$out/$table/bench.json" <<'PY' || rc=1
-import json, sys
-from benchmarks.serving.bench_table import settings_tag
-table, path = sys.argv[1], sys.argv[2]
-try:
-    rows = {r["mode"]: r for r in json.load(open(path))["rows"] if "error" not in r}
-except OSError:
-    sys.exit(f"slot-bound {table}: no table ({path} was not written; the bench's own message is above)")
-ratios = [f"both/{m} = {rows['both']['req_per_s'] / rows[m]['req_per_s']:.2f}"
-          for m in ("gridtrim", "stock", "nolora") if "both" in rows and m in rows]
-tag = settings_tag(next(iter(rows.values()))) if rows else ""
-print(f"slot-bound {table}{' ' + tag if tag else ''}: "
-      + (", ".join(ratios) if ratios else f"rows missing ({sorted(rows)} finished)"))
-PY
+        ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${VLLM_PYTHONS:+--vllm-python $VLLM_PYTHONS} \
+        ${SETTINGS:-} || rc=1
+    python3 -m benchmarks.serving.bench_lines "$table" "$out/$table/bench.json" || rc=1
 }
 
 for table in "$@"; do

@@ -1,8 +1,8 @@
 """Offline throughput: stock vLLM vs vLLM with the LoRazor plugin, in one run.
 
     python -m benchmarks.serving.bench --out DIR [--adapters 128 4] [--modes stock gridtrim steptrim both nolora]
-                                 [--passes P] [--repeats R [--interleave]] [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed]
-                                 [--arrival-rate R]
+                                 [--passes P] [--repeats R [--interleave [--vllm-python A B]]]
+                                 [--model llama3b|mistral7b|llama8b] [--rank R] [--skewed] [--arrival-rate R]
 
 (``scripts/serve_bench.sh`` runs it with the plugin's entry point visible, installed or not.)
 It serves a Llama-3.2-3B-shaped model (Mistral-7B-v0.3- or Llama-3.1-8B-shaped with
@@ -21,8 +21,10 @@ ratio is to the stock row of its own pass. With ``--repeats R --interleave`` the
 start together and stay alive (each compiling into a vLLM cache of its own,
 :func:`benchmarks.serving.placement.compile_cache`), sharing the GPU through KV caches sized for
 the workload, and their R timed runs go in rounds, one engine at a time
-(:mod:`benchmarks.serving.interleave`); the notes give both's ratio to every other mode round by
-round. Under vLLM's defaults each engine's start-up compiles and captures its graphs (minutes),
+(:mod:`benchmarks.serving.interleave`); the notes give both's ratio to every other mode and
+gridtrim's to stock round by round. ``--vllm-python A B`` runs every mode once per interpreter, each with its own vLLM install,
+all in the same rounds: two vLLM lines compared within one run, each row naming its version. Under
+vLLM's defaults each engine's start-up compiles and captures its graphs (minutes),
 so a table of several modes fits one call only this way. Every mode runs vLLM's default
 ``specialize_active_lora`` (off); ``--specialize-active-lora`` turns vLLM's adapter-count graphs on
 where vLLM's LoRA kernels run (stock, steptrim, stockfix) for a second line. The modes:
@@ -763,6 +765,33 @@ def profile_workload(engine: Any, prompts: Sequence[Any], params: Sequence[Any],
 # -- orchestration ----------------------------------------------------------------------------
 
 
+VERSION_OF_VLLM = "import importlib.metadata as m; print(m.version('vllm'))"
+
+
+def vllm_lines(pythons: Sequence[str]) -> list[tuple[str, str]]:
+    """(vLLM version, interpreter) of each interpreter, the version read from its own package metadata
+    in a subprocess; ValueError names an interpreter that cannot run, one without vLLM, and two with
+    the same version."""
+    lines: list[tuple[str, str]] = []
+    for python in pythons:
+        try:
+            found = subprocess.run([python, "-c", VERSION_OF_VLLM], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ValueError(f"--vllm-python {python}: cannot run it ({e})") from None
+        version = found.stdout.strip()
+        if found.returncode != 0 or not version:
+            raise ValueError(f"--vllm-python {python}: no vLLM installed for that interpreter")
+        if version in dict(lines):
+            raise ValueError(f"--vllm-python: {dict(lines)[version]} and {python} both have vLLM {version}")
+        lines.append((version, python))
+    return lines
+
+
+def versions_named(lines: Sequence[tuple[str | None, str]]) -> str:
+    """``"0.33.0 and 0.34.0"``: the versions of :func:`vllm_lines`."""
+    return " and ".join(str(v) for v, _ in lines)
+
+
 def schedule(modes: Sequence[str], passes: int) -> list[tuple[int, str]]:
     """(pass, mode) in run order: pass 0 runs ``modes`` as given, and each later pass reverses
     the previous one's order, so a drift of the machine over the call (the host's load, the
@@ -777,8 +806,13 @@ def orchestrate(args: argparse.Namespace) -> int:
     cfg = MODELS[args.model]
     settings = vllm_settings.from_arguments(args)
     needed = max(host_bytes_needed(cfg, args.rank, n, args.max_loras, args.max_cpu_loras) for n in args.adapters)
+    try:
+        lines = vllm_lines(args.vllm_python) if args.vllm_python else [(None, sys.executable)]
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     if args.interleave:  # every LoRA mode's engine alive at once
-        needed *= max(1, sum(m != "nolora" for m in args.modes))
+        needed *= max(1, sum(m != "nolora" for m in args.modes)) * len(lines)
     available = host_memory_available()
     if problem := host_memory_problem(needed, available):  # before anything is written
         print(f"bench: {problem}", file=sys.stderr)
@@ -807,7 +841,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     workloads = {n: workload_for(n, args.requests, args.skewed, args.seed, cfg) for n in args.adapters}
     w0 = workloads[args.adapters[0]]
     preamble = [
-        f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm()} vs the LoRazor plugin (GridTrim kernels, "
+        f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm() if len(lines) == 1 else versions_named(lines)} "
+        "vs the LoRazor plugin (GridTrim kernels, "
         "StepTrim release, both), same machine, back-to-back subprocesses; vLLM settings of every mode: "
         + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching)"),
         f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{args.rank} "
@@ -857,7 +892,8 @@ def orchestrate(args: argparse.Namespace) -> int:
             prep.kill()
             prep_log.close()
             return 2
-        rows, notes = [r for r in earlier["rows"] if r["mode"] not in args.modes], earlier["notes"]
+        ran = {(m, line) for m in args.modes for line, _ in lines}
+        rows, notes = [r for r in earlier["rows"] if (r["mode"], r.get("vllm")) not in ran], earlier["notes"]
     notes.append(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: modes {' '.join(args.modes)}")
 
     def flush() -> None:
@@ -866,30 +902,35 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     flush()
 
-    def stem_of(n: int, mode: str, pass_: int = 0) -> Path:
-        """Where the engine of (n, mode, pass) writes: its ``.json`` result and ``.log``, without suffix."""
+    def stem_of(n: int, mode: str, pass_: int = 0, line: str | None = None) -> Path:
+        """Where the engine of (n, mode, pass, vLLM line) writes: its ``.json`` result and ``.log``,
+        without suffix (the version's dots as underscores: a stem has no dot)."""
         return out / (_tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "")
-                      + (f"_p{pass_ + 1}" if pass_ else "") + f"_{mode}")
+                      + (f"_p{pass_ + 1}" if pass_ else "") + f"_{mode}"
+                      + ("_vllm" + line.replace(".", "_") if line else ""))
 
     def env_of(mode: str, n: int) -> dict[str, str]:
         return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
                         {adapter_name(a): work / "adapters" / adapter_name(a) for a in range(n)},
                         slots=not args.no_slot_release)
 
-    def record(n: int, mode: str, pass_: int, label: str, stem: Path, error: str | None, took_s: float) -> int:
-        """Add the row of the engine whose result is ``stem``.json (or an error row); 1 on error."""
+    def record(n: int, mode: str, pass_: int, label: str, stem: Path, error: str | None, took_s: float,
+               line: str | None = None) -> int:
+        """Add the row of the engine whose result is ``stem``.json (or an error row), with its vLLM
+        ``line`` where the run has several; 1 on error."""
         result = stem.with_suffix(".json")
         if error is None and not result.exists():
             error = "wrote no result"
+        named = {"vllm": line} if line else {}
         if error is None:
-            row = json.loads(result.read_text()) | {"pass": pass_}
+            row = json.loads(result.read_text()) | {"pass": pass_} | named
             print(f"[{time.time() - start:5.0f} s] {label}: {row['req_per_s']:.1f} req/s "
                   f"(generate {row['elapsed_s']:.1f} s, start-up {row['startup_s']:.0f} s, warm-up "
                   f"{row['warmup_s']:.1f} s)", flush=True)
             notes.append(run_note(label, row, took_s))
         else:
             row = {"mode": mode, "adapters": n, "skewed": args.skewed, "pass": pass_, "error": error,
-                   "settings": settings.as_dict()}
+                   "settings": settings.as_dict()} | named
             print(f"{label}: {error}\n{stem.with_suffix('.log').read_text()[-3000:]}", flush=True)
         rows.append(row)
         flush()
@@ -909,15 +950,19 @@ def orchestrate(args: argparse.Namespace) -> int:
             flush()
             return 1
         t = time.time()
-        print(f"[{t - start:5.0f} s] N={n}: starting {', '.join(args.modes)} together", flush=True)
+        print(f"[{t - start:5.0f} s] N={n}: starting {', '.join(args.modes)} together"
+              + (f", each on vLLM {versions_named(lines)}" if len(lines) > 1 else ""), flush=True)
         engines, logs = [], []
-        for mode in args.modes:
-            stem = stem_of(n, mode)
-            stem.with_suffix(".json").unlink(missing_ok=True)
-            logs.append(open(stem.with_suffix(".log"), "w"))
-            engines.append(interleave.spawn(mode, me + ["--phase", "run", "--mode", mode, "--adapters", str(n),
-                                                        "--result", str(stem.with_suffix(".json"))] + common,
-                                            env_of(mode, n) | placement.compile_cache(work, mode), logs[-1]))
+        for line, python in lines:
+            for mode in args.modes:
+                stem = stem_of(n, mode, line=line)
+                stem.with_suffix(".json").unlink(missing_ok=True)
+                logs.append(open(stem.with_suffix(".log"), "w"))
+                engines.append(interleave.spawn(
+                    mode, [python, *me[1:], "--phase", "run", "--mode", mode, "--adapters", str(n),
+                           "--result", str(stem.with_suffix(".json"))] + common,
+                    env_of(mode, n) | placement.compile_cache(work, mode + (f"-vllm{line}" if line else "")),
+                    logs[-1], line))
         deadline = start + args.budget_s
         interleave.await_ready(engines, deadline)
         rounds = interleave.run_rounds(engines, args.repeats, deadline)
@@ -929,9 +974,10 @@ def orchestrate(args: argparse.Namespace) -> int:
             notes.append(f"N={n}: {rounds.stopped}")
         failed = 0
         for e in engines:
-            code = codes[e.mode]
+            code = codes[e.name]
             error = e.error or (None if code == 0 else "timed out" if code == "timeout" else f"failed (rc {code})")
-            failed |= record(n, e.mode, 0, f"N={n} {e.mode}", stem_of(n, e.mode), error, time.time() - t)
+            failed |= record(n, e.mode, 0, f"N={n} {e.name}", stem_of(n, e.mode, line=e.line), error,
+                             time.time() - t, e.line)
         return failed
 
     rc = 0
@@ -1004,6 +1050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "cache just large enough, so they share the GPU) and time the R runs in rounds, one "
                          "engine at a time, every other round reversed: a drift of the machine falls on every "
                          "mode alike; the notes give each round's ratios")
+    ap.add_argument("--vllm-python", nargs="+", default=None, metavar="PYTHON",
+                    help="with --interleave: run every mode once per interpreter, each with its own vLLM install "
+                         "(e.g. two virtual environments' bin/python), all engines taking turns in the same "
+                         "rounds; each row names its vLLM version")
     ap.add_argument("--lora-target-modules", nargs="+", default=None, metavar="SUFFIX",
                     help="give LoRA layers only to these module suffixes in every mode (e.g. qkv_proj o_proj "
                          "gate_up_proj down_proj); default: vLLM's, which also wraps embed_tokens and lm_head")
@@ -1050,6 +1100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.interleave and (args.repeats < 2 or args.arrival_rate or args.passes > 1 or args.profile_steps):
         ap.error("--interleave times offline runs in rounds: give --repeats R ≥ 2, and no --arrival-rate, --passes "
                  "or --profile-steps")
+    if args.vllm_python and not args.interleave:
+        ap.error("--vllm-python compares vLLM installs in interleaved rounds: give --interleave --repeats R ≥ 2")
     if args.profile_python and not args.profile_steps:
         ap.error("--profile-python needs --profile-steps S (it profiles S steps after the torch-profiler window)")
     if args.phase == "prepare":

@@ -1,6 +1,6 @@
 """The offline serving benchmark's report (:mod:`benchmarks.serving.bench`): its table of req/s
-(or, open loop, TTFT and TPOT) per (adapters, traffic, mode) with each row's ratio to the stock row
-of its own pass and settings, the slot statistics beside the capacity model's prediction, and the
+(or, open loop, TTFT and TPOT) per (adapters, traffic, mode, and vLLM where a run compares several)
+with each row's ratio to the stock row of its own pass, settings and vLLM, the slot statistics beside the capacity model's prediction, and the
 notes' line per engine and per interleaved round."""
 from __future__ import annotations
 
@@ -70,16 +70,22 @@ def graphs_note(row: dict[str, Any]) -> str:
             f"({row['graph_tokens']} tokens{model}){times}")
 
 
+RATIOS = [("both", m) for m in ("gridtrim", "steptrim", "stock", "stockfix", "nolora")] + [("gridtrim", "stock")]
+
+
 def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
-    """Interleaved runs: each round's order and run times, then both's speed ratio to every other mode
-    round by round, with the median."""
-    nth_run = {e.mode: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
+    """Interleaved runs: each round's order and run times, then, per vLLM line, both's speed ratio
+    to every other mode and gridtrim's to stock, round by round, with the median."""
+    nth_run = {e.name: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
     lines = [f"N={n} round {r + 1}: " + (", ".join(f"{m} {next(nth_run[m]):.2f} s" for m in order) or "no engine ran")
              for r, order in enumerate(orders)]
-    if "both" in nth_run:
-        for other in nth_run:
-            if other != "both" and (ratios := interleave.round_ratios(engines, "both", other)):
-                lines.append(f"N={n} both/{other} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
+    named = {(e.line, e.mode): e.name for e in engines}
+    for line in dict.fromkeys(e.line for e in engines):
+        tag = "" if line is None else f" (vLLM {line})"
+        for a, b in RATIOS:
+            if (line, a) in named and (line, b) in named and (
+                    ratios := interleave.round_ratios(engines, named[line, a], named[line, b])):
+                lines.append(f"N={n} {a}/{b}{tag} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
                              f"(median {float(np.median(ratios)):.3f})")
     return lines
 
@@ -92,9 +98,10 @@ def settings_tag(r: dict[str, Any]) -> str:
 
 
 def mode_label(r: dict[str, Any]) -> str:
-    """The row's mode as the table names it, with what its vLLM settings change from the defaults."""
+    """The row's mode as the table names it, with what its vLLM settings change from the defaults and,
+    in a table of several vLLM installs, its vLLM version."""
     tag = settings_tag(r)
-    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "")
+    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "") + (f" (vLLM {r['vllm']})" if r.get("vllm") else "")
 
 
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
@@ -117,8 +124,8 @@ def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = 
 
 
 def render(preamble: list[str], rows: list[dict[str, Any]], notes: list[str], latency: bool = False) -> str:
-    def key(r: dict[str, Any]) -> tuple:  # a row's ratio is to the stock row of its own settings too
-        return r["adapters"], r["skewed"], r.get("pass", 0), settings_tag(r)
+    def key(r: dict[str, Any]) -> tuple:  # a row's ratio is to the stock row of its own settings and vLLM too
+        return r["adapters"], r["skewed"], r.get("pass", 0), settings_tag(r), r.get("vllm")
 
     stock = {key(r): r for r in rows if r["mode"] == "stock"}
     header = LATENCY_HEADER if latency else HEADER
@@ -142,7 +149,8 @@ def slot_table(rows: list[dict[str, Any]]) -> str:
     lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
     for r in have:
         traffic = "skewed 80/20" if r["skewed"] else "uniform"
-        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']} | {r['max_loras']} | {r['req_per_s']:.1f} | "
+        mode = r["mode"] + (f" (vLLM {r['vllm']})" if r.get("vllm") else "")
+        lines.append(f"| {r['adapters']} | {traffic} | {mode} | {r['max_loras']} | {r['req_per_s']:.1f} | "
                      f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
                      f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} | "
                      f"{r.get('model_slot_loads', '—')} | "

@@ -6,7 +6,8 @@ runs of the same workload moved by 5-8% from one minute to the next
 Interleaving keeps every mode's engine alive in its own subprocess and runs round r = 1..R, in
 each round every mode once, one engine at a time, every other round in the reverse order
 (:func:`round_order`, which ``bench.schedule`` uses for passes too); a ratio taken within a round
-compares runs a minute apart at most.
+compares runs a minute apart at most. Engines of several vLLM installs (one interpreter each)
+take turns the same way, so two vLLM lines are compared within one run too.
 
 Semantics of the protocol, one line per message over two inherited pipes per engine: the engine
 says ``ready`` once warm; the orchestrator says ``run``; the engine answers ``done <seconds>``
@@ -60,7 +61,8 @@ class Turns:
 @dataclass
 class Engine:
     """The orchestrator's side of one engine subprocess. ``error`` is set once it fails; it then
-    takes no further turn."""
+    takes no further turn. ``line``: the vLLM version it runs where engines of several vLLM installs
+    take turns (None: the one installed)."""
 
     mode: str
     proc: subprocess.Popen
@@ -68,9 +70,15 @@ class Engine:
     from_engine: IO[str]
     runs: list[float] = field(default_factory=list)
     error: str | None = None
+    line: str | None = None
+
+    @property
+    def name(self) -> str:
+        """How rounds and notes name it: the mode, with its vLLM version where there are several."""
+        return self.mode if self.line is None else f"{self.mode} (vLLM {self.line})"
 
 
-def spawn(mode: str, argv: Sequence[str], env: dict[str, str], log: IO) -> Engine:
+def spawn(mode: str, argv: Sequence[str], env: dict[str, str], log: IO, line: str | None = None) -> Engine:
     """Start ``argv`` + ``--turns R,W`` with stdout and stderr to ``log``; R and W are pipe ends the
     child inherits."""
     to_r, to_w = os.pipe()
@@ -79,7 +87,7 @@ def spawn(mode: str, argv: Sequence[str], env: dict[str, str], log: IO) -> Engin
                             stderr=subprocess.STDOUT, pass_fds=(to_r, from_w))
     os.close(to_r)
     os.close(from_w)
-    return Engine(mode, proc, os.fdopen(to_w, "w"), os.fdopen(from_r, "r"))
+    return Engine(mode, proc, os.fdopen(to_w, "w"), os.fdopen(from_r, "r"), line=line)
 
 
 def _read_line(engine: Engine, deadline: float) -> str | None:
@@ -126,7 +134,7 @@ def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> Round
     by ``deadline``, so a short budget leaves every engine with the same rounds instead of failing
     the engine whose turn falls past it. An engine that does not answer by ``deadline`` or exits
     fails and the others go on."""
-    by_mode = {e.mode: e for e in engines}
+    by_name = {e.name: e for e in engines}
     done = Rounds()
     for r in range(rounds):
         left = deadline - time.time()
@@ -137,8 +145,8 @@ def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> Round
             break
         t = time.time()
         ran = []
-        for mode in round_order(list(by_mode), r):
-            e = by_mode[mode]
+        for name in round_order(list(by_name), r):
+            e = by_name[name]
             if e.error:
                 continue
             try:
@@ -153,15 +161,15 @@ def run_rounds(engines: Sequence[Engine], rounds: int, deadline: float) -> Round
                     "it exited" if line == "" else "out of time" if line is None else f"it said {line!r}"))
                 continue
             e.runs.append(float(line.split()[1]))
-            ran.append(mode)
+            ran.append(name)
         done.orders.append(ran)
         done.seconds.append(time.time() - t)
     return done
 
 
 def finish(engines: Sequence[Engine], timeout_s: float) -> dict[str, int | str]:
-    """Close every turn pipe, so each engine writes its result and exits; each engine's exit code,
-    or ``"timeout"`` for one still running after ``timeout_s`` (then killed)."""
+    """Close every turn pipe, so each engine writes its result and exits; each engine's exit code by
+    :attr:`Engine.name`, or ``"timeout"`` for one still running after ``timeout_s`` (then killed)."""
     for e in engines:
         try:
             e.to_engine.close()
@@ -171,18 +179,18 @@ def finish(engines: Sequence[Engine], timeout_s: float) -> dict[str, int | str]:
     end = time.time() + timeout_s
     for e in engines:
         try:
-            codes[e.mode] = e.proc.wait(timeout=max(1.0, end - time.time()))
+            codes[e.name] = e.proc.wait(timeout=max(1.0, end - time.time()))
         except subprocess.TimeoutExpired:
             e.proc.kill()
             e.proc.wait()
-            codes[e.mode] = "timeout"
+            codes[e.name] = "timeout"
         e.from_engine.close()
     return codes
 
 
-def round_ratios(engines: Sequence[Engine], mode: str, other: str) -> list[float]:
-    """``other``'s run time over ``mode``'s, round by round (``mode``'s speed relative to ``other``'s),
-    for the rounds both ran."""
-    by_mode = {e.mode: e for e in engines}
-    a, b = by_mode[mode].runs, by_mode[other].runs
+def round_ratios(engines: Sequence[Engine], name: str, other: str) -> list[float]:
+    """``other``'s run time over ``name``'s, round by round (``name``'s speed relative to ``other``'s),
+    for the rounds both ran (engines by :attr:`Engine.name`)."""
+    by_name = {e.name: e for e in engines}
+    a, b = by_name[name].runs, by_name[other].runs
     return [y / x for x, y in zip(a, b)]

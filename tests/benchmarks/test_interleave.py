@@ -229,3 +229,82 @@ def test_interleaved_table_reports_engines_that_never_got_ready(tmp_path, capsys
     assert [r["settings"]["graphs"] for r in doc["rows"]] == ["full", "full"]
     assert [n for n in doc["notes"] if "round" in n] == ["N=2 round 1: no engine ran", "N=2 round 2: no engine ran"]
     assert (out / "n2_uniform_both.log").exists() and (out / "prepare.log").exists()
+
+
+def _interpreter(tmp_path: Path, version: str | None) -> str:
+    """An interpreter whose vLLM install is package metadata of ``version`` alone (no module), on
+    PYTHONPATH before the caller's; with None, the test's own interpreter (no vLLM installed)."""
+    if version is None:
+        return sys.executable
+    site = tmp_path / f"site-{version}"
+    (site / f"vllm-{version}.dist-info").mkdir(parents=True)
+    (site / f"vllm-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    python = tmp_path / f"python-{version}"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site}:$PYTHONPATH exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_vllm_lines_read_each_interpreters_own_version(tmp_path):
+    a, b = _interpreter(tmp_path, "0.33.0"), _interpreter(tmp_path, "0.34.0")
+    assert bench.vllm_lines([a, b]) == [("0.33.0", a), ("0.34.0", b)]
+    with pytest.raises(ValueError, match="both have vLLM 0.33.0"):
+        bench.vllm_lines([a, a])
+    with pytest.raises(ValueError, match="no vLLM installed for that interpreter"):
+        bench.vllm_lines([a, _interpreter(tmp_path, None)])
+    with pytest.raises(ValueError, match="cannot run it"):
+        bench.vllm_lines([str(tmp_path / "no-such-python")])
+
+
+def test_vllm_python_needs_interleaved_rounds(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "out"), "--vllm-python", sys.executable, "--repeats", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--interleave" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interpreter_without_vllm_is_refused_before_anything_is_written(tmp_path, capsys):
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--repeats", "2", "--interleave",
+            "--vllm-python", _interpreter(tmp_path, "0.33.0"), sys.executable]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{sys.executable}: no vLLM installed" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_round_notes_of_two_vllm_lines_pair_modes_within_each_line():
+    def engine(mode, line, runs):
+        return interleave.Engine(mode, None, None, None, runs, line=line)
+
+    engines = [engine("gridtrim", "0.33.0", [10.0, 12.0]), engine("stock", "0.33.0", [20.0, 18.0]),
+               engine("gridtrim", "0.34.0", [11.0, 11.0]), engine("stock", "0.34.0", [22.0, 33.0])]
+    names = [e.name for e in engines]
+    assert names[0] == "gridtrim (vLLM 0.33.0)" and len(set(names)) == 4
+    notes = bench_table.round_notes(512, engines, [names, names[::-1]])
+    assert notes[0] == ("N=512 round 1: gridtrim (vLLM 0.33.0) 10.00 s, stock (vLLM 0.33.0) 20.00 s, "
+                        "gridtrim (vLLM 0.34.0) 11.00 s, stock (vLLM 0.34.0) 22.00 s")
+    assert notes[2:] == ["N=512 gridtrim/stock (vLLM 0.33.0) round by round: 2.000, 1.500 (median 1.750)",
+                         "N=512 gridtrim/stock (vLLM 0.34.0) round by round: 2.000, 3.000 (median 2.500)"]
+
+
+def test_two_vllm_lines_share_the_rounds_and_name_their_rows(tmp_path, capsys):
+    """Through bench.main with two interpreters whose vLLM is metadata alone: every (line, mode)
+    engine starts, none gets ready on this machine, and each gets its own error row, log and name."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--adapters", "2", "--requests", "8",
+            "--modes", "gridtrim", "stock", "--repeats", "2", "--interleave", "--budget-s", "300",
+            "--vllm-python", _interpreter(tmp_path, "0.33.0"), _interpreter(tmp_path, "0.34.0")]
+    assert bench.main(argv) == 1
+    doc = bench.json.loads((out / "bench.json").read_text())
+    assert [(r["mode"], r["vllm"], r["error"]) for r in doc["rows"]] == [
+        ("gridtrim", "0.33.0", "exited before it was ready"), ("stock", "0.33.0", "exited before it was ready"),
+        ("gridtrim", "0.34.0", "exited before it was ready"), ("stock", "0.34.0", "exited before it was ready")]
+    assert doc["preamble"][0].startswith("LoRazor serve_bridge throughput: stock vLLM 0.33.0 and 0.34.0 vs")
+    assert {p.name for p in out.glob("*.log")} >= {"n2_uniform_gridtrim_vllm0_33_0.log", "n2_uniform_stock_vllm0_34_0.log"}
+    assert "| gridtrim (our LoRA kernels, no release) (vLLM 0.34.0) | exited before it was ready |" in (
+        out / "bench.txt").read_text()
+    assert bench.main(argv[:argv.index("--modes")] + ["--modes", "stock", "--append"] + argv[argv.index("--repeats"):]) == 1
+    again = bench.json.loads((out / "bench.json").read_text())  # stock's rows of both lines replaced, gridtrim's kept
+    assert [(r["mode"], r["vllm"]) for r in again["rows"]] == [("gridtrim", "0.33.0"), ("gridtrim", "0.34.0"),
+                                                               ("stock", "0.33.0"), ("stock", "0.34.0")]

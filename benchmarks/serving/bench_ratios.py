@@ -1,0 +1,59 @@
+"""The ratio lines of an offline table (:mod:`benchmarks.serving.bench`'s ``OUT/TABLE/bench.json``):
+
+    python -m benchmarks.serving.bench_ratios TABLE OUT/TABLE/bench.json
+
+prints, for the modes measured (both's req/s over every other mode's, gridtrim's over stock's),
+one line per vLLM install the table compares::
+
+    slot-bound uniform512: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ, gridtrim/stock = W.WW
+    vLLM 0.34.0 slot-bound uniform512: gridtrim/stock = W.WW           (a table of several vLLM installs)
+
+with the vLLM settings that differ from vLLM's defaults after the table's name. A table with no
+finished row, or no pair, says which rows finished.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving.bench_table import RATIOS, settings_tag
+from serve_bridge.command_line import Parser, fail
+
+
+def ratio_lines(table: str, rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The table's lines: one per vLLM install among ``rows`` (a row's ``vllm``; rows without it are
+    the one installed), in the order they first appear; error rows are left out."""
+    done = [r for r in rows if "error" not in r]
+    if not done:
+        return [f"slot-bound {table}: no row finished"]
+    lines = []
+    for vllm in dict.fromkeys(r.get("vllm") for r in done):
+        by_mode = {r["mode"]: r for r in done if r.get("vllm") == vllm}
+        ratios = [f"{a}/{b} = {by_mode[a]['req_per_s'] / by_mode[b]['req_per_s']:.2f}"
+                  for a, b in RATIOS if a in by_mode and b in by_mode]
+        tag = settings_tag(next(iter(by_mode.values())))
+        lines.append((f"vLLM {vllm} " if vllm else "") + f"slot-bound {table}{' ' + tag if tag else ''}: "
+                     + (", ".join(ratios) if ratios else f"rows missing ({sorted(by_mode)} finished)"))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("table", help="the table's name, e.g. uniform512")
+    ap.add_argument("path", type=Path, help="its bench.json")
+    args = ap.parse_args(argv)
+    try:
+        rows = json.loads(args.path.read_text())["rows"]
+    except OSError:
+        fail(f"slot-bound {args.table}: no table ({args.path} was not written; the bench's own message is above)")
+    except (ValueError, KeyError, TypeError):
+        fail(f"slot-bound {args.table}: {args.path} is not a bench table")
+    print("\n".join(ratio_lines(args.table, rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,8 +8,11 @@ one line per vLLM install the table compares::
     slot-bound uniform512: both/gridtrim = X.XX, both/stock = Y.YY, both/nolora = Z.ZZ, gridtrim/stock = W.WW
     vLLM 0.34.0 slot-bound uniform512: gridtrim/stock = W.WW           (a table of several vLLM installs)
 
-with the vLLM settings that differ from vLLM's defaults after the table's name. A table with no
-finished row, or no pair, says which rows finished.
+and, in a table of several vLLM installs, each mode's req/s on every later install over the first's
+(``vLLM 0.34.0 over 0.33.0 slot-bound uniform512, each mode in the same rounds: stock = S.SS``): a
+ratio of two modes' such figures compares the lines free of the machine's drift between calls, even
+where the two modes ran in calls of their own. The vLLM settings that differ from vLLM's defaults
+follow the table's name; a table with no finished row, or no pair, says which rows finished.
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ def ratio_lines(table: str, rows: Sequence[dict[str, Any]]) -> list[str]:
         tag = settings_tag(next(iter(by_mode.values())))
         lines.append((f"vLLM {vllm} " if vllm else "") + f"slot-bound {table}{' ' + tag if tag else ''}: "
                      + (", ".join(ratios) if ratios else f"rows missing ({sorted(by_mode)} finished)"))
+    first, *later = dict.fromkeys(r.get("vllm") for r in done)
+    for vllm in later:  # each mode's speed on a later vLLM over the first's, both measured in the same rounds
+        mine, theirs = ({r["mode"]: r["req_per_s"] for r in done if r.get("vllm") == v} for v in (vllm, first))
+        lines.append(f"vLLM {vllm} over {first} slot-bound {table}, each mode in the same rounds: " + ", ".join(
+            f"{m} = {mine[m] / theirs[m]:.2f}" for m in mine if m in theirs))
     return lines
 
 

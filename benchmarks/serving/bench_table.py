@@ -75,18 +75,28 @@ RATIOS = [("both", m) for m in ("gridtrim", "steptrim", "stock", "stockfix", "no
 
 def round_notes(n: int, engines: Sequence[interleave.Engine], orders: Sequence[Sequence[str]]) -> list[str]:
     """Interleaved runs: each round's order and run times, then, per vLLM line, both's speed ratio
-    to every other mode and gridtrim's to stock, round by round, with the median."""
+    to every other mode and gridtrim's to stock, and, where the run has several vLLM lines, each
+    mode's speed on every later line over the first, round by round, with the median."""
     nth_run = {e.name: iter(e.runs) for e in engines}  # an engine's runs, in the rounds it ran
     lines = [f"N={n} round {r + 1}: " + (", ".join(f"{m} {next(nth_run[m]):.2f} s" for m in order) or "no engine ran")
              for r, order in enumerate(orders)]
     named = {(e.line, e.mode): e.name for e in engines}
-    for line in dict.fromkeys(e.line for e in engines):
+    versions = list(dict.fromkeys(e.line for e in engines))
+
+    def add(what: str, name: str, other: str) -> None:
+        if ratios := interleave.round_ratios(engines, name, other):
+            lines.append(f"N={n} {what} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
+                         f"(median {float(np.median(ratios)):.3f})")
+
+    for line in versions:
         tag = "" if line is None else f" (vLLM {line})"
         for a, b in RATIOS:
-            if (line, a) in named and (line, b) in named and (
-                    ratios := interleave.round_ratios(engines, named[line, a], named[line, b])):
-                lines.append(f"N={n} {a}/{b}{tag} round by round: {', '.join(f'{x:.3f}' for x in ratios)} "
-                             f"(median {float(np.median(ratios)):.3f})")
+            if (line, a) in named and (line, b) in named:
+                add(f"{a}/{b}{tag}", named[line, a], named[line, b])
+    for line in versions[1:]:  # each mode's speed on a later vLLM over the first one's
+        for mode in dict.fromkeys(e.mode for e in engines):
+            if (line, mode) in named and (versions[0], mode) in named:
+                add(f"{mode} vLLM {line}/{versions[0]}", named[line, mode], named[versions[0], mode])
     return lines
 
 

@@ -22,8 +22,12 @@ def test_one_vllm_gives_boths_ratios_and_gridtrims_to_stock():
 def test_each_vllm_gets_its_own_line_from_its_own_rows():
     rows = [row("gridtrim", 40.0, "0.33.0"), row("stock", 20.0, "0.33.0"),
             row("gridtrim", 33.0, "0.34.0"), row("stock", 30.0, "0.34.0")]
-    assert bench_ratios.ratio_lines("uniform512", rows) == ["vLLM 0.33.0 slot-bound uniform512: gridtrim/stock = 2.00",
-                                                            "vLLM 0.34.0 slot-bound uniform512: gridtrim/stock = 1.10"]
+    assert bench_ratios.ratio_lines("uniform512", rows) == [
+        "vLLM 0.33.0 slot-bound uniform512: gridtrim/stock = 2.00",
+        "vLLM 0.34.0 slot-bound uniform512: gridtrim/stock = 1.10",
+        "vLLM 0.34.0 over 0.33.0 slot-bound uniform512, each mode in the same rounds: gridtrim = 0.82, stock = 1.50"]
+    stock_only = [r for r in rows if r["mode"] == "stock"]  # a mode's call of its own still compares the lines
+    assert bench_ratios.ratio_lines("uniform512", stock_only)[-1].endswith("each mode in the same rounds: stock = 1.50")
 
 
 def test_error_rows_are_left_out_and_missing_pairs_named():

@@ -285,7 +285,9 @@ def test_round_notes_of_two_vllm_lines_pair_modes_within_each_line():
     assert notes[0] == ("N=512 round 1: gridtrim (vLLM 0.33.0) 10.00 s, stock (vLLM 0.33.0) 20.00 s, "
                         "gridtrim (vLLM 0.34.0) 11.00 s, stock (vLLM 0.34.0) 22.00 s")
     assert notes[2:] == ["N=512 gridtrim/stock (vLLM 0.33.0) round by round: 2.000, 1.500 (median 1.750)",
-                         "N=512 gridtrim/stock (vLLM 0.34.0) round by round: 2.000, 3.000 (median 2.500)"]
+                         "N=512 gridtrim/stock (vLLM 0.34.0) round by round: 2.000, 3.000 (median 2.500)",
+                         "N=512 gridtrim vLLM 0.34.0/0.33.0 round by round: 0.909, 1.091 (median 1.000)",
+                         "N=512 stock vLLM 0.34.0/0.33.0 round by round: 0.909, 0.545 (median 0.727)"]
 
 
 def test_two_vllm_lines_share_the_rounds_and_name_their_rows(tmp_path, capsys):

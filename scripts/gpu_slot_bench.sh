@@ -82,7 +82,7 @@ bench() {  # table, then bench arguments
         --budget-s $((budget - ($(date +%s) - start))) --min-run-s 45 "$@" ${MODES:+--modes $MODES --append} \
         ${REPEATS:+--repeats $REPEATS} ${INTERLEAVE:+--interleave} ${VLLM_PYTHONS:+--vllm-python $VLLM_PYTHONS} \
         ${SETTINGS:-} || rc=1
-    python3 -m benchmarks.serving.bench_lines "$table" "$out/$table/bench.json" || rc=1
+    python3 -m benchmarks.serving.bench_ratios "$table" "$out/$table/bench.json" || rc=1
 }
 
 for table in "$@"; do

@@ -23,7 +23,7 @@ from serve_bridge.vllm.settings import BUNDLE_ENV, BridgeError
 SEAMS = {"0.34.0": "serve_bridge.vllm.versions.v0_34", "0.33.0": "serve_bridge.vllm.versions.v0_33",
          "0.26.0": "serve_bridge.vllm.versions.v0_26"}
 SUPPORTED = tuple(SEAMS)
-EXTRA = "0.33.0"  # the newest maintained release, which `pip install 'lorazor[vllm]'` installs
+EXTRA = "0.34.0"  # the newest maintained release, which `pip install 'lorazor[vllm]'` installs
 
 
 def supported_text() -> str:

@@ -57,8 +57,8 @@ def test_version_gate_picks_one_seam_per_supported_vllm():
             versions.seam(other)
         message = str(err.value)
         assert "\n" not in message and f"vLLM {other} is installed" in message
-        assert message.index("vllm==0.34.0 (pip install lorazor 'vllm==0.34.0')") \
-            < message.index("vllm==0.33.0 (pip install 'lorazor[vllm]')") < message.index("vllm==0.26.0")
+        assert message.index("vllm==0.34.0 (pip install 'lorazor[vllm]')") \
+            < message.index("vllm==0.33.0 (pip install lorazor 'vllm==0.33.0')") < message.index("vllm==0.26.0")
     assert not versions.has_v1_runner("0.35.0")
 
 

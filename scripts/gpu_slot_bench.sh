@@ -50,10 +50,12 @@
 # tables and goodput512: a second line's vLLM settings for every mode, e.g. SETTINGS="--graphs full --sync
 # --capture-sizes 1 2 4 8 16 32 64 128 256 512 1024 2048", benchmarks/serving/vllm_settings.py; default: vLLM's
 # defaults); VLLM_PYTHONS (offline tables, interleaved: interpreters of several vLLM installs, above); BUNDLE
-# (chat512: the learned bundle the lorazor modes serve); PROFILE_RATE (chat512: after each mode's sweep, one run at
-# that rate under vLLM's profiler, benchmarks/serving/chat.py); MODES="stock nolora" runs only those modes and adds
-# their rows to OUT_DIR/<table>/bench.json (one table over several calls: give each call the same OUT_DIR, e.g. one
-# under /tmp that outlives the call, and copy it out).
+# (chat512: the learned bundle the lorazor modes serve); SWEEP (goodput512 and chat512: the rate sweep's options, e.g.
+# SWEEP="--start-rate 100 --factor 1.1" to bracket a knee known from an earlier call, benchmarks/serving/goodput.py);
+# PROFILE_RATE (chat512: after each mode's sweep, one run at that rate under vLLM's profiler,
+# benchmarks/serving/chat.py); MODES="stock nolora" runs only those modes and adds their rows to
+# OUT_DIR/<table>/bench.json (one table over several calls: give each call the same OUT_DIR, e.g. one under /tmp
+# that outlives the call, and copy it out).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_slot_bench.sh OUT_DIR TABLE [TABLE ...]}
 shift
@@ -113,12 +115,12 @@ PY
     goodput512)  # the server runs its own engine core process; goodput.py sets that for the server
         python3 -m benchmarks.serving.goodput --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --requests "$requests" --budget-s $((budget - ($(date +%s) - start))) --gpus all \
-            ${MODES:+--modes $MODES --append} ${SETTINGS:-} || rc=1 ;;  # SETTINGS unquoted: a list of options
+            ${MODES:+--modes $MODES --append} ${SETTINGS:-} ${SWEEP:-} || rc=1 ;;  # unquoted: lists of options
     chat512)  # vLLM's defaults in every server; the learned bundle is prepared on the GPU unless BUNDLE names one
         python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) --gpus all \
             ${MODES:+--modes $MODES --append} ${BUNDLE:+--bundle "$BUNDLE"} ${PROFILE_RATE:+--profile-rate "$PROFILE_RATE"} \
-            || rc=1 ;;
+            ${SWEEP:-} || rc=1 ;;  # SWEEP unquoted: a list of options
     *)
         echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512, goodput512 or chat512" >&2
         exit 2 ;;

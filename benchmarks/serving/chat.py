@@ -3,7 +3,7 @@ driven by ``vllm bench serve`` with a dataset file.
 
     python -m benchmarks.serving.chat --out DIR [--modes lorazor ...] [--gpus all] [--append] [--bundle DIR]
 
-On a machine with six H200s (or more) and vLLM 0.33.0, the whole table in one call, the six
+On a machine with six H200s (or more) and vLLM 0.34.0 or 0.33.0, the whole table in one call, the six
 servers at once, one GPU each (:mod:`benchmarks.serving.placement`; the learned bundle is prepared
 first on the lorazor mode's GPU, the other modes starting meanwhile):
 
@@ -123,7 +123,8 @@ from benchmarks.serving.vllm_server import HarnessError, counters, free_port, ht
 from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.vllm.versions import installed_version
 
-VERSION = "0.33.0"  # the vllm bench serve whose custom dataset and round-robin assignment this relies on
+# the vllm bench serve lines whose custom dataset and round-robin assignment this relies on (docs/vllm_integration.md §12b)
+VERSIONS = ("0.34.0", "0.33.0")
 MODES = ("lorazor", "lorazor-sync", "lorazor-lag0", "gridtrim", "stock", "nolora")
 BENCH_MODE = {"stock": "stock", "gridtrim": "gridtrim", "lorazor": "both", "lorazor-sync": "both",
               "lorazor-lag0": "both", "nolora": "nolora"}
@@ -140,7 +141,8 @@ LABEL = {"stock": "stock", "gridtrim": "gridtrim (LORAZOR_GRIDTRIM=1)",
          "lorazor-lag0": "lorazor-lag0 (the same heads, decision lag 0)",
          "nolora": "nolora (the backbone without LoRA)"}
 WORKER_EXTENSION = "serve_bridge.vllm.rpc.LoRazorWorkerExtension"
-# vLLM 0.33.0's defaults as the engine core logs its config (v1/engine/core.py:140-142, config/vllm.py:2839-2842)
+# vLLM's defaults as the engine core logs its config (v1/engine/core.py:140-142, config/vllm.py:2839-2842 in 0.33.0;
+# :154-156 and :2920-2923 in 0.34.0)
 ENGINE_DEFAULTS = ("enable_prefix_caching=True", "CompilationMode.VLLM_COMPILE", "CUDAGraphMode.FULL_AND_PIECEWISE")
 ENGINE_LINE = "Initializing a V1 LLM engine"
 # /metrics samples (v1/metrics/loggers.py: counters :661-678 and :799, the per-step histogram :887-893)
@@ -525,7 +527,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     deadline = start + args.budget_s
     version, shape = installed_version(), shape_from(args)
     gpus = placement.resolve(args.gpus, args.port, os.environ)
-    if problem := goodput.refusal("chat", version, (VERSION,), "its vllm bench serve's custom dataset and round-robin "
+    if problem := goodput.refusal("chat", version, VERSIONS, "its vllm bench serve's custom dataset and round-robin "
                                   "adapters, docs/vllm_integration.md §12b", shape.n_adapters, args.max_loras,
                                   gpus, args.modes):
         print(problem, file=sys.stderr)

@@ -17,9 +17,9 @@ Python functions (vLLM's runner, the plugin's hooks, the scheduler) that the ope
 cannot name. cProfile slows Python calls down, so its times are only compared within a window.
 
 :func:`trace_summary` reads the same question off a server: the Chrome trace that vLLM's own
-profiler (``--profiler-config``, ``POST /start_profile``; ``vllm/profiler/wrapper.py`` of 0.33.0)
-writes for its engine-core worker. The worker marks each ``execute_model`` with a
-``user_annotation`` named ``execute_context_C(c)_generation_G(g)`` (``v1/worker/gpu_worker.py:1212-1323``):
+profiler (``--profiler-config``, ``POST /start_profile``; ``vllm/profiler/wrapper.py``, docs/vllm_integration.md
+§12b) writes for its engine-core worker. The worker marks each ``execute_model`` with a
+``user_annotation`` named ``execute_context_C(c)_generation_G(g)``:
 C prefill requests of c tokens, G decoding requests of g tokens. Between two of them the engine core
 schedules, samples and hands out the previous step's output.
 """

@@ -22,10 +22,10 @@ start together and stay alive (each compiling into a vLLM cache of its own,
 :func:`benchmarks.serving.placement.compile_cache`), sharing the GPU through KV caches sized for
 the workload, and their R timed runs go in rounds, one engine at a time
 (:mod:`benchmarks.serving.interleave`); the notes give both's ratio to every other mode and
-gridtrim's to stock round by round. ``--vllm-python A B`` runs every mode once per interpreter, each with its own vLLM install,
-all in the same rounds: two vLLM lines compared within one run, each row naming its version. Under
-vLLM's defaults each engine's start-up compiles and captures its graphs (minutes),
-so a table of several modes fits one call only this way. Every mode runs vLLM's default
+gridtrim's to stock round by round. ``--vllm-python A B`` runs every mode once per interpreter,
+each with its own vLLM install, all in the same rounds: two vLLM lines compared within one run,
+each row naming its version. Under vLLM's defaults each engine's start-up compiles and captures
+its graphs (minutes), so a table of several modes fits one call only this way. Every mode runs vLLM's default
 ``specialize_active_lora`` (off); ``--specialize-active-lora`` turns vLLM's adapter-count graphs on
 where vLLM's LoRA kernels run (stock, steptrim, stockfix) for a second line. The modes:
 
@@ -841,7 +841,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     workloads = {n: workload_for(n, args.requests, args.skewed, args.seed, cfg) for n in args.adapters}
     w0 = workloads[args.adapters[0]]
     preamble = [
-        f"LoRazor serve_bridge throughput: stock vLLM {installed_vllm() if len(lines) == 1 else versions_named(lines)} "
+        f"LoRazor serve_bridge throughput: stock vLLM {versions_named(lines) if args.vllm_python else installed_vllm()} "
         "vs the LoRazor plugin (GridTrim kernels, "
         "StepTrim release, both), same machine, back-to-back subprocesses; vLLM settings of every mode: "
         + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching)"),

@@ -1,7 +1,7 @@
 """The offline serving benchmark's report (:mod:`benchmarks.serving.bench`): its table of req/s
 (or, open loop, TTFT and TPOT) per (adapters, traffic, mode, and vLLM where a run compares several)
-with each row's ratio to the stock row of its own pass, settings and vLLM, the slot statistics beside the capacity model's prediction, and the
-notes' line per engine and per interleaved round."""
+with each row's ratio to the stock row of its own pass, settings and vLLM, the slot statistics
+beside the capacity model's prediction, and the notes' line per engine and per interleaved round."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -111,7 +111,12 @@ def mode_label(r: dict[str, Any]) -> str:
     """The row's mode as the table names it, with what its vLLM settings change from the defaults and,
     in a table of several vLLM installs, its vLLM version."""
     tag = settings_tag(r)
-    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "") + (f" (vLLM {r['vllm']})" if r.get("vllm") else "")
+    return MODE_LABEL[r["mode"]] + (f" {tag}" if tag else "") + vllm_tag(r)
+
+
+def vllm_tag(r: dict[str, Any]) -> str:
+    """`` (vLLM 0.34.0)`` for a row of a table of several vLLM installs; empty otherwise."""
+    return f" (vLLM {r['vllm']})" if r.get("vllm") else ""
 
 
 def format_row(r: dict[str, Any], stock: dict[str, Any] | None, latency: bool = False) -> str:
@@ -159,8 +164,7 @@ def slot_table(rows: list[dict[str, Any]]) -> str:
     lines = ["", SLOT_HEADER, "|" + "---|" * SLOT_HEADER.count(" | ") + "---|"]
     for r in have:
         traffic = "skewed 80/20" if r["skewed"] else "uniform"
-        mode = r["mode"] + (f" (vLLM {r['vllm']})" if r.get("vllm") else "")
-        lines.append(f"| {r['adapters']} | {traffic} | {mode} | {r['max_loras']} | {r['req_per_s']:.1f} | "
+        lines.append(f"| {r['adapters']} | {traffic} | {r['mode']}{vllm_tag(r)} | {r['max_loras']} | {r['req_per_s']:.1f} | "
                      f"{r['slot_steps']} | {r['mean_running']:.1f} | {r['mean_slots_held']:.1f} | "
                      f"{r['model_steps']} | {r['model_mean_running']:.1f} | {r['model_mean_slots_held']:.1f} | "
                      f"{r.get('model_slot_loads', '—')} | "

@@ -787,6 +787,12 @@ def vllm_lines(pythons: Sequence[str]) -> list[tuple[str, str]]:
     return lines
 
 
+def line_tag(line: str | None) -> str:
+    """``"_vllm0_34_0"``: what an engine's file and cache names add for its vLLM line (the dots as
+    underscores: a result's stem has no dot); empty for the one installed."""
+    return "" if line is None else "_vllm" + line.replace(".", "_")
+
+
 def versions_named(lines: Sequence[tuple[str | None, str]]) -> str:
     """``"0.33.0 and 0.34.0"``: the versions of :func:`vllm_lines`."""
     return " and ".join(str(v) for v, _ in lines)
@@ -904,10 +910,9 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     def stem_of(n: int, mode: str, pass_: int = 0, line: str | None = None) -> Path:
         """Where the engine of (n, mode, pass, vLLM line) writes: its ``.json`` result and ``.log``,
-        without suffix (the version's dots as underscores: a stem has no dot)."""
+        without suffix."""
         return out / (_tag(n, args.skewed) + (f"_m{args.max_loras}" if args.max_loras else "")
-                      + (f"_p{pass_ + 1}" if pass_ else "") + f"_{mode}"
-                      + ("_vllm" + line.replace(".", "_") if line else ""))
+                      + (f"_p{pass_ + 1}" if pass_ else "") + f"_{mode}{line_tag(line)}")
 
     def env_of(mode: str, n: int) -> dict[str, str]:
         return mode_env(mode, dict(os.environ), bundle_dir(work, n, args.skewed, args.requests, args.seed),
@@ -961,7 +966,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 engines.append(interleave.spawn(
                     mode, [python, *me[1:], "--phase", "run", "--mode", mode, "--adapters", str(n),
                            "--result", str(stem.with_suffix(".json"))] + common,
-                    env_of(mode, n) | placement.compile_cache(work, mode + (f"-vllm{line}" if line else "")),
+                    env_of(mode, n) | placement.compile_cache(work, mode + line_tag(line)),
                     logs[-1], line))
         deadline = start + args.budget_s
         interleave.await_ready(engines, deadline)

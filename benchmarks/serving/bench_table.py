@@ -33,11 +33,12 @@ def probe_note(row: dict[str, Any]) -> str:
     if row.get("probes"):
         parts = ["/".join(f"{p[k]:.2f}" if k in p else "—" for k in ("host_ms", "matmul_ms", "copy_ms"))
                  for p in row["probes"]]
-        return f"; probes host/matmul/copy ms, each run in its turn: {', '.join(parts)}, load {row['loadavg'][0]:.1f}"
-    if row.get("host_probe_ms"):
-        return (f"; host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after, load "
-                f"{row['loadavg'][0]:.1f}")
-    return ""
+        what = f"probes host/matmul/copy ms, each run in its turn: {', '.join(parts)}"
+    elif row.get("host_probe_ms"):
+        what = f"host probe {row['host_probe_ms'][0]:.2f}/{row['host_probe_ms'][1]:.2f} ms before/after"
+    else:
+        return ""
+    return f"; {what}, load {row['loadavg'][0]:.1f}"
 
 
 def run_note(label: str, row: dict[str, Any], took_s: float) -> str:

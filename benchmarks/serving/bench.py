@@ -772,7 +772,7 @@ def vllm_lines(pythons: Sequence[str]) -> list[tuple[str, str]]:
     """(vLLM version, interpreter) of each interpreter, the version read from its own package metadata
     in a subprocess; ValueError names an interpreter that cannot run, one without vLLM, and two with
     the same version."""
-    lines: list[tuple[str, str]] = []
+    lines: dict[str, str] = {}  # version → interpreter
     for python in pythons:
         try:
             found = subprocess.run([python, "-c", VERSION_OF_VLLM], capture_output=True, text=True, timeout=120)
@@ -781,10 +781,10 @@ def vllm_lines(pythons: Sequence[str]) -> list[tuple[str, str]]:
         version = found.stdout.strip()
         if found.returncode != 0 or not version:
             raise ValueError(f"--vllm-python {python}: no vLLM installed for that interpreter")
-        if version in dict(lines):
-            raise ValueError(f"--vllm-python: {dict(lines)[version]} and {python} both have vLLM {version}")
-        lines.append((version, python))
-    return lines
+        if version in lines:
+            raise ValueError(f"--vllm-python: {lines[version]} and {python} both have vLLM {version}")
+        lines[version] = python
+    return list(lines.items())
 
 
 def line_tag(line: str | None) -> str:

@@ -32,19 +32,20 @@ def ratio_lines(table: str, rows: Sequence[dict[str, Any]]) -> list[str]:
     done = [r for r in rows if "error" not in r]
     if not done:
         return [f"slot-bound {table}: no row finished"]
+    by_line: dict[str | None, dict[str, dict[str, Any]]] = {}  # vLLM install → mode → row, in order of appearance
+    for r in done:
+        by_line.setdefault(r.get("vllm"), {})[r["mode"]] = r
     lines = []
-    for vllm in dict.fromkeys(r.get("vllm") for r in done):
-        by_mode = {r["mode"]: r for r in done if r.get("vllm") == vllm}
+    for vllm, by_mode in by_line.items():
         ratios = [f"{a}/{b} = {by_mode[a]['req_per_s'] / by_mode[b]['req_per_s']:.2f}"
                   for a, b in RATIOS if a in by_mode and b in by_mode]
         tag = settings_tag(next(iter(by_mode.values())))
         lines.append((f"vLLM {vllm} " if vllm else "") + f"slot-bound {table}{' ' + tag if tag else ''}: "
                      + (", ".join(ratios) if ratios else f"rows missing ({sorted(by_mode)} finished)"))
-    first, *later = dict.fromkeys(r.get("vllm") for r in done)
-    for vllm in later:  # each mode's speed on a later vLLM over the first's, both measured in the same rounds
-        mine, theirs = ({r["mode"]: r["req_per_s"] for r in done if r.get("vllm") == v} for v in (vllm, first))
+    (first, theirs), *later = by_line.items()
+    for vllm, mine in later:  # each mode's speed on a later vLLM over the first's, both measured in the same rounds
         lines.append(f"vLLM {vllm} over {first} slot-bound {table}, each mode in the same rounds: " + ", ".join(
-            f"{m} = {mine[m] / theirs[m]:.2f}" for m in mine if m in theirs))
+            f"{m} = {mine[m]['req_per_s'] / theirs[m]['req_per_s']:.2f}" for m in mine if m in theirs))
     return lines
 
 

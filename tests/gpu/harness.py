@@ -30,6 +30,18 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} GPUs")
 
 
+DEFAULTS_RUNNER = "vLLM's defaults (async scheduling) are served by the V2 runner (vLLM 0.33 and 0.34)"
+
+
+def skip_unless_defaults_runner(reason: str = DEFAULTS_RUNNER) -> None:
+    """Skip the calling test unless the installed vLLM serves its defaults on LoRazor's V2 runner
+    (imports vLLM)."""
+    from serve_bridge.vllm import versions
+
+    if versions.current().RUNNER != "V2":
+        pytest.skip(reason)
+
+
 @dataclass(frozen=True)
 class Phase:
     """One engine process of a GPU test: ``python -m <module> <args>`` with ``env``, output to ``log``;

@@ -12,7 +12,7 @@ import pytest
 from benchmarks.serving.placement import compile_cache
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
-from tests.gpu.harness import needs_gpus, run_phases
+from tests.gpu.harness import needs_gpus, run_phases, skip_unless_defaults_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -26,10 +26,7 @@ ENGINE_TIMEOUT_S = 400
     pytest.param(2, True, False, id="tp2-fully-sharded", marks=needs_gpus(2))])
 def test_gridtrim_logprobs_match_stock(tp, sharded, defaults, vllm_env, tmp_path):
     if defaults:
-        from serve_bridge.vllm import versions
-
-        if versions.current().RUNNER != "V2":
-            pytest.skip("vLLM's defaults (async scheduling) are served by the V2 runner (vLLM 0.33 and 0.34)")
+        skip_unless_defaults_runner()
     release_engines.prepare(tmp_path, N_REQUESTS, release_engines.model_for(tp))
     run_phases([engines.phase(phase, tmp_path, vllm_env, N_REQUESTS, tp, sharded)
                 for phase in engines.phases(defaults)], ENGINE_TIMEOUT_S)

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.serving.check_slots import divergences
 from tests.gpu import readme_serve as rs
-from tests.gpu.harness import ROOT, Phase, run_phases
+from tests.gpu.harness import ROOT, Phase, run_phases, skip_unless_defaults_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -25,11 +25,9 @@ PHASE_TIMEOUT_S = 560
 @pytest.fixture(scope="module")
 def servers(vllm_env, tmp_path_factory) -> dict[str, dict[str, Any] | str]:
     """server name → its result, or the tail of its log when it did not finish."""
-    from serve_bridge.vllm import versions
-
-    if versions.current().RUNNER != "V2":
-        pytest.skip("the README's command is vLLM's defaults on the V2 runner's lines (0.33, 0.34); on 0.26.0 its "
-                    "V1 runner needs --no-async-scheduling (docs/serving.md), checked by test_release_in_vllm.py")
+    skip_unless_defaults_runner("the README's command is vLLM's defaults on the V2 runner's lines (0.33, 0.34); on "
+                                "0.26.0 its V1 runner needs --no-async-scheduling (docs/serving.md), checked by "
+                                "test_release_in_vllm.py")
     run = ROOT / os.environ.get("LORAZOR_DEMO_RUN", "runs/mix-smollm2-demo")
     if not (run / "bundle").is_dir():
         pytest.skip(f"{run} has no bundle/: run `make demo` (or set LORAZOR_DEMO_RUN to a finished demo run)")

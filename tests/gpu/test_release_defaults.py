@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu import release_engines as engines
-from tests.gpu.harness import Phase, run_phases
+from tests.gpu.harness import Phase, run_phases, skip_unless_defaults_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +19,7 @@ ENGINE_TIMEOUT_S = 400
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict[str, tuple[bool, str]]:
     """Check name → (passed, detail), from one stock and one plugin engine with vLLM's defaults, at once."""
-    from serve_bridge.vllm import versions
-
-    if versions.current().RUNNER != "V2":
-        pytest.skip("vLLM's defaults (async scheduling) are served by the V2 runner (vLLM 0.33 and 0.34)")
+    skip_unless_defaults_runner()
     work = tmp_path_factory.mktemp("release_defaults")
     out = work / "out"
     engines.prepare(work, N_REQUESTS)

@@ -67,7 +67,10 @@ hit rate (Δ ``vllm:prefix_cache_hits`` / Δ ``vllm:prefix_cache_queries`` of th
 the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (Δ
 ``vllm:generation_tokens`` over Δ engine steps with output); the mean engine step (:func:`step_ms`:
 the run's duration over those steps, the step time the slot capacity model takes,
-``python -m serve_bridge.capacity --step-ms``); the GPU's busy share over the run's steady part
+``python -m serve_bridge.capacity --step-ms``); the share of those steps that processed more tokens
+than vLLM's largest CUDA graph (:func:`largest_graph`, from the server's engine-config line) and ran
+without one (Δ ``vllm:iteration_tokens_total`` buckets; the capacity model's "steps past 512
+tokens" column predicts it); the GPU's busy share over the run's steady part
 (:mod:`benchmarks.serving.gpu_busy`, ``nvidia-smi``; ``—`` without it); the realized skip in the
 lorazor modes (``lorazor_counters``). The summary gives each at the mode's goodput rate.
 
@@ -148,34 +151,66 @@ ENGINE_LINE = "Initializing a V1 LLM engine"
 # /metrics samples (v1/metrics/loggers.py: counters :661-678 and :799, the per-step histogram :887-893)
 CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 GENERATED, STEPS = "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count"
+# the per-step token histogram's bucket bounds (v1/metrics/buckets.py:107-121 in 0.33.0 and 0.34.0) and the
+# engine-config field that names vLLM's largest CUDA graph (config/vllm.py:2453-2470 in 0.33.0: 512 tokens, 1024
+# on Blackwell, under the defaults)
+STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+LARGEST_GRAPH = re.compile(r"'max_cudagraph_capture_size': (\d+)")
 DETAIL_DROPPED = ("generated_texts", "itls")  # per-request lists not kept in the result files
 DATASETS = threading.Lock()  # held while a rate's dataset file is looked for and written
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
+_LE = re.compile(r'[{,]le="([^"]*)"')
 
 
 # -- metrics (pure) -------------------------------------------------------------------------------
 
 def prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition → sample name → its value summed over label sets."""
+    """Prometheus text exposition → sample name → its value summed over label sets; a histogram
+    bucket also under ``name{le="bound"}`` (:func:`bucket`), summed over its other labels."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line.strip())
         if m:  # comments (# HELP, # TYPE) do not match
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            keys = [m.group(1)]
+            if le := _LE.search(m.group(2) or ""):
+                keys.append(bucket(m.group(1), le.group(1)))
+            for key in keys:
+                out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
 
 
-def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+def bucket(sample: str, le: str) -> str:
+    """:func:`prometheus`' key of one histogram bucket: ``sample`` ending in ``_bucket``, ``le`` as
+    exported (``"512.0"``)."""
+    return f'{sample}{{le="{le}"}}'
+
+
+def largest_graph(log_text: str) -> int | None:
+    """The token count of vLLM's largest CUDA graph, from the server's engine-config line (None
+    without one, or with CUDA graphs off)."""
+    line = next((ln for ln in log_text.splitlines() if ENGINE_LINE in ln), "")
+    m = LARGEST_GRAPH.search(line)
+    return int(m.group(1)) or None if m else None
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float],
+                  graph_tokens: int | None = None) -> dict[str, float | None]:
     """Over one run: prefix-cache queried and hit tokens, their hit rate, the engine steps with
-    output and the mean decode batch (tokens generated per such step); a sample the server does
-    not export is an error."""
-    missing = sorted({CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} - set(after))
+    output, the mean decode batch (tokens generated per such step) and, with ``graph_tokens`` (the
+    largest CUDA graph, a bound of the per-step token histogram), the share of those steps that
+    processed more tokens and so ran without a graph (None otherwise); a sample the server does not
+    export is an error."""
+    within = None if graph_tokens not in STEP_TOKEN_BOUNDS else bucket(STEPS.replace("_count", "_bucket"),
+                                                                       f"{graph_tokens:.1f}")
+    needed = {CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} | ({within} if within else set())
+    missing = sorted(needed - set(after))
     if missing:
         raise HarnessError(f"the server's /metrics has no {', '.join(missing)}")
-    d = {k: after[k] - before.get(k, 0.0) for k in (CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS)}
+    d = {k: after[k] - before.get(k, 0.0) for k in needed}
     return {"cache_queries": d[CACHE_QUERIES], "cache_hits": d[CACHE_HITS],
             "cache_hit_rate": d[CACHE_HITS] / d[CACHE_QUERIES] if d[CACHE_QUERIES] else None,
-            "engine_steps": d[STEPS], "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None}
+            "engine_steps": d[STEPS], "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None,
+            "past_graphs": (d[STEPS] - d[within]) / d[STEPS] if within and d[STEPS] else None}
 
 
 def step_ms(row: dict[str, Any]) -> float | None:
@@ -251,22 +286,24 @@ def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dat
 # -- the table (pure) -------------------------------------------------------------------------------
 
 HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 ms | TPOT P90 ms | TPOT P99 ms | "
-          "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | GPU busy | realized skip | "
-          "SLO on the P90s |")
+          "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | GPU busy | "
+          "realized skip | SLO on the P90s |")
 SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
-                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | GPU busy | realized skip | "
-                  "vs stock |")
+                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | GPU busy | "
+                  "realized skip | vs stock |")
 
 
 def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:
-    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch, step, GPU and skip cells."""
+    """A row's TTFT and TPOT at ``percentiles``, then its cache, adapter, batch, step, graph, GPU and
+    skip cells."""
     lat = " | ".join(f"{row[f'{m}_p{p}_ms']:.1f}" for m in ("ttft", "tpot") for p in percentiles)
     hit, batch, step = row["server_metrics"]["cache_hit_rate"], row["server_metrics"]["decode_batch"], step_ms(row)
+    past = row["server_metrics"].get("past_graphs")  # kept rows from before it have none
     share, busy = row["adapter_slo"], row.get("gpu_busy")  # kept rows from before gpu_busy have none
     skip = "—" if "counters" not in row else f"{row['counters']['realized_skip']:.3f}"
     return (f"{lat} | {'—' if hit is None else f'{hit:.1%}'} | {share['meeting']}/{share['adapters']} | "
             f"{'—' if batch is None else f'{batch:.1f}'} | {'—' if step is None else f'{step:.1f}'} | "
-            f"{'—' if busy is None else f'{busy:.0f}%'} | {skip}")
+            f"{'—' if past is None else f'{past:.1%}'} | {'—' if busy is None else f'{busy:.0f}%'} | {skip}")
 
 
 def format_row(row: dict[str, Any], slo: Slo) -> str:
@@ -288,7 +325,7 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
     best, low_miss = goodput.goodput_rate(goodput.points_of(entry, slo))
     probe = [f"{r['request_throughput']:.1f}" for r in entry["rows"] if r["rate"] is None]
     at = next((r for r in entry["rows"] if best is not None and r["rate"] == best), None)
-    cells = "— | — | — | — | — | — | — | —" if at is None else _cells(at, (99,))
+    cells = "— | — | — | — | — | — | — | — | —" if at is None else _cells(at, (99,))
     return (f"| {LABEL[mode]} | {'none' if best is None else f'{best:g}'} | "
             f"{'none' if low_miss is None else f'{low_miss:g}'} | {probe[0] if probe else '—'} | {cells} | "
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")
@@ -352,8 +389,9 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
         "below the lowest rate missing it",
         "per rate: prefix-cache hits = hit / queried prompt tokens (the server's /metrics over the run); adapters "
         "meeting the SLO = adapters whose own requests all completed within the SLO's P90s, of those with requests; "
-        "decode batch = tokens generated per engine step with output; realized skip = the lorazor modes' StepTrim "
-        "counters",
+        "decode batch = tokens generated per engine step with output; steps past graphs = those steps that processed "
+        "more tokens than vLLM's largest CUDA graph and ran without one (the server's per-step token histogram); "
+        "realized skip = the lorazor modes' StepTrim counters",
     ]
 
 
@@ -366,10 +404,10 @@ def metrics(base_url: str) -> dict[str, float]:
 
 
 def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: argparse.Namespace, shape: ChatShape,
-            slo: Slo, deadline: float, gpu: placement.Gpu,
-            client: BenchClient) -> Callable[[float, int], dict[str, Any]]:
+            slo: Slo, deadline: float, gpu: placement.Gpu, client: BenchClient,
+            graph_tokens: int | None) -> Callable[[float, int], dict[str, Any]]:
     """The sweep's measure of one mode on ``gpu`` through ``client``: ``(rate, requests)`` → the
-    rate's row (module doc)."""
+    rate's row (module doc); ``graph_tokens``: the server's largest CUDA graph (:func:`largest_graph`)."""
     def run(rate: float, n: int) -> dict[str, Any]:
         label = goodput.rate_label(rate)
         rows = chat_rows(shape, args.seed, stream_key(rate), n, pool_for(rate, shape.think_s, n))
@@ -388,7 +426,7 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
             exited = time.monotonic()
         parsed = goodput.parse_result(data)
         row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **parsed, "wall_s": wall_s,
-               "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url)),
+               "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url), graph_tokens),
                "adapter_slo": adapter_slo(names, data, slo),
                "gpu_busy": busy.mean(*gpu_busy.steady_window(exited, parsed["duration_s"]))}
         if counted is not None:
@@ -446,9 +484,13 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     trace_dir = directory / "profile" / "trace"  # --profile-rate's: vLLM's worker writes its trace there
 
     def body(client: BenchClient) -> None:
-        missing = missing_defaults(log.read_text(errors="replace"))
+        log_text = log.read_text(errors="replace")
+        missing = missing_defaults(log_text)
         if missing:
             raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
+        graph_tokens = largest_graph(log_text)
+        if graph_tokens:
+            entry["facts"].append(f"vLLM's largest CUDA graph: {graph_tokens} tokens")
         systems = [words(s) for s in system_prompts(shape, args.seed)]
         warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
@@ -456,11 +498,13 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         rate = args.profile_rate
         reserve = 0.0 if rate is None else PROFILE_WRITE_S + goodput.planned_run(
             rate, args, args.client_overhead_s, None)[1]
-        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu, client),
+        goodput.sweep_mode(measure(mode, base_url, model_dir, directory, args, shape, slo, deadline, gpu, client,
+                                   graph_tokens),
                            entry, args, slo, deadline - reserve, flush)
         if rate is not None:
             overhead = goodput.client_overhead_s(entry["rows"][-1]) if entry["rows"] else args.client_overhead_s
-            profiled = measure(mode, base_url, model_dir, trace_dir.parent, args, shape, slo, deadline, gpu, client)
+            profiled = measure(mode, base_url, model_dir, trace_dir.parent, args, shape, slo, deadline, gpu,
+                               client, graph_tokens)
             entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead))
 
     profile = None if args.profile_rate is None else (trace_dir, args.profile_steps)

@@ -120,6 +120,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="/w/model"} %(hits)s
 vllm:generation_tokens_total{engine="0",model_name="/w/model"} %(generated)s
 # TYPE vllm:iteration_tokens_total histogram
 vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="/w/model"} 4.0
+vllm:iteration_tokens_total_bucket{engine="0",le="512.0",model_name="/w/model"} %(within)s
 vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="/w/model"} %(steps)s
 vllm:iteration_tokens_total_count{engine="0",model_name="/w/model"} %(steps)s
 vllm:iteration_tokens_total_sum{engine="0",model_name="/w/model"} 9.5e+05
@@ -128,16 +129,34 @@ vllm:num_requests_running{engine="0",model_name="/w/model"} 37.0
 
 
 def test_prefix_cache_and_batch_from_metrics():
-    before = chat.prometheus(METRICS % {"queries": "1000.0", "hits": "600.0", "generated": "50.0", "steps": "10.0"})
+    before = chat.prometheus(METRICS % {"queries": "1000.0", "hits": "600.0", "generated": "50.0", "steps": "10.0",
+                                        "within": "9.0"})
     assert before["vllm:prefix_cache_queries_total"] == 1000.0 and before["vllm:num_requests_running"] == 37.0
     assert before["vllm:iteration_tokens_total_count"] == 10.0  # not the +Inf bucket's line
+    assert before[chat.bucket("vllm:iteration_tokens_total_bucket", "512.0")] == 9.0
     after = chat.prometheus(METRICS % {"queries": "101000.0", "hits": "75600.0", "generated": "6050.0",
-                                       "steps": "160.0"})
+                                       "steps": "160.0", "within": "129.0"})
     assert chat.metrics_delta(before, after) == {"cache_queries": 100000.0, "cache_hits": 75000.0,
-                                                 "cache_hit_rate": 0.75, "engine_steps": 150.0, "decode_batch": 40.0}
-    assert chat.metrics_delta(after, after)["cache_hit_rate"] is None
+                                                 "cache_hit_rate": 0.75, "engine_steps": 150.0, "decode_batch": 40.0,
+                                                 "past_graphs": None}
+    # 120 of the 150 steps processed at most 512 tokens: a fifth ran past the graphs
+    assert chat.metrics_delta(before, after, 512)["past_graphs"] == pytest.approx(0.2)
+    assert chat.metrics_delta(before, after, 500)["past_graphs"] is None  # not a bucket bound: not counted
+    assert chat.metrics_delta(after, after, 512)["past_graphs"] is None and \
+        chat.metrics_delta(after, after)["cache_hit_rate"] is None
     with pytest.raises(HarnessError, match="vllm:prefix_cache_hits_total"):
         chat.metrics_delta(before, {k: v for k, v in after.items() if "hits" not in k})
+    with pytest.raises(HarnessError, match=r'le="1024.0"'):
+        chat.metrics_delta(before, after, 1024)
+
+
+def test_largest_graph_from_the_engine_config_line():
+    line = ("(EngineCore pid=1) INFO 12-07 05:48:57 [core.py:139] Initializing a V1 LLM engine (v0.33.0) with config: "
+            "model='/w/model', compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, "
+            "'cudagraph_capture_sizes': [1, 2, 4, 512], 'max_cudagraph_capture_size': 512, 'local_cache_dir': None}")
+    assert chat.largest_graph("a line before\n" + line + "\n") == 512
+    assert chat.largest_graph(line.replace("512, 'local", "0, 'local")) is None  # CUDA graphs off
+    assert chat.largest_graph("'max_cudagraph_capture_size': 512 on another line") is None
 
 
 def test_share_of_adapters_meeting_the_slo():
@@ -175,7 +194,7 @@ def _row(rate: float | None, ttft90: float, tpot90: float = 30.0, **extra) -> di
             "ttft_p50_ms": 100.0, "ttft_p90_ms": ttft90, "ttft_p99_ms": 1500.0, "tpot_p50_ms": 20.0,
             "tpot_p90_ms": tpot90, "tpot_p99_ms": 44.0, "wall_s": 30.0,
             "server_metrics": {"cache_queries": 1e5, "cache_hits": 8.1e4, "cache_hit_rate": 0.81,
-                               "engine_steps": 1200.0, "decode_batch": 64.5},
+                               "engine_steps": 1200.0, "decode_batch": 64.5, "past_graphs": 0.042},
             "adapter_slo": {"adapters": 300, "meeting": 290}, "gpu_busy": 92.6, **extra}
 
 
@@ -207,17 +226,19 @@ def test_table_and_ratio_lines():
     assert lines[2] == chat.SUMMARY_HEADER
     # lorazor at its goodput rate, 75 req/s (no counters in that row)
     assert lines[4] == ("| lorazor (GridTrim + the learned bundle) | 75 | 90 | 60.0 | 1500.0 | 44.0 | 81.0% | "
-                        "290/300 | 64.5 | 12.5 | 93% | — | 6.00 |")
-    assert lines[8] == "| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | 93% | — | 1.00 |"
+                        "290/300 | 64.5 | 12.5 | 4.2% | 93% | — | 6.00 |")
+    assert lines[8] == ("| stock | 12.5 | 18 | — | 1500.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | 4.2% | 93% | — | "
+                        "1.00 |")
     i = lines.index(chat.HEADER)
     assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
     assert lines[i + 2] == ("| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | "
-                            "12.5 | 93% | — | probe |")  # 12.5 ms: 15 s over 1200 engine steps
+                            "12.5 | 4.2% | 93% | — | probe |")  # 12.5 ms: 15 s over 1200 engine steps
     assert lines[i + 3] == ("| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | "
-                            "93% | 0.492 | met |")
+                            "4.2% | 93% | 0.492 | met |")
     old = _row(60.0, 500.0)
-    del old["server_metrics"]["engine_steps"], old["gpu_busy"]  # a row kept from before steps and GPU were recorded
-    assert chat.step_ms(old) is None and " | 64.5 | — | — | — | met |" in chat.format_row(old, SLO)
+    # a row kept from before steps, graphs and GPU were recorded
+    del old["server_metrics"]["engine_steps"], old["server_metrics"]["past_graphs"], old["gpu_busy"]
+    assert chat.step_ms(old) is None and " | 64.5 | — | — | — | — | met |" in chat.format_row(old, SLO)
     assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
     assert lines[-3:] == doc["ratio"] and lines[-5] == "note"
 

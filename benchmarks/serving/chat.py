@@ -151,10 +151,8 @@ ENGINE_LINE = "Initializing a V1 LLM engine"
 # /metrics samples (v1/metrics/loggers.py: counters :661-678 and :799, the per-step histogram :887-893)
 CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 GENERATED, STEPS = "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count"
-# the per-step token histogram's bucket bounds (v1/metrics/buckets.py:107-121 in 0.33.0 and 0.34.0) and the
-# engine-config field that names vLLM's largest CUDA graph (config/vllm.py:2453-2470 in 0.33.0: 512 tokens, 1024
-# on Blackwell, under the defaults)
-STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# the engine-config field that names vLLM's largest CUDA graph (config/vllm.py:2453-2470 in 0.33.0: 512 tokens,
+# 1024 on Blackwell, under the defaults; both bounds of the per-step token histogram, v1/metrics/buckets.py:107-121)
 LARGEST_GRAPH = re.compile(r"'max_cudagraph_capture_size': (\d+)")
 DETAIL_DROPPED = ("generated_texts", "itls")  # per-request lists not kept in the result files
 DATASETS = threading.Lock()  # held while a rate's dataset file is looked for and written
@@ -197,20 +195,18 @@ def metrics_delta(before: dict[str, float], after: dict[str, float],
                   graph_tokens: int | None = None) -> dict[str, float | None]:
     """Over one run: prefix-cache queried and hit tokens, their hit rate, the engine steps with
     output, the mean decode batch (tokens generated per such step) and, with ``graph_tokens`` (the
-    largest CUDA graph, a bound of the per-step token histogram), the share of those steps that
-    processed more tokens and so ran without a graph (None otherwise); a sample the server does not
+    largest CUDA graph) a bound of the per-step token histogram, the share of those steps that
+    processed more tokens and so ran without a graph (else None); a sample the server does not
     export is an error."""
-    within = None if graph_tokens not in STEP_TOKEN_BOUNDS else bucket(STEPS.replace("_count", "_bucket"),
-                                                                       f"{graph_tokens:.1f}")
-    needed = {CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} | ({within} if within else set())
-    missing = sorted(needed - set(after))
+    missing = sorted({CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} - set(after))
     if missing:
         raise HarnessError(f"the server's /metrics has no {', '.join(missing)}")
-    d = {k: after[k] - before.get(k, 0.0) for k in needed}
+    within = None if graph_tokens is None else bucket(STEPS.replace("_count", "_bucket"), f"{graph_tokens:.1f}")
+    d = {k: after[k] - before.get(k, 0.0) for k in (CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS, within) if k in after}
     return {"cache_queries": d[CACHE_QUERIES], "cache_hits": d[CACHE_HITS],
             "cache_hit_rate": d[CACHE_HITS] / d[CACHE_QUERIES] if d[CACHE_QUERIES] else None,
             "engine_steps": d[STEPS], "decode_batch": d[GENERATED] / d[STEPS] if d[STEPS] else None,
-            "past_graphs": (d[STEPS] - d[within]) / d[STEPS] if within and d[STEPS] else None}
+            "past_graphs": (d[STEPS] - d[within]) / d[STEPS] if within in d and d[STEPS] else None}
 
 
 def step_ms(row: dict[str, Any]) -> float | None:
@@ -289,8 +285,8 @@ HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 m
           "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | GPU busy | "
           "realized skip | SLO on the P90s |")
 SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
-                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | GPU busy | "
-                  "realized skip | vs stock |")
+                  "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | "
+                  "GPU busy | realized skip | vs stock |")
 
 
 def _cells(row: dict[str, Any], percentiles: Sequence[int] = (90, 99)) -> str:

@@ -151,6 +151,7 @@ ENGINE_LINE = "Initializing a V1 LLM engine"
 # /metrics samples (v1/metrics/loggers.py: counters :661-678 and :799, the per-step histogram :887-893)
 CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 GENERATED, STEPS = "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count"
+STEP_BUCKET = "vllm:iteration_tokens_total_bucket"  # that histogram's buckets, one per le bound
 # the engine-config field that names vLLM's largest CUDA graph (config/vllm.py:2453-2470 in 0.33.0: 512 tokens,
 # 1024 on Blackwell, under the defaults; both bounds of the per-step token histogram, v1/metrics/buckets.py:107-121)
 LARGEST_GRAPH = re.compile(r"'max_cudagraph_capture_size': (\d+)")
@@ -186,8 +187,7 @@ def bucket(sample: str, le: str) -> str:
 def largest_graph(log_text: str) -> int | None:
     """The token count of vLLM's largest CUDA graph, from the server's engine-config line (None
     without one, or with CUDA graphs off)."""
-    line = next((ln for ln in log_text.splitlines() if ENGINE_LINE in ln), "")
-    m = LARGEST_GRAPH.search(line)
+    m = LARGEST_GRAPH.search(engine_line(log_text))
     return int(m.group(1)) or None if m else None
 
 
@@ -201,7 +201,7 @@ def metrics_delta(before: dict[str, float], after: dict[str, float],
     missing = sorted({CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS} - set(after))
     if missing:
         raise HarnessError(f"the server's /metrics has no {', '.join(missing)}")
-    within = None if graph_tokens is None else bucket(STEPS.replace("_count", "_bucket"), f"{graph_tokens:.1f}")
+    within = None if graph_tokens is None else bucket(STEP_BUCKET, f"{graph_tokens:.1f}")
     d = {k: after[k] - before.get(k, 0.0) for k in (CACHE_QUERIES, CACHE_HITS, GENERATED, STEPS, within) if k in after}
     return {"cache_queries": d[CACHE_QUERIES], "cache_hits": d[CACHE_HITS],
             "cache_hit_rate": d[CACHE_HITS] / d[CACHE_QUERIES] if d[CACHE_QUERIES] else None,
@@ -238,8 +238,13 @@ def adapter_slo(names: Sequence[str], data: dict[str, Any], slo: Slo) -> dict[st
 
 def missing_defaults(log_text: str) -> list[str]:
     """The :data:`ENGINE_DEFAULTS` that the server's engine-config line lacks (all when there is none)."""
-    line = next((ln for ln in log_text.splitlines() if ENGINE_LINE in ln), "")
+    line = engine_line(log_text)
     return [d for d in ENGINE_DEFAULTS if d not in line]
+
+
+def engine_line(log_text: str) -> str:
+    """The server log's engine-config line (:data:`ENGINE_LINE`), empty when there is none."""
+    return next((ln for ln in log_text.splitlines() if ENGINE_LINE in ln), "")
 
 
 # -- commands (pure) --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ CPU-safe modules (importable without Triton):
 - `reference`: pure-torch semantics of shrink and expand.
 
 Triton modules (import them explicitly; they need Triton): `tiles`, `shrink`, `expand`, `fused`,
-`linear`.
+`linear`, and `launch` (launches through the compiled kernels' runners).
 """
 from lora_kernels.gridtrim import GridTrimPlan, plan_gridtrim, row_bound
 from lora_kernels.layout import K_CHUNK, as_3d, num_splits, partials_buffer

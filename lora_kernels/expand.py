@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from lora_kernels.gridtrim import SMALL_ROWS, GridTrimPlan
+from lora_kernels.launch import PreparedLaunch
 from lora_kernels.layout import as_3d
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
@@ -166,6 +168,16 @@ class ExpandConfig:
     slices: int
     rank: int
 
+    @cached_property
+    def worklist_launch(self) -> PreparedLaunch:
+        """The work-list kernel with these arguments fixed; a launch gives :data:`WORKLIST_DYNAMIC`."""
+        return PreparedLaunch(_expand_worklist_kernel, self.args, WORKLIST_DYNAMIC)
+
+
+# What a work-list launch gives per call (the rest is the config's), in this order.
+WORKLIST_DYNAMIC = ("part_ptr", "y_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "stride_ps", "stride_pc",
+                    "stride_pm", "stride_pr", "N_SPLITS", "ADD_INPUTS", "BLOCK_M")
+
 
 def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start: int = 0,
                   block_n: int | None = None, chunk_tiles: int = CHUNK_TILES, *,
@@ -209,14 +221,13 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype} do not match {config.slices} slices "
                          f"of rank {config.rank} for {y.shape[0]} tokens (float32)")
     ps, pc, pm, pr = partials.stride()
+    if isinstance(schedule, RowTileWorklist):
+        config.worklist_launch((num_programs or persistent_programs(y.device),), partials, y, schedule.tile_lora,
+                               schedule.tile_tokens, schedule.num_tiles, ps, pc, pm, pr, partials.shape[0],
+                               add_inputs, schedule.block_m)
+        return
     common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm,
                   stride_pr=pr, N_SPLITS=partials.shape[0], ADD_INPUTS=add_inputs)
-    if isinstance(schedule, RowTileWorklist):
-        grid = (num_programs or persistent_programs(y.device),)
-        _expand_worklist_kernel[grid](
-            tile_lora_ptr=schedule.tile_lora, tile_tokens_ptr=schedule.tile_tokens,
-            num_tiles_ptr=schedule.num_tiles, BLOCK_M=schedule.block_m, **common)
-        return
     if schedule.num_slots == 0:
         return
     col_chunks = config.args["col_chunks"]

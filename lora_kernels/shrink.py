@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from lora_kernels.gridtrim import GridTrimPlan
+from lora_kernels.launch import PreparedLaunch
 from lora_kernels.layout import K_CHUNK, as_3d, num_splits
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
@@ -98,6 +100,11 @@ def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tenso
     return a3
 
 
+# What a work-list launch gives per call (the rest is the config's), in this order.
+WORKLIST_DYNAMIC = ("x_ptr", "part_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "scale", "stride_ps",
+                    "stride_pc", "stride_pm", "stride_pr", "BLOCK_M")
+
+
 def a_kwargs(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
     """Kernel arguments for x and the A slices (padded to 3 with slice 0)."""
     return dict(x_ptr=x, **_a_static(x, a3))
@@ -122,6 +129,11 @@ class ShrinkConfig:
     slices: int
     rank: int
     splits: int
+
+    @cached_property
+    def worklist_launch(self) -> PreparedLaunch:
+        """The work-list kernel with these arguments fixed; a launch gives :data:`WORKLIST_DYNAMIC`."""
+        return PreparedLaunch(_shrink_worklist_kernel, {**self.args, "SLICES": self.slices}, WORKLIST_DYNAMIC)
 
 
 def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK, *,
@@ -171,17 +183,12 @@ def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor,
         raise ValueError(f"partials {tuple(partials.shape)} {partials.dtype}: expected "
                          f"[{config.splits}, {config.slices}, ≥{x.shape[0]}, {config.rank}] float32")
     ps, pc, pm, pr = partials.stride()
-    common = dict(**config.args, x_ptr=x, part_ptr=partials, scale=scale,
-                  stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)
     if isinstance(schedule, RowTileWorklist):
-        grid = (num_programs or persistent_programs(x.device),)
-        _shrink_worklist_kernel[grid](
-            tile_lora_ptr=schedule.tile_lora, tile_tokens_ptr=schedule.tile_tokens,
-            num_tiles_ptr=schedule.num_tiles, SLICES=config.slices,
-            BLOCK_M=schedule.block_m, **common)
-    else:
-        if schedule.num_slots == 0:
-            return
+        config.worklist_launch((num_programs or persistent_programs(x.device),), x, partials, schedule.tile_lora,
+                               schedule.tile_tokens, schedule.num_tiles, scale, ps, pc, pm, pr, schedule.block_m)
+    elif schedule.num_slots:
+        common = dict(**config.args, x_ptr=x, part_ptr=partials, scale=scale,
+                      stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)
         grid = (triton.cdiv(schedule.row_bound, GRIDTRIM_BLOCK_M) * config.splits, config.slices,
                 schedule.num_slots)
         _shrink_grid_kernel[grid](sorted_idx_ptr=meta.token_indices_sorted,

@@ -13,8 +13,9 @@ What a step pays per LoRA linear besides the launches themselves, where no CUDA 
   with its flat arguments, through torch's dispatcher into the registered kernel, which rebuilds
   the metadata and looks the launch config up before the same launches.
 
-Each Triton launch (``kernel[grid](**args)``) is replaced by a no-op that takes the same
-arguments. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU tensors.
+Each work-list launch (``lora_kernels.launch.PreparedLaunch``, which picks the compiled kernel
+and launches it) is replaced by a no-op that takes the same arguments;
+``python -m benchmarks.kernels.bench_launch_host`` times the launches themselves on a GPU. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU tensors.
 A 28-layer model makes 4 such calls per layer per step (qkv, o, gate_up, down). Reports the best
 of ``--repeats`` means, in µs per call.
 """
@@ -25,19 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-import lora_kernels.expand
-import lora_kernels.shrink
+from lora_kernels.launch import PreparedLaunch
 from lora_kernels.metadata import LoRABatchMeta, build_metadata
 from lora_kernels.worklist import RowTileWorklist
 from serve_bridge import gridtrim
 from serve_bridge.command_line import Parser, number
 
 
-class _NoLaunch:
-    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](**args)`` accepts and drops the call."""
-
-    def __getitem__(self, grid: tuple) -> object:
-        return lambda *args, **kwargs: None
+def _no_launch(self: PreparedLaunch, grid: tuple[int, ...], *values: object) -> None:
+    """Stands in for :meth:`PreparedLaunch.__call__`: accepts and drops the launch."""
 
 
 ROWS, HIDDEN, SLICE, RANK, ADAPTERS = 256, 3072, 1024, 8, 128
@@ -48,7 +45,7 @@ def main() -> None:
     ap.add_argument("--calls", type=number("positive_int"), default=2000)
     ap.add_argument("--repeats", type=number("positive_int"), default=3)
     args = ap.parse_args()
-    lora_kernels.shrink._shrink_worklist_kernel = lora_kernels.expand._expand_worklist_kernel = _NoLaunch()
+    PreparedLaunch.__call__ = _no_launch  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     y = torch.zeros(ROWS, 3 * SLICE, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # before Triton loads: the CPU tests set up i
 from benchmarks.kernels.lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
 from lora_kernels.gridtrim import plan_gridtrim
 from lora_kernels.layout import partials_buffer
-from lora_kernels.linear import add_lora_linear
+from lora_kernels.linear import add_lora_linear, launch_linear, linear_config
 from lora_kernels.metadata import build_metadata
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.worklist import RowTileWorklist
@@ -124,3 +124,41 @@ def test_designs_match_the_reference(inputs, model, op, rank, dtype, add_inputs,
         errors = check(model, op, rank, dtype, add_inputs, mappings[batch], worklist, gen, list(DESIGNS))
     bad = {d: e for d, e in errors.items() if not e < TOLERANCE}  # NaN: an untouched/written check failed
     assert not bad, f"relative update error ≥ {TOLERANCE} or wrong elements touched (NaN): {bad}"
+
+
+def test_prepared_launches_reuse_the_compiled_kernels() -> None:
+    """The work list's second launch of a specialization goes through the compiled kernel's runner
+    (lora_kernels.launch) and writes what the JIT's first launch wrote; an input of another
+    alignment is another specialization, launched by the JIT first, and matches the reference."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    op, rank, tokens = MODELS["llama-3.2-3b"][0], 8, 96
+    tensors = random_op(op, MAX_LORAS, rank, tokens, torch.bfloat16, DEVICE, gen)
+    mapping = release(mapping_from_groups({i: 3 for i in range(32)}, torch.Generator().manual_seed(7)), 0.2,
+                      torch.Generator().manual_seed(8)).to(DEVICE)
+    meta = build_metadata(mapping, MAX_LORAS)
+    worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    worklist.update(meta)
+    ref = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, tensors.y, mapping)
+    config = linear_config(tensors.y, tensors.x, tensors.lora_a, tensors.lora_b)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = tensors.y.clone()
+        partials = partials_buffer(len(op.widths), tokens, rank, op.hidden, DEVICE)
+        launch_linear(config, y, x, partials, meta, worklist)
+        return y
+
+    with torch.inference_mode():
+        first = run(tensors.x)
+        launches = (config.shrink.worklist_launch, config.expand.worklist_launch)
+        assert [p.compiled_variants for p in launches] == [1, 1]
+        second = run(tensors.x)
+        assert torch.equal(first, second)
+        assert [p.compiled_variants for p in launches] == [1, 1]
+        shifted = torch.empty(tokens * op.hidden + 1, device=DEVICE, dtype=tensors.x.dtype)[1:].view(tokens, op.hidden)
+        shifted.copy_(tensors.x)  # the same values, 2 bytes off a 16-byte boundary
+        third = run(shifted)
+        assert launches[0].compiled_variants == 2
+    mapped = mapping >= 0
+    for y in (first, third):
+        assert update_rel_err(y[mapped], ref[mapped], tensors.y[mapped]) < TOLERANCE
+        assert torch.equal(y[~mapped], tensors.y[~mapped])

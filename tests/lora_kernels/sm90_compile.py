@@ -32,10 +32,13 @@ from lora_kernels.metadata import build_metadata  # noqa: E402
 from lora_kernels.worklist import RowTileWorklist  # noqa: E402
 
 class _Recorder:
-    """Stands in for `kernel[grid]`: records the launch's keyword arguments."""
+    """Stands in for `kernel[grid]`: records the launch's keyword arguments. It has the kernel's
+    `arg_names` but no `params`, so `lora_kernels.launch.PreparedLaunch` launches through it as
+    through Triton's interpreter."""
 
     def __init__(self, fn: triton.JITFunction, launches: list) -> None:
         self.fn, self.launches = fn, launches
+        self.arg_names = fn.arg_names
 
     def __getitem__(self, grid: tuple) -> Any:
         return lambda **kw: self.launches.append((self.fn, kw))

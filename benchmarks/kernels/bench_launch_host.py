@@ -1,0 +1,122 @@
+"""Host time of one GridTrim LoRA linear where no CUDA graph replays it, on a GPU.
+
+    python -m benchmarks.kernels.bench_launch_host [--calls 3000] [--repeats 3]
+
+One Llama-3.2-3B qkv layer, rank 8, 128 adapters, 256 rows, in two batches: no adapter rows (the
+kernels exit at once, so the GPU never holds the host back) and every row with an adapter. Per
+call, best of ``--repeats`` means over ``--calls`` calls, synchronizing once per mean:
+
+- **JIT**: the two work-list launches through Triton's JIT (``kernel[grid](**kwargs)``), with the
+  layer's cached launch config, as every launch went before ``lora_kernels.launch``;
+- **prepared**: ``lora_kernels.linear.launch_linear``, whose launches go through
+  ``lora_kernels.launch.PreparedLaunch`` (the compiled kernels' runners after the first call);
+- **no launches**: ``launch_linear`` with ``PreparedLaunch.__call__`` a no-op (the Python around
+  the launches);
+- **torch.ops**: ``torch.ops.lorazor.gridtrim_lora_linear``, the call a compiled engine's step past
+  its largest CUDA graph makes (dispatcher, argument rebuild, launch config lookup, prepared launches).
+
+A 28-layer model makes 4 such calls per layer per step. In each batch the prepared launches'
+output is checked against the JIT's, bit for bit.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+
+from lora_kernels.launch import PreparedLaunch
+from lora_kernels.layout import partials_buffer
+from lora_kernels.linear import launch_linear, linear_config
+from lora_kernels.metadata import build_metadata
+from lora_kernels.worklist import RowTileWorklist
+from serve_bridge import gridtrim
+from serve_bridge.command_line import Parser, fail, number
+
+ROWS, HIDDEN, SLICE, RANK, ADAPTERS, PROGRAMS = 256, 3072, 1024, 8, 128, 2112
+
+
+def best_us(call: Callable[[], None], calls: int, repeats: int) -> float:
+    """Best mean host µs per call over ``repeats`` runs of ``calls`` calls (one sync per run)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=number("positive_int"), default=3000)
+    ap.add_argument("--repeats", type=number("positive_int"), default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        fail("bench_launch_host needs an NVIDIA GPU (CUDA)")
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(ROWS, HIDDEN, device=dev, generator=gen).to(torch.bfloat16)
+    y = torch.zeros(ROWS, 3 * SLICE, device=dev, dtype=torch.bfloat16)
+    lora_a = tuple(torch.randn(ADAPTERS, 1, RANK, HIDDEN, device=dev, generator=gen).to(torch.bfloat16) * 0.02
+                   for _ in range(3))
+    lora_b = tuple(torch.randn(ADAPTERS, 1, SLICE, RANK, device=dev, generator=gen).to(torch.bfloat16) * 0.3
+                   for _ in range(3))
+    config = linear_config(y, x, lora_a, lora_b)
+    print(f"GridTrim LoRA linear, host µs per call ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"Triton {triton.__version__}; {ROWS} rows, rank {RANK}, {ADAPTERS} adapters):")
+    for label, mapping in (("no adapter rows", torch.full((ROWS,), -1, device=dev)),
+                           ("every row with an adapter", torch.randint(0, ADAPTERS, (ROWS,), device=dev, generator=gen))):
+        meta = build_metadata(mapping, ADAPTERS)
+        worklist = RowTileWorklist.allocate(8192, ADAPTERS + 1, dev)
+        worklist.update(meta)
+
+        def partials() -> torch.Tensor:
+            return partials_buffer(3, ROWS, RANK, HIDDEN, dev, k_chunk=config.shrink.args["K_CHUNK"])
+
+        def prepared() -> None:
+            launch_linear(config, y, x, partials(), meta, worklist, 1.0, num_programs=PROGRAMS)
+
+        def jit() -> None:  # the launches launch_linear made before lora_kernels.launch
+            p = partials()
+            for launch, values in ((config.shrink.worklist_launch,
+                                    (x, p, worklist.tile_lora, worklist.tile_tokens, worklist.num_tiles, 1.0,
+                                     *p.stride(), worklist.block_m)),
+                                   (config.expand.worklist_launch,
+                                    (p, y, worklist.tile_lora, worklist.tile_tokens, worklist.num_tiles, *p.stride(),
+                                     p.shape[0], True, worklist.block_m))):
+                launch.kernel[(PROGRAMS,)](**launch.static, **dict(zip(launch.dynamic, values)))
+
+        flat = gridtrim.op_arguments((y, x, lora_a, lora_b), meta, worklist, (1.0, 0, True, PROGRAMS))
+        op = getattr(torch.ops.lorazor, gridtrim.OP_NAME)
+
+        def via_op() -> None:
+            op(*flat)
+
+        for call in (prepared, jit, via_op):
+            call()
+        y.zero_()
+        jit()
+        want = y.clone()
+        y.zero_()
+        prepared()
+        if not torch.equal(y, want):
+            fail("the prepared launches' output differs from the JIT's")
+        times = {"JIT": best_us(jit, args.calls, args.repeats),
+                 "prepared": best_us(prepared, args.calls, args.repeats),
+                 "torch.ops": best_us(via_op, args.calls, args.repeats)}
+        real_call = PreparedLaunch.__call__
+        PreparedLaunch.__call__ = lambda self, grid, *values: None  # type: ignore[method-assign]
+        try:
+            times["no launches"] = best_us(prepared, args.calls, args.repeats)
+        finally:
+            PreparedLaunch.__call__ = real_call  # type: ignore[method-assign]
+        print(f"  {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+              + f"  (per 28-layer step past the graphs: JIT {times['JIT'] * 0.112:.1f} ms, prepared "
+              f"{times['prepared'] * 0.112:.1f} ms, torch.ops {times['torch.ops'] * 0.112:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

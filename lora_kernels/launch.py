@@ -57,8 +57,8 @@ class PreparedLaunch:
         unknown = [d for d in dynamic if d not in names]
         missing = [n for n in names if n not in static and n not in dynamic]
         if unknown or missing or set(static) & set(dynamic):
-            raise ValueError(f"{kernel.__name__ if hasattr(kernel, '__name__') else kernel}: dynamic arguments "
-                             f"not in the signature {unknown}, arguments given nowhere {missing}, or given twice")
+            raise ValueError(f"{getattr(kernel, '__name__', kernel)}: dynamic arguments not in the signature "
+                             f"{unknown}, arguments given nowhere {missing}, or given twice")
         self.kernel = kernel
         self.static = dict(static)
         self.dynamic = tuple(dynamic)

@@ -11,7 +11,9 @@ strides, tile sizes) and takes the others per call. The first call of each speci
 through the JIT, which compiles or finds the kernel and launches it; later calls of that
 specialization launch the same compiled kernel through Triton's ``CompiledKernel[grid]`` runner
 (8–13 µs there). Semantics: a call launches exactly what ``kernel[grid](**static, **dynamic)``
-launches, on the current stream.
+launches, on the current stream; Triton's launch hooks (``knobs.runtime.launch_enter_hook``, a
+profiler's) run as on the JIT's launches, the kernel's own pre-run hooks (none on ours) only on
+the JIT's.
 
 The specialization of an argument that changes between calls is the class
 :func:`runtime_class` gives it, a refinement of Triton's own (its ``native_specialize_impl``:

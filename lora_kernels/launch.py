@@ -91,11 +91,11 @@ class PreparedLaunch:
         return args
 
     def __call__(self, grid: tuple[int, ...], *values: Any) -> None:
-        key = self.key(grid, values) if self.runners else None
-        runner = self._runners.get(key) if self.runners else None
-        if runner is not None:
-            runner(*self.arguments(values))
-            return
+        if self.runners:
+            key = self.key(grid, values)
+            if (runner := self._runners.get(key)) is not None:
+                runner(*self.arguments(values))
+                return
         compiled = self.kernel[grid](**self.static, **dict(zip(self.dynamic, values)))
         if self.runners and compiled is not None:
             self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]

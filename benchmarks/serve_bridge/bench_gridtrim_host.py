@@ -15,7 +15,8 @@ What a step pays per LoRA linear besides the launches themselves, where no CUDA 
 
 Each work-list launch (``lora_kernels.launch.PreparedLaunch``, which picks the compiled kernel
 and launches it) is replaced by a no-op that takes the same arguments;
-``python -m benchmarks.kernels.bench_launch_host`` times the launches themselves on a GPU. One Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU tensors.
+``python -m benchmarks.kernels.bench_launch_host`` times the launches themselves on a GPU. One
+Llama-3.2-3B qkv layer's shapes, rank 8, 128 adapters, 256 rows, on CPU tensors.
 A 28-layer model makes 4 such calls per layer per step (qkv, o, gate_up, down). Reports the best
 of ``--repeats`` means, in µs per call.
 """

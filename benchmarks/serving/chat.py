@@ -18,6 +18,12 @@ On one H200, one mode per call (each fits a 10-minute call), into one table:
     MODES=stock bash scripts/gpu_slot_bench.sh /tmp/chat chat512
     MODES=nolora bash scripts/gpu_slot_bench.sh /tmp/chat chat512
 
+A second line (``--max-capture-size N``, ``GRAPH_TOKENS=N`` in the script) runs every mode with
+vLLM's defaults but CUDA graphs captured up to N tokens (``--compilation-config
+'{"max_cudagraph_capture_size": N}'``; vLLM's default is 512 on Hopper): it tells what the steps
+past the default's largest graph, which run without one, cost each mode. Its table is a table of
+its own (another ``--out``), its ratio lines marked ``[vLLM defaults, CUDA graphs up to N tokens]``.
+
 (``BUNDLE`` serves the learned bundle the lorazor call wrote into the table's folder, so that the
 async/sync ratio compares one bundle; without it the bundle is prepared again, or taken from
 ``--work`` where it was kept.) The table ends with the lines
@@ -33,7 +39,8 @@ line is checked for prefix caching on and vLLM's compilation (:data:`ENGINE_DEFA
 options given are the model (``--load-format dummy``), LoRA (``--enable-lora --max-loras 32
 --max-lora-rank 8``, the adapters' rank, ``--max-cpu-loras 512``, every adapter kept in host
 memory as goodput.py's servers keep them, ``--lora-modules`` for all 512), the host and port,
-and in the lorazor modes LoRazor's worker extension, which reads the release counters.
+and in the lorazor modes LoRazor's worker extension, which reads the release counters; in the
+second line, ``--compilation-config`` (above).
 
 - ``stock``: no ``LORAZOR_*`` variable;
 - ``gridtrim``: ``LORAZOR_GRIDTRIM=1`` only;
@@ -250,14 +257,17 @@ def engine_line(log_text: str) -> str:
 # -- commands (pure) --------------------------------------------------------------------------------
 
 def server_command(model_dir: Path, mode: str, adapters: dict[str, Path], max_loras: int, port: int,
-                   profile: tuple[Path, int] | None = None) -> list[str]:
+                   profile: tuple[Path, int] | None = None, max_capture_size: int | None = None) -> list[str]:
     """``vllm serve`` of a mode with vLLM's defaults (module doc): the dummy model, LoRA and its
     adapters (not for nolora), LoRazor's worker extension in the lorazor modes, and
     ``--no-async-scheduling`` for lorazor-sync. ``profile`` (trace directory, steps) configures
     vLLM's torch profiler for the worker alone, idle until ``POST /start_profile``, then recording
-    that many steps after :data:`PROFILE_DELAY_STEPS`, without Python stacks."""
+    that many steps after :data:`PROFILE_DELAY_STEPS`, without Python stacks. ``max_capture_size``:
+    the second line's largest CUDA graph, in tokens (None: vLLM's)."""
     cmd = [*goodput.VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--load-format", "dummy"]
+    if max_capture_size is not None:
+        cmd += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": max_capture_size})]
     if profile is not None:
         config = {"profiler": "torch", "torch_profiler_dir": str(profile[0].resolve()), "ignore_frontend": True,
                   "torch_profiler_with_stack": False, "delay_iterations": PROFILE_DELAY_STEPS,
@@ -332,10 +342,18 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")
 
 
-def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo) -> list[str]:
+def settings_tag(max_capture_size: int | None) -> str:
+    """How the ratio lines mark a table's vLLM settings: vLLM's defaults, or the second line's graphs."""
+    return "[vLLM defaults]" if max_capture_size is None else \
+        f"[vLLM defaults, CUDA graphs up to {max_capture_size} tokens]"
+
+
+def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo,
+                tag: str = settings_tag(None)) -> list[str]:
     """The report's last three lines (``n/a`` for a ratio whose modes lack a goodput rate): the
     headline ratios, async against synchronous scheduling on one bundle, and decision lag 1
-    against lag 0 (which waits for each step's decisions) under async scheduling."""
+    against lag 0 (which waits for each step's decisions) under async scheduling; ``tag`` marks the
+    table's settings (:func:`settings_tag`)."""
     r = rates(modes, slo)
 
     def ratio(a: str, b: str) -> str:
@@ -350,7 +368,7 @@ def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo) -> 
     lag = ratio("lorazor", LAG0)
     if lag != "n/a" and bundle(LAG0).get("lag_of") != bundle("lorazor").get("sha256"):
         lag = "n/a (lorazor-lag0 is not lorazor's bundle with lag 0)"
-    return [f"chat{n_adapters} goodput [vLLM defaults]: lorazor/stock = {ratio('lorazor', 'stock')}, "
+    return [f"chat{n_adapters} goodput {tag}: lorazor/stock = {ratio('lorazor', 'stock')}, "
             f"lorazor/gridtrim = {ratio('lorazor', 'gridtrim')}", f"learned async/sync = {sync}",
             f"learned lag 1/lag 0 [async] = {lag}"]
 
@@ -370,9 +388,12 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
     n, first = shape.n_adapters, (f"from {args.start_rate:g} req/s" if args.start_rate is not None else
                                   f"a probe of {args.probe_prompts} requests at once, then from "
                                   f"{args.start_fraction:g} x its req/s")
+    graphs = ("its default CUDA graphs" if args.max_capture_size is None else
+              f"its default CUDA-graph mode with graphs up to {args.max_capture_size} tokens (--compilation-config "
+              f"max_cudagraph_capture_size={args.max_capture_size} in every mode)")
     return [
         f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
-        "its default CUDA graphs, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "
+        f"{graphs}, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "
         "driven by `vllm bench serve` with a custom dataset file",
         f"model: {bench.MODEL_NAME['llama3b']} config, dummy weights, word-level tokenizer of its 128256 tokens; {n} "
         f"rank-{bench.RANK} random peft adapters ({min(bench.DISTINCT_WEIGHTS, n)} distinct weight files); server "
@@ -490,6 +511,9 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
         if missing:
             raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
         graph_tokens = largest_graph(log_text)
+        if args.max_capture_size is not None and graph_tokens != args.max_capture_size:
+            raise HarnessError(f"the engine-config line of {log} gives a largest CUDA graph of {graph_tokens} tokens, "
+                               f"not the {args.max_capture_size} asked")
         if graph_tokens:
             entry["facts"].append(f"vLLM's largest CUDA graph: {graph_tokens} tokens")
         systems = [words(s) for s in system_prompts(shape, args.seed)]
@@ -509,9 +533,9 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
             entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead))
 
     profile = None if args.profile_rate is None else (trace_dir, args.profile_steps)
-    goodput.with_server(entry, server_command(model_dir, mode, adapters, args.max_loras, port, profile), env, log,
-                        base_url, served, goodput.expected_markers(BENCH_MODE[mode]), args.ready_timeout_s, deadline,
-                        body, flush)
+    command = server_command(model_dir, mode, adapters, args.max_loras, port, profile, args.max_capture_size)
+    goodput.with_server(entry, command, env, log, base_url, served, goodput.expected_markers(BENCH_MODE[mode]),
+                        args.ready_timeout_s, deadline, body, flush)
 
 
 def manifest_sha(bundle: Path) -> str:
@@ -588,7 +612,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     @placement.serialized
     def flush() -> None:
-        doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo)
+        doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo, settings_tag(args.max_capture_size))
         (args.out / "chat.json").write_text(json.dumps(doc, indent=1))
         (args.out / "chat.txt").write_text(render(doc, slo))
 
@@ -635,6 +659,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "sweep): the worker's trace in OUT/MODE/profile/trace and a line of where its steps go")
     ap.add_argument("--profile-steps", type=number("positive_int"), default=PROFILE_STEPS,
                     help="engine steps the profiler records, after %d steps of the run" % PROFILE_DELAY_STEPS)
+    ap.add_argument("--max-capture-size", type=number("positive_int"), default=None, metavar="N",
+                    help="the second line: vLLM's defaults but CUDA graphs captured up to N tokens in every mode "
+                         "(default: vLLM's own, 512 on Hopper); a table of its own")
     ap.set_defaults(duration_s=DURATION_S, min_prompts=MIN_PROMPTS, ready_timeout_s=400, min_mode_s=300)
     return orchestrate(ap.parse_args(argv))
 

@@ -248,7 +248,7 @@ def _args(tmp_path: Path, **kw) -> argparse.Namespace:
     goodput.add_sweep_arguments(ap)
     args = ap.parse_args(["--adapters", "4"])
     return argparse.Namespace(**vars(args) | {"out": tmp_path / "out", "work": tmp_path / "work", "seed": 0,
-                                              "max_loras": 2, "bundle": None} | kw)
+                                              "max_loras": 2, "bundle": None, "max_capture_size": None} | kw)
 
 
 def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
@@ -312,6 +312,24 @@ def test_append_extends_only_a_table_of_the_same_workload(tmp_path):
     assert goodput.load_table(path, pre, append=True)["modes"] == {"stock": {"rows": []}}
     skewed = _args(tmp_path, zipf=1.2)
     assert goodput.load_table(path, chat.preamble(skewed, "0.33.0", SLO, chat.shape_from(skewed)), append=True) is None
+
+
+def test_the_graphs_line_is_a_table_of_its_own(tmp_path):
+    """``--max-capture-size``: every mode's server gets vLLM's compilation option and nothing else
+    that differs; the preamble and the ratio lines say so, and a defaults table is not extended by it."""
+    for mode in chat.MODES:
+        f = flags(chat.server_command(Path("/w/model"), mode, ADAPTERS, 2, 8123, max_capture_size=2048))
+        assert set(f) - set(SERVE_OPTIONS_033) == {"--compilation-config"}  # arg_utils.py:1891 of vLLM 0.33.0
+        assert json.loads(f["--compilation-config"][0]) == {"max_cudagraph_capture_size": 2048}
+    args, graphs = _args(tmp_path), _args(tmp_path, max_capture_size=2048)
+    pre, pre_graphs = (chat.preamble(a, "0.33.0", SLO, chat.shape_from(a)) for a in (args, graphs))
+    assert "its default CUDA graphs," in pre[0]
+    assert "graphs up to 2048 tokens (--compilation-config max_cudagraph_capture_size=2048 in every mode)" in pre_graphs[0]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"preamble": pre, "modes": {}, "notes": [], "ratio": []}))
+    assert goodput.load_table(path, pre_graphs, append=True) is None
+    assert chat.ratio_lines(512, {}, SLO, chat.settings_tag(2048))[0] == (
+        "chat512 goodput [vLLM defaults, CUDA graphs up to 2048 tokens]: lorazor/stock = n/a, lorazor/gridtrim = n/a")
 
 
 def test_refuses_a_vllm_it_was_not_written_for(tmp_path, capsys):
@@ -382,6 +400,21 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
     assert not any("CUDA_VISIBLE_DEVICES" in s["env"] or "VLLM_CACHE_ROOT" in s["env"] for s in servers)
     clients = [s for s in seen if s["what"] == "bench"]
     assert {s["mode"] for s in clients} == set(chat.MODES) and all(s["lorazor"] == [] for s in clients)
+
+
+def test_the_graphs_line_checks_the_servers_largest_graph(tmp_path, monkeypatch):
+    """A server of the second line must report the largest CUDA graph asked for; one that reports
+    another is an error of that mode, named in its row."""
+    argv, _ = _stand_in(tmp_path, monkeypatch)
+    assert chat.main(argv + ["--modes", "gridtrim", "--max-capture-size", "2048"]) == 0
+    doc = json.loads((tmp_path / "out" / "chat.json").read_text())
+    assert doc["modes"]["gridtrim"]["error"] is None
+    assert "vLLM's largest CUDA graph: 2048 tokens" in doc["modes"]["gridtrim"]["facts"]
+    assert doc["ratio"][0].startswith("chat4 goodput [vLLM defaults, CUDA graphs up to 2048 tokens]: ")
+    monkeypatch.setenv("FAKE_LARGEST_GRAPH", "512")
+    assert chat.main(argv + ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--max-capture-size", "2048"]) == 1
+    error = json.loads((tmp_path / "other" / "chat.json").read_text())["modes"]["gridtrim"]["error"]
+    assert "gives a largest CUDA graph of 512 tokens, not the 2048 asked" in error
 
 
 def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):

@@ -435,9 +435,11 @@ if sys.argv[1] == "serve":
     if together[2]:
         open(os.path.join(together[2], values("--port")[0]), "w").close()
     record(what="serve", argv=sys.argv[1:], env=env)
+    graphs = os.environ.get("FAKE_LARGEST_GRAPH") or json.loads(
+        (values("--compilation-config") or ["{}"])[0]).get("max_cudagraph_capture_size", 512)
     print("(EngineCore_DP0 pid=1) INFO [core.py:140] Initializing a V1 LLM engine (v0.33.0) with config: "
           "enable_prefix_caching=True, compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, "
-          "'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>}")
+          f"'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>, 'max_cudagraph_capture_size': {graphs}}}")
     if os.environ.get("LORAZOR_GRIDTRIM") == "1":
         print("(EngineCore_DP0 pid=1) INFO [punica_wrapper.py:39] LoRazor GridTrim active: LoRA linears ...")
     if os.environ.get("LORAZOR_BUNDLE"):

@@ -86,8 +86,10 @@ profiler configured for its worker (idle until asked; Python stacks off), and af
 more run at R req/s, kept out of the table's rows, records ``--profile-steps`` engine steps
 (after :data:`PROFILE_DELAY_STEPS`). The trace stays in ``OUT/MODE/profile/trace``; the mode's
 facts gain :func:`benchmarks.serving.step_profile.trace_line`: the mean step, the host time inside
-``execute_model`` and outside it (the engine core's scheduling and output handling), and the GPU
-busy share from the trace's own kernels. The sweep leaves that run's time in the budget.
+``execute_model`` and outside it (the engine core's scheduling and output handling), the GPU
+busy share from the trace's own kernels, the steps past the server's largest CUDA graph and their
+``execute_model`` time against the others', the LoRA kernels' device time per step, and the host
+time per call of GridTrim's op. The sweep leaves that run's time in the budget.
 
 **Time.** A call has ``--budget-s`` (560 s); modes that run at once share it. goodput.py's servers
 (full CUDA graphs of 12 sizes, no torch.compile, 512 adapters) were ready after 114–160 s
@@ -460,10 +462,11 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
 
 
 def profiled_run(run: Callable[[float, int], dict[str, Any]], base_url: str, trace_dir: Path, rate: float,
-                 args: argparse.Namespace, deadline: float, overhead_s: float) -> str:
+                 args: argparse.Namespace, deadline: float, overhead_s: float, graph_tokens: int | None = None) -> str:
     """One client run at ``rate`` under vLLM's profiler (started before it, stopped after it), kept
     out of the sweep; returns the table's line: the steps :func:`step_profile.trace_summary` reads off
-    the worker's trace, or why there are none."""
+    the worker's trace (split at ``graph_tokens``, the server's largest CUDA graph), or why there
+    are none."""
     n, need = goodput.planned_run(rate, args, overhead_s, None)
     left = goodput.budget_left_s(deadline)
     if need + PROFILE_WRITE_S > left:
@@ -484,7 +487,7 @@ def profiled_run(run: Callable[[float, int], dict[str, Any]], base_url: str, tra
         return f"profile at {rate:g} req/s: no trace in {trace_dir} after {PROFILE_WRITE_S:.0f} s"
     time.sleep(2.0)  # the worker may still be writing it
     try:
-        line = step_profile.trace_line(step_profile.trace_summary(traces[-1]))
+        line = step_profile.trace_line(step_profile.trace_summary(traces[-1], graph_tokens))
     except ValueError as e:
         return f"profile at {rate:g} req/s: {e}"
     return f"profile at {rate:g} req/s ({traces[-1].name}, not in the sweep): {line}"
@@ -530,7 +533,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
             overhead = goodput.client_overhead_s(entry["rows"][-1]) if entry["rows"] else args.client_overhead_s
             profiled = measure(mode, base_url, model_dir, trace_dir.parent, args, shape, slo, deadline, gpu,
                                client, graph_tokens)
-            entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead))
+            entry["facts"].append(profiled_run(profiled, base_url, trace_dir, rate, args, deadline, overhead,
+                                               graph_tokens))
 
     profile = None if args.profile_rate is None else (trace_dir, args.profile_steps)
     command = server_command(model_dir, mode, adapters, args.max_loras, port, profile, args.max_capture_size)

@@ -38,6 +38,10 @@ from typing import Any
 
 _STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device-side events
+LORA_OP = "lorazor::gridtrim_lora_linear"  # GridTrim's LoRA linear as a compiled graph calls it (serve_bridge.gridtrim)
+# LoRA kernels by name: GridTrim's (lora_kernels: _shrink_/_expand_worklist_kernel, _grid_kernel) and vLLM's
+# (_lora_shrink_kernel, _lora_expand_kernel)
+LORA_KERNEL = re.compile(r"shrink|expand", re.IGNORECASE)
 
 
 def busy_time_us(intervals: Sequence[tuple[float, float]]) -> float:
@@ -138,7 +142,7 @@ def python_profile(step: Callable[[], Any], has_work: Callable[[], bool], n_step
     return out.getvalue(), done
 
 
-def trace_summary(path: Path) -> dict[str, float | int | None]:
+def trace_summary(path: Path, graph_tokens: int | None = None) -> dict[str, float | int | None]:
     """Per-step figures of a vLLM worker's Chrome trace (``.json`` or ``.json.gz``), over the window
     from the first step's start to the last step's end:
 
@@ -149,7 +153,14 @@ def trace_summary(path: Path) -> dict[str, float | int | None]:
     - ``gpu_busy``: the union of device events over the window, as a share (None without any), and
       ``device_events`` per step (what CUPTI recorded: a step replayed from a CUDA graph shows
       its kernels only where the profiler traces graph nodes);
-    - ``tokens``, ``decoding``: mean scheduled tokens and decoding requests per step.
+    - ``tokens``, ``decoding``: mean scheduled tokens and decoding requests per step;
+    - ``lora_kernel_ms``: device time per step of the LoRA kernels (:data:`LORA_KERNEL`; None without
+      device events); ``op_calls`` per step and ``op_us``, the mean host µs per call, of
+      :data:`LORA_OP` (the calls a compiled engine makes where no CUDA graph replays the step;
+      ``op_us`` None without calls);
+    - with ``graph_tokens`` (the server's largest CUDA graph): ``past_graphs``, the steps of more
+      tokens, which run without a graph, and the mean ``execute_model`` ms of those
+      (``past_execute_ms``) and of the others (``within_execute_ms``; None for an empty group).
 
     Raises ValueError for a file that is not such a trace or holds fewer than two steps."""
     opener = gzip.open if path.suffix == ".gz" else open
@@ -159,34 +170,64 @@ def trace_summary(path: Path) -> dict[str, float | int | None]:
     except (OSError, EOFError, ValueError) as e:
         raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
     events = events.get("traceEvents", []) if isinstance(events, dict) else events
-    steps, device = [], []
+    steps, device, lora, ops = [], [], [], []
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
             continue
-        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        m = _STEP.fullmatch(str(e.get("name", "")))
+        start, end, name = float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", ""))
+        m = _STEP.fullmatch(name)
         if e.get("cat") == "user_annotation" and m:
             steps.append((start, end, int(m[2]) + int(m[4]), int(m[3])))
         elif e.get("cat") in DEVICE_CATEGORIES:
             device.append((start, end))
+            if LORA_KERNEL.search(name):
+                lora.append((start, end))
+        elif e.get("cat") == "cpu_op" and name == LORA_OP:
+            ops.append((start, end))
     if len(steps) < 2:
         raise ValueError(f"{path}: {len(steps)} execute_model step(s) in the trace, at least 2 needed")
     steps.sort()
     n, (first, last) = len(steps), (steps[0][0], max(s[1] for s in steps))
     step_ms = (steps[-1][0] - first) / (n - 1) / 1e3
     execute_ms = sum(s[1] - s[0] for s in steps[:-1]) / (n - 1) / 1e3
-    clipped = [(max(s, first), min(e, last)) for s, e in device if e > first and s < last]
-    return {"steps": n, "step_ms": step_ms, "execute_ms": execute_ms, "outside_ms": step_ms - execute_ms,
-            "gpu_busy": busy_time_us(clipped) / (last - first) if device else None,
-            "device_events": len(clipped) / n,
-            "tokens": sum(s[2] for s in steps) / n, "decoding": sum(s[3] for s in steps) / n}
+    def clip(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        return [(max(s, first), min(e, last)) for s, e in intervals if e > first and s < last]
+
+    def mean_ms(group: list[tuple[float, float, int, int]]) -> float | None:
+        return sum(s[1] - s[0] for s in group) / len(group) / 1e3 if group else None
+
+    clipped, calls = clip(device), [e - s for s, e in ops if first <= s < last]
+    summary: dict[str, float | int | None] = {
+        "steps": n, "step_ms": step_ms, "execute_ms": execute_ms, "outside_ms": step_ms - execute_ms,
+        "gpu_busy": busy_time_us(clipped) / (last - first) if device else None, "device_events": len(clipped) / n,
+        "tokens": sum(s[2] for s in steps) / n, "decoding": sum(s[3] for s in steps) / n,
+        "lora_kernel_ms": sum(e - s for s, e in clip(lora)) / n / 1e3 if device else None,
+        "op_calls": len(calls) / n, "op_us": sum(calls) / len(calls) if calls else None}
+    if graph_tokens is not None:
+        past = [s for s in steps if s[2] > graph_tokens]
+        summary |= {"graph_tokens": graph_tokens, "past_graphs": len(past), "past_execute_ms": mean_ms(past),
+                    "within_execute_ms": mean_ms([s for s in steps if s[2] <= graph_tokens])}
+    return summary
 
 
 def trace_line(summary: dict[str, float | int | None]) -> str:
-    """One line of :func:`trace_summary`'s figures."""
+    """One line of :func:`trace_summary`'s figures (those it has)."""
     busy = summary["gpu_busy"]
-    return (f"{summary['steps']} steps of {summary['step_ms']:.2f} ms: "
+    line = (f"{summary['steps']} steps of {summary['step_ms']:.2f} ms: "
             f"{summary['execute_ms']:.2f} ms in execute_model, "
             f"{summary['outside_ms']:.2f} ms outside it; GPU busy {'—' if busy is None else f'{busy:.0%}'} "
             f"({summary['device_events']:.0f} device events per step); "
             f"{summary['tokens']:.1f} tokens and {summary['decoding']:.1f} decoding requests per step")
+
+    def ms(key: str) -> str:
+        value = summary[key]
+        return "—" if value is None else f"{value:.2f}"
+
+    if summary.get("graph_tokens") is not None:
+        line += (f"; past the {summary['graph_tokens']}-token graph: {summary['past_graphs']} steps of "
+                 f"{ms('past_execute_ms')} ms in execute_model, within: {ms('within_execute_ms')} ms")
+    if summary.get("lora_kernel_ms") is not None:
+        line += f"; LoRA kernels {summary['lora_kernel_ms']:.2f} ms per step"
+    if summary.get("op_us") is not None:
+        line += f"; {LORA_OP} {summary['op_calls']:.1f} calls per step, {summary['op_us']:.0f} µs of host each"
+    return line

@@ -428,7 +428,8 @@ def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):
     line = next(f for f in entry["facts"] if f.startswith("profile at 5 req/s"))
     assert line == ("profile at 5 req/s (stand_in_worker.1.pt.trace.json.gz, not in the sweep): 4 steps of 0.01 ms: "
                     "0.00 ms in execute_model, 0.01 ms outside it; GPU busy 53% (1 device events per step); "
-                    "39.0 tokens and 9.0 decoding requests per step")
+                    "39.0 tokens and 9.0 decoding requests per step; past the 512-token graph: 0 steps of — ms in "
+                    "execute_model, within: 0.00 ms; LoRA kernels 0.00 ms per step")
     seen = [json.loads(s) for s in record.read_text().splitlines()]
     what = [s["what"] for s in seen if s["what"] in ("serve", "bench", "start_profile", "stop_profile")]
     assert what[0] == "serve" and what[-3:] == ["start_profile", "bench", "stop_profile"]

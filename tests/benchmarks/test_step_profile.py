@@ -100,6 +100,32 @@ def test_trace_summary_counts_device_time_inside_the_window(tmp_path):
     assert summary["gpu_busy"] == pytest.approx(13 / 23) and summary["device_events"] == pytest.approx(4 / 3)
 
 
+def test_trace_summary_splits_steps_at_the_largest_graph_and_times_lora(tmp_path):
+    """Steps of more tokens than the largest CUDA graph apart from the others; GridTrim's op calls
+    (host µs each) and the LoRA kernels' device time per step, in the window only."""
+    step = "execute_context_{}({})_generation_{}({})"
+    steps = [{"ph": "X", "cat": "user_annotation", "name": step.format(c, ct, g, g), "ts": t, "dur": d}
+             for t, d, c, ct, g in ((100, 10, 1, 500, 12), (200, 40, 2, 600, 12), (300, 6, 0, 0, 16), (400, 8, 0, 0, 16))]
+    ops = [{"ph": "X", "cat": "cpu_op", "name": "lorazor::gridtrim_lora_linear", "ts": t, "dur": d}
+           for t, d in ((50, 99), (205, 10), (215, 14), (225, 12))]  # the first before the window
+    kernels = [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": 4}
+               for n, t in (("_shrink_worklist_kernel", 110), ("_expand_worklist_kernel", 120),
+                            ("_lora_shrink_kernel", 230), ("nvjet_gemm", 130), ("_expand_worklist_kernel", 500))]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": steps + ops + kernels}))
+    summary = summarize_trace(path, graph_tokens=512)
+    assert summary["past_graphs"] == 1 and summary["past_execute_ms"] == pytest.approx(0.040)
+    assert summary["within_execute_ms"] == pytest.approx((10 + 6 + 8) / 3 / 1e3)
+    assert summary["op_calls"] == pytest.approx(3 / 4) and summary["op_us"] == pytest.approx(12.0)
+    assert summary["lora_kernel_ms"] == pytest.approx(12 / 4 / 1e3)  # the last kernel lies past the window
+    line = trace_line(summary)
+    assert line.endswith("; past the 512-token graph: 1 steps of 0.04 ms in execute_model, within: 0.01 ms; "
+                         "LoRA kernels 0.00 ms per step; lorazor::gridtrim_lora_linear 0.8 calls per step, "
+                         "12 µs of host each")
+    plain = summarize_trace(path)
+    assert "past_graphs" not in plain and "graph" not in trace_line(plain)
+
+
 @pytest.mark.parametrize("content", ["not json", json.dumps({"traceEvents": []})])
 def test_trace_summary_refuses_what_is_no_step_trace(tmp_path, content):
     path = tmp_path / "t.json"

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lora_kernels.layout import as_3d, num_splits, partials_buffer
+from lora_kernels.layout import as_3d, partials_buffer
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.worklist import RowTileWorklist
 
@@ -245,6 +245,43 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
     return _cached((*lora_a, *lora_b), key, compute)
 
 
+def _shrink_plan(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> tuple[str | None, Any]:
+    """(the per-layer part of :func:`shrink_ineligible_reason`, and when None the layer's
+    ``lora_kernels.shrink.ShrinkConfig`` for x of this layout) through the per-layer cache."""
+    if torch.compiler.is_compiling():
+        return _static_shrink_reason(x, lora_a), None
+
+    def compute() -> tuple[str | None, Any]:
+        reason = _static_shrink_reason(x, lora_a)
+        if reason is not None:
+            return reason, None
+        from lora_kernels.shrink import shrink_config
+
+        return None, shrink_config(x, lora_a)
+
+    return _cached(tuple(lora_a), ("shrink", x.dtype, x.shape[-1], x.stride(), x.device), compute)
+
+
+def _expand_plan(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
+                 offset_start: int) -> tuple[str | None, Any]:
+    """(the per-layer part of :func:`expand_ineligible_reason`, and when None the layer's
+    ``lora_kernels.expand.ExpandConfig`` for y of this layout) through the per-layer cache."""
+    if torch.compiler.is_compiling():
+        return _static_expand_reason(y, x, lora_b, output_slices, offset_start), None
+
+    def compute() -> tuple[str | None, Any]:
+        reason = _static_expand_reason(y, x, lora_b, output_slices, offset_start)
+        if reason is not None:
+            return reason, None
+        from lora_kernels.expand import expand_config
+
+        return None, expand_config(lora_b, y, offset_start)
+
+    key = ("expand", x.dtype, x.dim(), x.shape[-1], y.dtype, y.shape[-1], y.stride(), tuple(output_slices),
+           offset_start, x.device)
+    return _cached(tuple(lora_b), key, compute)
+
+
 def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
     """One warning per distinct (``what``, reason) (not while torch.compile traces: logging would
     break the graph, so a compiled engine may fall back silently)."""
@@ -327,14 +364,13 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     x2 = x.view(-1, x.shape[-1])
     if isinstance(lora_a, torch.Tensor):  # a bare tensor: one slice
         lora_a = (lora_a,)
-    reason = _cached(tuple(lora_a), ("shrink", x2.dtype, x2.shape[-1], x2.device),
-                     lambda: _static_shrink_reason(x2, lora_a))
+    reason, config = _shrink_plan(x2, lora_a)
     if reason is None:
         reason = _shrink_output_reason(y, x2, as_3d(lora_a[0]).shape[1], len(lora_a))
     if reason is not None:
         warn_fallback_once(reason, "a LoRA shrink (add_shrink)")
         return False
-    _call(SHRINK_OP, (y, x2, lora_a), meta_args, worklist, (float(scale), int(num_programs or 0)))
+    _call(SHRINK_OP, (y, x2, lora_a), meta_args, worklist, (float(scale), int(num_programs or 0)), config=config)
     return True
 
 
@@ -356,16 +392,14 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     y2 = y.view(-1, y.shape[-1])
     if isinstance(lora_b, torch.Tensor):
         lora_b = (lora_b,)
-    key = ("expand", x.dtype, x.dim(), x.shape[-1], y2.dtype, y2.shape[-1], tuple(output_slices), offset_start,
-           x.device)
-    reason = _cached(tuple(lora_b), key, lambda: _static_expand_reason(y2, x, lora_b, output_slices, offset_start))
+    reason, config = _expand_plan(y2, x, lora_b, output_slices, offset_start)
     if reason is None:
         reason = _expand_io_reason(y2, x, len(lora_b))
     if reason is not None:
         warn_fallback_once(reason, "a LoRA expand (add_expand)")
         return False
     _call(EXPAND_OP, (y2, x, lora_b), meta_args, worklist,
-          (int(offset_start), bool(add_inputs), int(num_programs or 0)))
+          (int(offset_start), bool(add_inputs), int(num_programs or 0)), config=config)
     return True
 
 
@@ -401,32 +435,37 @@ def _linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lo
 
 
 def _shrink(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], meta: LoRABatchMeta,
-            worklist: RowTileWorklist, scale: float, num_programs: int) -> None:
+            worklist: RowTileWorklist, scale: float, num_programs: int, config: Any = None) -> None:
     """``gridtrim_shrink``: y (fp32 ``[slices, M, rank]``) = the shrink, 0 on rows without adapter.
 
     With one hidden chunk (``K ≤ K_CHUNK``) the kernel writes straight into y (a view as
-    ``[1, slices, M, rank]`` partials); otherwise into zeroed split-K partials, summed into y."""
-    from lora_kernels.shrink import lora_shrink
+    ``[1, slices, M, rank]`` partials); otherwise into zeroed split-K partials, summed into y.
+    ``config``: the layer's ``lora_kernels.shrink.ShrinkConfig`` for x's layout (built here when None)."""
+    from lora_kernels.shrink import launch_shrink, shrink_config
 
-    rank, hidden = as_3d(lora_a[0]).shape[1:]
-    splits = num_splits(hidden)
-    if splits == 1:
+    if config is None:
+        config = shrink_config(x, lora_a)
+    if config.splits == 1:
         y.zero_()
         partials = y.unsqueeze(0)
     else:
-        partials = torch.zeros(splits, len(lora_a), x.shape[0], rank, dtype=torch.float32, device=x.device)
-    lora_shrink(x, lora_a, partials, meta, worklist, scale, num_programs=num_programs or None)
-    if splits > 1:
+        partials = torch.zeros(config.splits, config.slices, x.shape[0], config.rank, dtype=torch.float32,
+                               device=x.device)
+    launch_shrink(config, x, partials, meta, worklist, scale, num_programs=num_programs or None)
+    if config.splits > 1:
         torch.sum(partials, dim=0, out=y)
 
 
 def _expand(y: torch.Tensor, x: torch.Tensor, lora_b: list[torch.Tensor], meta: LoRABatchMeta,
-            worklist: RowTileWorklist, offset_start: int, add_inputs: bool, num_programs: int) -> None:
-    """``gridtrim_expand``: y's slices (+)= bf(x[s]) @ B_s[id]ᵀ on rows with an adapter."""
-    from lora_kernels.expand import lora_expand
+            worklist: RowTileWorklist, offset_start: int, add_inputs: bool, num_programs: int,
+            config: Any = None) -> None:
+    """``gridtrim_expand``: y's slices (+)= bf(x[s]) @ B_s[id]ᵀ on rows with an adapter. ``config``:
+    the layer's ``lora_kernels.expand.ExpandConfig`` for y's layout (built here when None)."""
+    from lora_kernels.expand import expand_config, launch_expand
 
-    lora_expand(x.unsqueeze(0), lora_b, y, meta, worklist, offset_start=offset_start, add_inputs=add_inputs,
-                num_programs=num_programs or None)
+    if config is None:
+        config = expand_config(lora_b, y, offset_start)
+    launch_expand(config, x.unsqueeze(0), y, meta, worklist, add_inputs=add_inputs, num_programs=num_programs or None)
 
 
 # op name → (implementation, number of leading arguments before the metadata)
@@ -446,15 +485,21 @@ def _op_impl(name: str) -> Callable[..., None]:
         block_m = args[n_head + _N_META]
         meta, worklist = LoRABatchMeta(*tensors[:5]), RowTileWorklist(block_m, *tensors[5:])
         tail = args[n_head + _N_META + 1:]
-        if name == OP_NAME:  # the layer's cached plan, as the eager path reads it (the traced call was eligible)
-            y, x, lora_a, lora_b = args[:4]
-            widths = tuple(b.shape[-2] for b in lora_b)  # [L, (1,) out, rank], eligible when traced
-            extra = {"config": _linear_plan(y, x, lora_a, lora_b, widths, tail[1])[1]}
-        else:
-            extra = {}
-        impl(*args[:n_head], meta, worklist, *tail, **extra)
+        # the layer's cached launch config, as the eager path reads it (the traced call was eligible)
+        impl(*args[:n_head], meta, worklist, *tail, config=_op_config(name, args[:n_head], tail))
 
     return run
+
+
+def _op_config(name: str, head: tuple, tail: tuple) -> Any:
+    """The cached launch config of op ``name``'s layer for these arguments (``head``: y, x and the
+    weights; ``tail``: the schema's scalars). B's output widths are its shape ``[L, (1,) out, rank]``."""
+    if name == SHRINK_OP:
+        return _shrink_plan(head[1], head[2])[1]
+    widths = tuple(b.shape[-2] for b in head[-1])
+    if name == EXPAND_OP:
+        return _expand_plan(head[0], head[1], head[2], widths, tail[0])[1]
+    return _linear_plan(*head, widths, tail[1])[1]
 
 
 def _fake(*args: object) -> None:

@@ -179,6 +179,41 @@ def test_fully_sharded_column_parallel_shrink_gather_expand():
 
 
 @needs_triton
+def test_fully_sharded_ops_build_one_launch_config_per_layer_and_layout(monkeypatch):
+    """shrink and expand build a layer's launch config once per layout of x (shrink) or y (expand),
+    as add_lora_linear does, so later calls reuse its prepared launches; the same call writes the
+    same bits with the cached config, and another layout gets its own."""
+    from lora_kernels import expand as expand_mod
+    from lora_kernels import shrink as shrink_mod
+
+    built = {"shrink": 0, "expand": 0}
+    for mod, name in ((shrink_mod, "shrink"), (expand_mod, "expand")):
+        real = getattr(mod, f"{name}_config")
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            built[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, f"{name}_config", counting)
+    gen = torch.Generator().manual_seed(31)
+    meta_args, wl, full = _step(gen)
+    a, b = tuple(_a(gen) for _ in QKV), tuple(_b(gen, n) for n in QKV)
+    wide = _randn(ROWS, HIDDEN + 16, gen=gen)
+    x = wide[:, :HIDDEN].contiguous()
+    bufs, outs = [], []
+    for x_in in (x, x, wide[:, :HIDDEN]):  # the same layout twice, then a column window (another stride)
+        buf = _poisoned_buffer(len(QKV), RANK, gen)
+        assert gridtrim.shrink(buf, x_in, a, 0.5, meta_args, wl, num_programs=PROGRAMS)
+        y = _randn(ROWS, sum(QKV), gen=gen) * 0
+        assert gridtrim.expand(y, buf, b, QKV, meta_args, wl, num_programs=PROGRAMS)
+        bufs.append(buf)
+        outs.append(y)
+    assert built == {"shrink": 2, "expand": 1}
+    assert all(torch.equal(bufs[0], other) and torch.equal(outs[0], y) for other, y in zip(bufs[1:], outs[1:]))
+    torch.testing.assert_close(bufs[0], shrink_reference(x, list(a), full, 0.5), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
 def test_fully_sharded_row_parallel_shrink_reduce_expand():
     """row_parallel_linear.py:118-159: A sliced on the input dimension (full rank), shrink, all-reduce
     of the buffer (the full shrink on every rank), expand with B sliced on its output rows at

@@ -190,6 +190,7 @@ def trace_summary(path: Path, graph_tokens: int | None = None) -> dict[str, floa
     n, (first, last) = len(steps), (steps[0][0], max(s[1] for s in steps))
     step_ms = (steps[-1][0] - first) / (n - 1) / 1e3
     execute_ms = sum(s[1] - s[0] for s in steps[:-1]) / (n - 1) / 1e3
+
     def clip(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         return [(max(s, first), min(e, last)) for s, e in intervals if e > first and s < last]
 

@@ -515,7 +515,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
             raise HarnessError(f"the engine-config line of {log} lacks {', '.join(missing)}: not vLLM's defaults")
         graph_tokens = largest_graph(log_text)
         if args.max_capture_size is not None and graph_tokens != args.max_capture_size:
-            shown = "no largest CUDA graph" if graph_tokens is None else f"a largest CUDA graph of {graph_tokens} tokens"
+            shown = ("no largest CUDA graph" if graph_tokens is None else
+                     f"a largest CUDA graph of {graph_tokens} tokens")
             raise HarnessError(f"the engine-config line of {log} gives {shown}, not the {args.max_capture_size} asked")
         if graph_tokens:
             entry["facts"].append(f"vLLM's largest CUDA graph: {graph_tokens} tokens")

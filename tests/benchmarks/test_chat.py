@@ -324,7 +324,8 @@ def test_the_graphs_line_is_a_table_of_its_own(tmp_path):
     args, graphs = _args(tmp_path), _args(tmp_path, max_capture_size=2048)
     pre, pre_graphs = (chat.preamble(a, "0.33.0", SLO, chat.shape_from(a)) for a in (args, graphs))
     assert "its default CUDA graphs," in pre[0]
-    assert "graphs up to 2048 tokens (--compilation-config max_cudagraph_capture_size=2048 in every mode)" in pre_graphs[0]
+    assert ("graphs up to 2048 tokens (--compilation-config max_cudagraph_capture_size=2048 in every mode)"
+            in pre_graphs[0])
     path = tmp_path / "chat.json"
     path.write_text(json.dumps({"preamble": pre, "modes": {}, "notes": [], "ratio": []}))
     assert goodput.load_table(path, pre_graphs, append=True) is None
@@ -412,7 +413,8 @@ def test_the_graphs_line_checks_the_servers_largest_graph(tmp_path, monkeypatch)
     assert "vLLM's largest CUDA graph: 2048 tokens" in doc["modes"]["gridtrim"]["facts"]
     assert doc["ratio"][0].startswith("chat4 goodput [vLLM defaults, CUDA graphs up to 2048 tokens]: ")
     monkeypatch.setenv("FAKE_LARGEST_GRAPH", "512")
-    assert chat.main(argv + ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--max-capture-size", "2048"]) == 1
+    other = ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--max-capture-size", "2048"]
+    assert chat.main(argv + other) == 1
     error = json.loads((tmp_path / "other" / "chat.json").read_text())["modes"]["gridtrim"]["error"]
     assert "gives a largest CUDA graph of 512 tokens, not the 2048 asked" in error
 

@@ -105,7 +105,8 @@ def test_trace_summary_splits_steps_at_the_largest_graph_and_times_lora(tmp_path
     (host µs each) and the LoRA kernels' device time per step, in the window only."""
     step = "execute_context_{}({})_generation_{}({})"
     steps = [{"ph": "X", "cat": "user_annotation", "name": step.format(c, ct, g, g), "ts": t, "dur": d}
-             for t, d, c, ct, g in ((100, 10, 1, 500, 12), (200, 40, 2, 600, 12), (300, 6, 0, 0, 16), (400, 8, 0, 0, 16))]
+             for t, d, c, ct, g in ((100, 10, 1, 500, 12), (200, 40, 2, 600, 12), (300, 6, 0, 0, 16),
+                                    (400, 8, 0, 0, 16))]
     ops = [{"ph": "X", "cat": "cpu_op", "name": "lorazor::gridtrim_lora_linear", "ts": t, "dur": d}
            for t, d in ((50, 99), (205, 10), (215, 14), (225, 12))]  # the first before the window
     kernels = [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": 4}

@@ -222,6 +222,21 @@ def _cached(weights: tuple[torch.Tensor, ...], key: tuple, compute: Callable[[],
     return hit[1]
 
 
+def _plan(weights: tuple[torch.Tensor, ...], key: tuple, reason: Callable[[], str | None],
+          config: Callable[[], Any]) -> tuple[str | None, Any]:
+    """(``reason()``, and when None the layer's launch config ``config()``) once per layer and
+    layout through :func:`_cached`; while torch.compile traces, the reason alone (the traced op
+    path rebuilds the config at run time; keep it out of the trace)."""
+    if torch.compiler.is_compiling():
+        return reason(), None
+
+    def compute() -> tuple[str | None, Any]:
+        why = reason()
+        return (why, None) if why is not None else (None, config())
+
+    return _cached(weights, key, compute)
+
+
 def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
                  lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
                  offset_start: int) -> tuple[str | None, Any]:
@@ -229,57 +244,41 @@ def _linear_plan(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
     x and y of these layouts) through the per-layer cache. Building the launch arguments costs
     about 0.2 ms of Python per call on the development CPU, the same order as the GPU host's
     measured per-call cost in eager steps (``benchmarks/results/2026-11-29-host-path.md``, 2026-11-29)."""
-    if torch.compiler.is_compiling():  # the traced op path rebuilds it at run time; keep it out of the trace
-        return ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start), None
-    key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), tuple(output_slices),
-           offset_start, x.device, y.device)
-
-    def compute() -> tuple[str | None, Any]:
-        reason = ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start)
-        if reason is not None:
-            return reason, None
+    def config() -> Any:
         from lora_kernels.linear import linear_config
 
-        return None, linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
+        return linear_config(y, x, lora_a, lora_b, offset_start=offset_start)
 
-    return _cached((*lora_a, *lora_b), key, compute)
+    key = ("linear", x.dtype, y.dtype, x.shape[-1], y.shape[-1], x.stride(), y.stride(), tuple(output_slices),
+           offset_start, x.device, y.device)
+    return _plan((*lora_a, *lora_b), key, lambda: ineligible_reason(y, x, lora_a, lora_b, output_slices, offset_start),
+                 config)
 
 
 def _shrink_plan(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> tuple[str | None, Any]:
     """(the per-layer part of :func:`shrink_ineligible_reason`, and when None the layer's
     ``lora_kernels.shrink.ShrinkConfig`` for x of this layout) through the per-layer cache."""
-    if torch.compiler.is_compiling():
-        return _static_shrink_reason(x, lora_a), None
-
-    def compute() -> tuple[str | None, Any]:
-        reason = _static_shrink_reason(x, lora_a)
-        if reason is not None:
-            return reason, None
+    def config() -> Any:
         from lora_kernels.shrink import shrink_config
 
-        return None, shrink_config(x, lora_a)
+        return shrink_config(x, lora_a)
 
-    return _cached(tuple(lora_a), ("shrink", x.dtype, x.shape[-1], x.stride(), x.device), compute)
+    return _plan(tuple(lora_a), ("shrink", x.dtype, x.shape[-1], x.stride(), x.device),
+                 lambda: _static_shrink_reason(x, lora_a), config)
 
 
 def _expand_plan(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
                  offset_start: int) -> tuple[str | None, Any]:
     """(the per-layer part of :func:`expand_ineligible_reason`, and when None the layer's
     ``lora_kernels.expand.ExpandConfig`` for y of this layout) through the per-layer cache."""
-    if torch.compiler.is_compiling():
-        return _static_expand_reason(y, x, lora_b, output_slices, offset_start), None
-
-    def compute() -> tuple[str | None, Any]:
-        reason = _static_expand_reason(y, x, lora_b, output_slices, offset_start)
-        if reason is not None:
-            return reason, None
+    def config() -> Any:
         from lora_kernels.expand import expand_config
 
-        return None, expand_config(lora_b, y, offset_start)
+        return expand_config(lora_b, y, offset_start)
 
     key = ("expand", x.dtype, x.dim(), x.shape[-1], y.dtype, y.shape[-1], y.stride(), tuple(output_slices),
            offset_start, x.device)
-    return _cached(tuple(lora_b), key, compute)
+    return _plan(tuple(lora_b), key, lambda: _static_expand_reason(y, x, lora_b, output_slices, offset_start), config)
 
 
 def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import triton.language as tl
 
 from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from lora_kernels.gridtrim import SMALL_ROWS, GridTrimPlan
-from lora_kernels.launch import PreparedLaunch
+from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import as_3d
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
@@ -157,8 +156,13 @@ def _b_static(b3: list[torch.Tensor], y: torch.Tensor, offset_start: int, chunk_
     )
 
 
+# What a work-list launch gives per call (the rest is the config's), in this order.
+WORKLIST_DYNAMIC = ("part_ptr", "y_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "stride_ps", "stride_pc",
+                    "stride_pm", "stride_pr", "N_SPLITS", "ADD_INPUTS", "BLOCK_M")
+
+
 @dataclass(frozen=True)
-class ExpandConfig:
+class ExpandConfig(PreparedKernel):
     """A validated expand of 1–3 B slices into outputs of one width, dtype and strides from
     `offset_start`: the kernel arguments that hold for every batch (``args``: the weights, slice
     widths and columns, strides of B and y, tile sizes). A launch adds y, the partials buffer and
@@ -167,16 +171,14 @@ class ExpandConfig:
     args: dict[str, Any]
     slices: int
     rank: int
+    DYNAMIC = WORKLIST_DYNAMIC
 
-    @cached_property
-    def worklist_launch(self) -> PreparedLaunch:
-        """The work-list kernel with these arguments fixed; a launch gives :data:`WORKLIST_DYNAMIC`."""
-        return PreparedLaunch(_expand_worklist_kernel, self.args, WORKLIST_DYNAMIC)
+    @property
+    def kernel(self) -> Any:
+        return _expand_worklist_kernel
 
-
-# What a work-list launch gives per call (the rest is the config's), in this order.
-WORKLIST_DYNAMIC = ("part_ptr", "y_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "stride_ps", "stride_pc",
-                    "stride_pm", "stride_pr", "N_SPLITS", "ADD_INPUTS", "BLOCK_M")
+    def fixed_arguments(self) -> dict[str, Any]:
+        return self.args
 
 
 def expand_config(lora_b: Sequence[torch.Tensor], y: torch.Tensor, offset_start: int = 0,
@@ -222,9 +224,9 @@ def launch_expand(config: ExpandConfig, partials: torch.Tensor, y: torch.Tensor,
                          f"of rank {config.rank} for {y.shape[0]} tokens (float32)")
     ps, pc, pm, pr = partials.stride()
     if isinstance(schedule, RowTileWorklist):
-        config.worklist_launch((num_programs or persistent_programs(y.device),), partials, y, schedule.tile_lora,
-                               schedule.tile_tokens, schedule.num_tiles, ps, pc, pm, pr, partials.shape[0],
-                               add_inputs, schedule.block_m)
+        config.launch((num_programs or persistent_programs(y.device),), partials, y, schedule.tile_lora,
+                      schedule.tile_tokens, schedule.num_tiles, ps, pc, pm, pr, partials.shape[0], add_inputs,
+                      schedule.block_m)
         return
     common = dict(**config.args, part_ptr=partials, y_ptr=y, stride_ps=ps, stride_pc=pc, stride_pm=pm,
                   stride_pr=pr, N_SPLITS=partials.shape[0], ADD_INPUTS=add_inputs)

@@ -27,7 +27,8 @@ under Triton's interpreter (``TRITON_INTERPRET=1``), every call goes through ``k
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -99,3 +100,35 @@ class PreparedLaunch:
         compiled = self.kernel[grid](**self.static, **dict(zip(self.dynamic, values)))
         if self.runners and compiled is not None:
             self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+
+
+class PreparedKernel:
+    """Mixin for a frozen kernel config: a work-list kernel (``kernel``) with the arguments
+    ``fixed_arguments()`` gives, launched with the per-call ones named ``DYNAMIC``.
+
+    Semantics: ``launch(grid, *values)`` launches ``kernel[grid](**fixed, **dict(zip(DYNAMIC,
+    values)))``. In eager mode (CUDA-graph capture included) through a cached
+    :class:`PreparedLaunch`; while torch.compile traces, as that plain call, which Dynamo records
+    as a user-defined Triton kernel and Inductor then launches from its own generated code (a
+    PreparedLaunch's cache is not traceable)."""
+
+    DYNAMIC: ClassVar[tuple[str, ...]]
+
+    @property
+    def kernel(self) -> Any:
+        """The Triton kernel (looked up at each use, so that a replaced module attribute is seen)."""
+        raise NotImplementedError
+
+    def fixed_arguments(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @cached_property
+    def worklist_launch(self) -> PreparedLaunch:
+        """The kernel with :meth:`fixed_arguments` fixed; a call gives ``DYNAMIC``."""
+        return PreparedLaunch(self.kernel, self.fixed_arguments(), self.DYNAMIC)
+
+    def launch(self, grid: tuple[int, ...], *values: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.kernel[grid](**self.fixed_arguments(), **dict(zip(self.DYNAMIC, values)))
+        else:
+            self.worklist_launch(grid, *values)

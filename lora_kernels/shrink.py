@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from lora_kernels.gridtrim import BLOCK_M as GRIDTRIM_BLOCK_M
 from lora_kernels.gridtrim import GridTrimPlan
-from lora_kernels.launch import PreparedLaunch
+from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import K_CHUNK, as_3d, num_splits
 from lora_kernels.metadata import LoRABatchMeta
 from lora_kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
@@ -84,6 +83,11 @@ def _shrink_grid_kernel(
                     BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, K_GROUPS)
 
 
+# What a work-list launch gives per call (the rest is the config's), in this order.
+WORKLIST_DYNAMIC = ("x_ptr", "part_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "scale", "stride_ps",
+                    "stride_pc", "stride_pm", "stride_pr", "BLOCK_M")
+
+
 def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Validate x `[M, K]` and 1–3 A slices `[max_loras, (1,) rank, K]` of x's dtype (fp16/bf16)
     sharing shape and strides; return the slices as 3-D views."""
@@ -98,11 +102,6 @@ def check_a(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> list[torch.Tenso
     if x.dim() != 2 or x.shape[1] != a3[0].shape[2]:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected [M, {a3[0].shape[2]}] (A's hidden size)")
     return a3
-
-
-# What a work-list launch gives per call (the rest is the config's), in this order.
-WORKLIST_DYNAMIC = ("x_ptr", "part_ptr", "tile_lora_ptr", "tile_tokens_ptr", "num_tiles_ptr", "scale", "stride_ps",
-                    "stride_pc", "stride_pm", "stride_pr", "BLOCK_M")
 
 
 def a_kwargs(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
@@ -120,7 +119,7 @@ def _a_static(x: torch.Tensor, a3: list[torch.Tensor]) -> dict:
 
 
 @dataclass(frozen=True)
-class ShrinkConfig:
+class ShrinkConfig(PreparedKernel):
     """A validated shrink of 1–3 A slices for inputs of one width, dtype and strides: the kernel
     arguments that hold for every batch (``args``: the weights, widths, strides of x and A, tile
     sizes). A launch adds x, the partials buffer and its strides, the metadata and the scale."""
@@ -129,11 +128,14 @@ class ShrinkConfig:
     slices: int
     rank: int
     splits: int
+    DYNAMIC = WORKLIST_DYNAMIC
 
-    @cached_property
-    def worklist_launch(self) -> PreparedLaunch:
-        """The work-list kernel with these arguments fixed; a launch gives :data:`WORKLIST_DYNAMIC`."""
-        return PreparedLaunch(_shrink_worklist_kernel, {**self.args, "SLICES": self.slices}, WORKLIST_DYNAMIC)
+    @property
+    def kernel(self) -> Any:
+        return _shrink_worklist_kernel
+
+    def fixed_arguments(self) -> dict[str, Any]:
+        return {**self.args, "SLICES": self.slices}
 
 
 def shrink_config(x: torch.Tensor, lora_a: Sequence[torch.Tensor], k_chunk: int = K_CHUNK, *,
@@ -184,8 +186,8 @@ def launch_shrink(config: ShrinkConfig, x: torch.Tensor, partials: torch.Tensor,
                          f"[{config.splits}, {config.slices}, ≥{x.shape[0]}, {config.rank}] float32")
     ps, pc, pm, pr = partials.stride()
     if isinstance(schedule, RowTileWorklist):
-        config.worklist_launch((num_programs or persistent_programs(x.device),), x, partials, schedule.tile_lora,
-                               schedule.tile_tokens, schedule.num_tiles, scale, ps, pc, pm, pr, schedule.block_m)
+        config.launch((num_programs or persistent_programs(x.device),), x, partials, schedule.tile_lora,
+                      schedule.tile_tokens, schedule.num_tiles, scale, ps, pc, pm, pr, schedule.block_m)
     elif schedule.num_slots:
         common = dict(**config.args, x_ptr=x, part_ptr=partials, scale=scale,
                       stride_ps=ps, stride_pc=pc, stride_pm=pm, stride_pr=pr)

@@ -14,11 +14,15 @@ is not used. :func:`shrink` and :func:`expand` are the ``add_shrink`` / ``add_ex
 vLLM's fp32 ``[slices, M, rank]`` buffer between them, for the tensor-parallel paths that
 communicate in between (docs/vllm_integration.md §5).
 
-Under torch.compile the launches go through the custom ops ``torch.ops.lorazor.gridtrim_lora_linear``,
-``gridtrim_shrink`` and ``gridtrim_expand``, registered when this module is imported (never while a
-forward is traced): opaque to the compiler, each declares that it mutates ``y`` and has a fake kernel.
-In eager mode the same implementations are called directly. Either way each layer's launch
-arguments are built once.
+Under torch.compile, ``compiled_launch`` picks how a forward's launches are traced. ``"ops"`` (the
+default): through the custom ops ``torch.ops.lorazor.gridtrim_lora_linear``, ``gridtrim_shrink`` and
+``gridtrim_expand``, registered when this module is imported (never while a forward is traced):
+opaque to the compiler, each declares that it mutates ``y`` and has a fake kernel. ``"inductor"``:
+Dynamo traces the implementations, records each kernel call as a user-defined Triton kernel (its
+mutated arguments found from the kernel's code) and Inductor launches it from the compiled graph's
+own code, without the dispatcher and our per-call Python in steps past the CUDA graphs
+(docs/vllm_integration.md §4c). In eager mode the implementations are called directly, each
+layer's launch arguments built once.
 
 Eligibility (:func:`ineligible_reason`): x, y and every A/B in fp16 or bf16, all of one dtype;
 1–3 slices; rank ≤ 64; all A slices of one shape and strides; B slices of that rank with shared
@@ -49,6 +53,8 @@ SHRINK_OP = "gridtrim_shrink"
 EXPAND_OP = "gridtrim_expand"
 
 _T = TypeVar("_T")
+# How a compiled forward launches the kernels (module doc): through the custom ops, or traced by Dynamo.
+COMPILED_LAUNCHES = ("ops", "inductor")
 _warned: set[tuple[str, str]] = set()
 # Eligibility per layer (and, for LoRA linears, the launch config it allows), keyed by the identity
 # of its stacked-weight tensors (vLLM allocates them once per layer) and the activation's dtype, widths and strides;
@@ -290,6 +296,13 @@ def warn_fallback_once(reason: str, what: str = "a LoRA linear") -> None:
     logger.warning("LoRazor GridTrim: %s runs vLLM's stock kernels instead: %s.", what, reason)
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, width]``: itself when already 2-D. A view node in a traced graph costs
+    nothing in eager mode, but a user-defined Triton kernel that writes through one may make
+    Inductor copy the tensor before and after the launch."""
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
 def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor]) -> None:
     """Rebuild the work list from vLLM's freshly prepared metadata (device ops only).
 
@@ -301,16 +314,21 @@ def refresh_worklist(worklist: RowTileWorklist, meta_args: Sequence[torch.Tensor
 
 
 def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist,
-          tail: tuple, **eager: Any) -> None:
+          tail: tuple, compiled_launch: str, **eager: Any) -> None:
     """Run op ``name`` on ``head`` (the output, the input, the weights), the step's metadata and
-    work list, and ``tail`` (its scalars, typed as in its schema). While torch.compile traces, through
-    ``torch.ops.lorazor.<name>``, so that the launch stays opaque to the tracer; in eager mode
-    (CUDA-graph capture included) its implementation is called directly, with the ``eager``
-    keywords (a cached launch config), skipping the dispatcher's per-call cost (about 15 µs on the
-    development CPU, for ~113 calls per eager step)."""
+    work list, and ``tail`` (its scalars, typed as in its schema). In eager mode (CUDA-graph capture
+    included) its implementation is called directly, with the ``eager`` keywords (a cached launch
+    config), skipping the dispatcher's per-call cost (about 15 µs on the development CPU, for ~113
+    calls per eager step). While torch.compile traces, ``compiled_launch`` decides: ``"ops"`` calls
+    ``torch.ops.lorazor.<name>``, opaque to the tracer; ``"inductor"`` traces the implementation,
+    whose kernel calls Dynamo records as user-defined Triton kernels that Inductor launches."""
+    if compiled_launch not in COMPILED_LAUNCHES:
+        raise ValueError(f"compiled_launch={compiled_launch!r}: use one of {COMPILED_LAUNCHES}")
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and compiled_launch == "ops":
         _OPS[name](*op_arguments(head, meta, worklist, tail))
+    elif torch.compiler.is_compiling():
+        _DIRECT[name][0](*head, meta, worklist, *tail)
     else:
         _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
 
@@ -328,7 +346,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     lora_b: Sequence[torch.Tensor], scale: float, output_slices: Sequence[int],
                     meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
                     offset_start: int = 0, add_inputs: bool = True,
-                    num_programs: int | None = None) -> bool:
+                    num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
     """vLLM's ``add_lora_linear`` contract on our kernels: for rows m whose adapter id ≥ 0, slice s with columns ``[c_s, c_s + N_s)``
     (``c_0 = offset_start``, slices back to back)::
 
@@ -336,22 +354,23 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
 
     Other rows of ``y`` (no adapter, CUDA-graph padding) are not touched. ``worklist`` must have
     been refreshed from the same metadata this step. Returns False, after a one-time warning,
-    when the layer is not eligible; the caller then runs vLLM's stock path.
+    when the layer is not eligible; the caller then runs vLLM's stock path. ``compiled_launch``
+    (``"ops"`` or ``"inductor"``): how a torch.compile trace launches the kernels (module doc).
     """
-    x2 = x.view(-1, x.shape[-1])
-    y2 = y.view(-1, y.shape[-1])
+    x2, y2 = as_rows(x), as_rows(y)
     reason, config = _linear_plan(y2, x2, lora_a, lora_b, output_slices, offset_start)
     if reason is not None:
         warn_fallback_once(reason)
         return False
     _call(OP_NAME, (y2, x2, lora_a, lora_b), meta_args, worklist,
-          (float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0)), config=config)
+          (float(scale), int(offset_start), bool(add_inputs), int(num_programs or 0)), compiled_launch,
+          config=config)
     return True
 
 
 def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], scale: float,
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
-           num_programs: int | None = None) -> bool:
+           num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
     """vLLM's ``add_shrink`` contract on our kernels::
 
         y[s, m] = scale · x[m] @ A_s[id_m]ᵀ   (fp32) for rows m whose adapter id ≥ 0, else 0
@@ -359,8 +378,9 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     x ``[M, K]`` (fp16/bf16), y the fp32 buffer ``[slices, M, rank]``; as with the stock op, the
     result *replaces* y. The fully-sharded tensor-parallel paths call it on a rank's A shard and
     then all-gather or all-reduce y. Returns False, after a one-time warning, when ineligible.
+    ``compiled_launch`` as in :func:`add_lora_linear`.
     """
-    x2 = x.view(-1, x.shape[-1])
+    x2 = as_rows(x)
     if isinstance(lora_a, torch.Tensor):  # a bare tensor: one slice
         lora_a = (lora_a,)
     reason, config = _shrink_plan(x2, lora_a)
@@ -369,13 +389,14 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
     if reason is not None:
         warn_fallback_once(reason, "a LoRA shrink (add_shrink)")
         return False
-    _call(SHRINK_OP, (y, x2, lora_a), meta_args, worklist, (float(scale), int(num_programs or 0)), config=config)
+    _call(SHRINK_OP, (y, x2, lora_a), meta_args, worklist, (float(scale), int(num_programs or 0)), compiled_launch,
+          config=config)
     return True
 
 
 def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *, offset_start: int = 0,
-           add_inputs: bool = True, num_programs: int | None = None) -> bool:
+           add_inputs: bool = True, num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
     """vLLM's ``add_expand`` contract on our kernels: for rows m whose adapter id ≥ 0,
     slice s with columns ``[c_s, c_s + N_s)`` (``c_0 = offset_start``, slices back to back)::
 
@@ -386,9 +407,9 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
     all-gathered (fully-sharded column-parallel, full rank, ``offset_start`` 0) or all-reduced
     (fully-sharded row-parallel, ``offset_start`` = rank · shard width) buffer and B the rank's
     output shard. Returns False, after a one-time warning,
-    when ineligible.
+    when ineligible. ``compiled_launch`` as in :func:`add_lora_linear`.
     """
-    y2 = y.view(-1, y.shape[-1])
+    y2 = as_rows(y)
     if isinstance(lora_b, torch.Tensor):
         lora_b = (lora_b,)
     reason, config = _expand_plan(y2, x, lora_b, output_slices, offset_start)
@@ -398,7 +419,7 @@ def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], out
         warn_fallback_once(reason, "a LoRA expand (add_expand)")
         return False
     _call(EXPAND_OP, (y2, x, lora_b), meta_args, worklist,
-          (int(offset_start), bool(add_inputs), int(num_programs or 0)), config=config)
+          (int(offset_start), bool(add_inputs), int(num_programs or 0)), compiled_launch, config=config)
     return True
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from serve_bridge.vllm import versions
 from serve_bridge.vllm.settings import (BUNDLE_ENV, CALIBRATION_ENV, GRIDTRIM_ENV, BridgeError, BridgeSettings,
-                                        gridtrim_from_env)
+                                        gridtrim_from_env, gridtrim_launch_from_env)
 
 # punica_wrapper.QUALNAME, spelled out so that this module does not import vLLM's LoRA code.
 GRIDTRIM_WRAPPER = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
@@ -26,6 +26,7 @@ def register() -> None:
     gridtrim = gridtrim_from_env()
     if not (steptrim or gridtrim):
         return
+    launch = gridtrim_launch_from_env() if gridtrim else None
     runner_env = CALIBRATION_ENV if settings is not None and settings.calibration else BUNDLE_ENV
     on = " and ".join(name for name, flag in ((runner_env, steptrim), (GRIDTRIM_ENV, gridtrim)) if flag)
     try:
@@ -36,8 +37,8 @@ def register() -> None:
     from serve_bridge.vllm import lora_manager
 
     lora_manager.install(seam.sync_allowed)
-    if gridtrim:
-        install_gridtrim()
+    if launch is not None:
+        install_gridtrim(launch)
     if steptrim:
         seam.install_runner()
     if settings is not None and not settings.calibration:
@@ -48,9 +49,10 @@ def register() -> None:
         seam.install_prefix_cache()
 
 
-def install_gridtrim() -> None:
+def install_gridtrim(launch: str = "ops") -> None:
     """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER`, and key vLLM's
-    compile cache by it (:mod:`serve_bridge.vllm.compile_cache`); idempotent.
+    compile cache by it and by ``launch``, how its compiled forward launches the kernels
+    (:mod:`serve_bridge.vllm.compile_cache`); idempotent.
 
     The classmethod is replaced on the platform's class, so every reference to the platform sees it
     (docs/vllm_integration.md §4).
@@ -65,4 +67,4 @@ def install_gridtrim() -> None:
     cls = type(current_platform)
     if cls.get_punica_wrapper() != GRIDTRIM_WRAPPER:
         cls.get_punica_wrapper = classmethod(lambda _cls: GRIDTRIM_WRAPPER)
-    compile_cache.install(GRIDTRIM_WRAPPER)
+    compile_cache.install(GRIDTRIM_WRAPPER, launch)

@@ -17,6 +17,7 @@ from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 from lora_kernels.worklist import persistent_programs
 from serve_bridge import gridtrim
 from serve_bridge.punica_meta import HostPunicaMetadata
+from serve_bridge.vllm.settings import gridtrim_launch_from_env
 
 QUALNAME = "serve_bridge.vllm.punica_wrapper.GridTrimPunicaWrapper"
 
@@ -33,9 +34,10 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         self.gridtrim_meta = HostPunicaMetadata(self)
         self.gridtrim_worklist, self.gridtrim_prompt_worklist = self.gridtrim_meta.worklists
         self.gridtrim_programs = persistent_programs(device)
+        self.gridtrim_launch = gridtrim_launch_from_env()
         gridtrim.logger.info("LoRazor GridTrim active: LoRA linears use the work-list kernels (%d tokens, "
-                             "%d slots, %d persistent programs).", max_num_batched_tokens, self.max_loras + 1,
-                             self.gridtrim_programs)
+                             "%d slots, %d persistent programs; compiled launches: %s).", max_num_batched_tokens,
+                             self.max_loras + 1, self.gridtrim_programs, self.gridtrim_launch)
 
     def update_metadata(self, mapping: Any, lora_index_to_id: list[int | None], max_loras: int,
                         vocab_size: int, **kwargs: Any) -> None:
@@ -57,7 +59,7 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         meta_args = self.token_mapping_meta.meta_args(x.size(0), self.lora_config.specialize_active_lora)
         done = gridtrim.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, meta_args,
                                         self.gridtrim_worklist, offset_start=offset_start, add_inputs=add_inputs,
-                                        num_programs=self.gridtrim_programs)
+                                        num_programs=self.gridtrim_programs, compiled_launch=self.gridtrim_launch)
         if not done:
             super().add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, **kwargs)
 
@@ -69,11 +71,11 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         LoRA vocabulary (``lora_b_stacked``'s rows; ``y`` may be wider), ids from the sampler's
         mapping. Layers our kernels cannot run (e.g. fp32 logits) take the stock method."""
         assert buffer is None, "the buffer is created inside add_lora_logits, as in the stock method"
-        y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
+        y2, x2 = gridtrim.as_rows(y), gridtrim.as_rows(x)
         meta_args = self.prompt_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
         done = gridtrim.add_lora_linear(y2, x2, (lora_a_stacked,), (lora_b_stacked,), scale,
                                         (lora_b_stacked.shape[-2],), meta_args, self.gridtrim_prompt_worklist,
-                                        num_programs=self.gridtrim_programs)
+                                        num_programs=self.gridtrim_programs, compiled_launch=self.gridtrim_launch)
         if not done:
             super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs)
 
@@ -82,12 +84,12 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         """Same contract as ``PunicaWrapperGPU.add_shrink``: ``y`` (vLLM's fp32 ``[slices, M, rank]``
         buffer) = ``scale · x @ A_s[id]ᵀ`` on rows with an adapter, 0 on the others. Returns None, as
         the stock method does on CUDA."""
-        x2 = x.view(-1, x.shape[-1])
+        x2 = gridtrim.as_rows(x)
         # The stock method's metadata view; self.gridtrim_worklist was uploaded with the same
         # token_mapping_meta in update_metadata.
         meta_args = self.token_mapping_meta.meta_args(x2.size(0), self.lora_config.specialize_active_lora)
         if not gridtrim.shrink(y, x2, lora_a_stacked, scale, meta_args, self.gridtrim_worklist,
-                               num_programs=self.gridtrim_programs):
+                               num_programs=self.gridtrim_programs, compiled_launch=self.gridtrim_launch):
             super().add_shrink(y, x, lora_a_stacked, scale, **kwargs)
 
     def add_expand(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...],
@@ -96,10 +98,10 @@ class GridTrimPunicaWrapper(PunicaWrapperGPU):  # type: ignore[misc]  # @final i
         """Same contract as ``PunicaWrapperGPU.add_expand``: ``x`` the fp32 ``[slices, M, rank]``
         buffer, ``y[:, offset_start + …]`` (+)= ``bf(x[s]) @ B_s[id]ᵀ`` per slice on rows with an
         adapter. The fully-sharded layers' ``add_input=True`` (sic) lands in ``kwargs``."""
-        y2 = y.view(-1, y.shape[-1])
+        y2 = gridtrim.as_rows(y)
         # num_tokens is the buffer's second dimension, as in the stock method.
         meta_args = self.token_mapping_meta.meta_args(x.size(1), self.lora_config.specialize_active_lora)
         if not gridtrim.expand(y2, x, lora_b_stacked, output_slices, meta_args, self.gridtrim_worklist,
                                offset_start=offset_start, add_inputs=add_inputs,
-                               num_programs=self.gridtrim_programs):
+                               num_programs=self.gridtrim_programs, compiled_launch=self.gridtrim_launch):
             super().add_expand(y, x, lora_b_stacked, output_slices, offset_start, add_inputs, **kwargs)

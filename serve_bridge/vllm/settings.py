@@ -9,9 +9,10 @@ bundle directory (serving) or ``LORAZOR_CALIBRATION`` is on (calibration, set by
 ``max_loras``; on by default with a bundle, refused in calibration mode).
 ``LORAZOR_BUNDLE_DIGEST`` pins the served bundle: its :func:`serve_bridge.bundle.bundle_digest`, as the
 export stage prints it; the runtime then refuses any other bundle (an edited manifest included).
-``LORAZOR_GRIDTRIM`` switches GridTrim on independently. Environment variables reach every vLLM process, so all of them
-agree (docs/vllm_integration.md §1, §9). Pure Python: engine settings are read by attribute only,
-so this is tested on CPU without vLLM.
+``LORAZOR_GRIDTRIM`` switches GridTrim on independently; ``LORAZOR_GRIDTRIM_LAUNCH`` (``ops``, the default,
+or ``inductor``) picks how a compiled forward launches its kernels (:mod:`serve_bridge.gridtrim`).
+Environment variables reach every vLLM process, so all of them agree (docs/vllm_integration.md §1, §9).
+Pure Python: engine settings are read by attribute only, so this is tested on CPU without vLLM.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ ADAPTERS_ENV = "LORAZOR_ADAPTERS"
 LOG_INTERVAL_ENV = "LORAZOR_LOG_INTERVAL_S"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 GRIDTRIM_ENV = "LORAZOR_GRIDTRIM"
+GRIDTRIM_LAUNCH_ENV = "LORAZOR_GRIDTRIM_LAUNCH"
 CALIBRATION_ENV = "LORAZOR_CALIBRATION"
 SLOTS_ENV = "LORAZOR_SLOTS"
 SCHEDULER_QUALNAME = "serve_bridge.vllm.scheduler.ReleaseScheduler"
@@ -165,6 +167,21 @@ def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``LORAZOR_GRIDTRIM`` switches GridTrim on (see :func:`_switch`)."""
     return _switch(GRIDTRIM_ENV, "to serve LoRA linears with LoRazor's GridTrim kernels (0, off or unset keep "
                    "vLLM's)", environ)
+
+
+def gridtrim_launch_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``LORAZOR_GRIDTRIM_LAUNCH``: how a compiled forward launches GridTrim's kernels, ``"ops"``
+    (unset or empty) or ``"inductor"`` (case and surrounding whitespace ignored); anything else is
+    refused."""
+    from serve_bridge.gridtrim import COMPILED_LAUNCHES
+
+    env = os.environ if environ is None else environ
+    raw = env.get(GRIDTRIM_LAUNCH_ENV, "")
+    value = raw.strip().lower() or COMPILED_LAUNCHES[0]
+    if value not in COMPILED_LAUNCHES:
+        raise BridgeError(f"{GRIDTRIM_LAUNCH_ENV}={raw!r}: use {' or '.join(COMPILED_LAUNCHES)} (how a compiled "
+                          f"forward launches GridTrim's kernels), or unset it.")
+    return value
 
 
 def engine_fixes(vllm_config: Any, released_blocks_keyed: bool = False, async_allowed: bool = False) -> list[str]:

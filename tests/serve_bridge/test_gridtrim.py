@@ -252,33 +252,62 @@ def _one_step(seed: int) -> tuple:
 
 
 @needs_triton
-def test_traced_path_runs_the_same_launches(monkeypatch):
+@pytest.mark.parametrize("compiled_launch", ["ops", "inductor"])
+def test_traced_path_runs_the_same_launches(monkeypatch, compiled_launch):
     """While torch.compile traces, add_lora_linear / shrink / expand go through the registered
-    ``torch.ops.lorazor`` ops; in eager mode they call the implementations directly. Both paths
-    must write the same bits."""
+    ``torch.ops.lorazor`` ops (``"ops"``) or call the implementations, whose kernel calls are plain
+    ``kernel[grid](**kwargs)`` for Dynamo to record (``"inductor"``: no op, no prepared launch); in
+    eager mode they call the implementations with prepared launches. Every path must write the same bits."""
+    from lora_kernels.launch import PreparedLaunch
+
     a, b, meta, wl, mapping, x, y0, buf0 = _one_step(11)
     rows = mapping.numel()
-    used = []
+    used, prepared = [], []
     spies = {name: (lambda *args, name=name, op=op: used.append(name) or op(*args)) for name, op in gridtrim._OPS.items()}
     monkeypatch.setattr(gridtrim, "_OPS", spies)
+    real_call = PreparedLaunch.__call__
+    monkeypatch.setattr(PreparedLaunch, "__call__", lambda self, *args: prepared.append(1) or real_call(self, *args))
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y, buf, y_expand = y0.clone(), torch.full_like(buf0, float("nan")), y0.clone()
-        assert gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
-        assert gridtrim.shrink(buf, x, tuple(a), 0.5, meta.meta_args(rows), wl, num_programs=PROGRAMS)
-        assert gridtrim.expand(y_expand, buf0, tuple(b), WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS)
+        assert gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS,
+                                        compiled_launch=compiled_launch)
+        assert gridtrim.shrink(buf, x, tuple(a), 0.5, meta.meta_args(rows), wl, num_programs=PROGRAMS,
+                               compiled_launch=compiled_launch)
+        assert gridtrim.expand(y_expand, buf0, tuple(b), WIDTHS, meta.meta_args(rows), wl, num_programs=PROGRAMS,
+                               compiled_launch=compiled_launch)
         return y, buf, y_expand
 
     eager = run()
-    assert used == []  # eager: no dispatcher
+    assert used == [] and len(prepared) == 4  # eager: no dispatcher; shrink + expand, shrink, expand
+    prepared.clear()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     traced = run()
-    assert used == [gridtrim.OP_NAME, gridtrim.SHRINK_OP, gridtrim.EXPAND_OP]
+    if compiled_launch == "ops":
+        assert used == [gridtrim.OP_NAME, gridtrim.SHRINK_OP, gridtrim.EXPAND_OP]
+    else:
+        assert used == [] and prepared == []
+
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
     assert all(torch.equal(bits(e), bits(t)) for e, t in zip(eager, traced))
     _check(eager[0], y0, x, a, b, mapping, 0.5, True)
+
+
+def test_unknown_compiled_launch_is_refused():
+    a, b, meta, wl, mapping, x, y, _ = _one_step(3)
+    with pytest.raises(ValueError, match="compiled_launch='triton'"):
+        gridtrim.add_lora_linear(y, x, a, b, 0.5, WIDTHS, meta.meta_args(mapping.numel()), wl,
+                                 compiled_launch="triton")
+
+
+def test_as_rows_keeps_a_2d_tensor_itself():
+    t = torch.arange(24.0).view(2, 3, 4)
+    view = t[1]
+    assert gridtrim.as_rows(view) is view  # 2-D: no new view node for a trace
+    rows = gridtrim.as_rows(t)
+    assert rows.shape == (6, 4) and torch.equal(rows[3], t[1, 0])
 
 
 @needs_triton
@@ -304,16 +333,17 @@ class _CompiledLoRALayer(torch.nn.Module):
     fully-sharded paths' shrink and expand."""
 
     def __init__(self, a: list[torch.Tensor], b: list[torch.Tensor], meta: VllmKernelMeta,
-                 wl: RowTileWorklist) -> None:
+                 wl: RowTileWorklist, launch: str = "ops") -> None:
         super().__init__()
-        self.a, self.b, self.meta, self.wl = tuple(a), tuple(b), meta, wl
+        self.a, self.b, self.meta, self.wl, self.launch = tuple(a), tuple(b), meta, wl, launch
 
     def forward(self, y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor,
                 y_expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         args = self.meta.meta_args(x.size(0))
-        gridtrim.add_lora_linear(y, x, self.a, self.b, 0.5, WIDTHS, args, self.wl, num_programs=PROGRAMS)
-        gridtrim.shrink(buf, x, self.a, 0.5, args, self.wl, num_programs=PROGRAMS)
-        gridtrim.expand(y_expand, buf.clone(), self.b, WIDTHS, args, self.wl, num_programs=PROGRAMS)
+        launch = dict(num_programs=PROGRAMS, compiled_launch=self.launch)
+        gridtrim.add_lora_linear(y, x, self.a, self.b, 0.5, WIDTHS, args, self.wl, **launch)
+        gridtrim.shrink(buf, x, self.a, 0.5, args, self.wl, **launch)
+        gridtrim.expand(y_expand, buf.clone(), self.b, WIDTHS, args, self.wl, **launch)
         return y + 0, buf * 1, y_expand + 0  # compiled work around the opaque ops, as in a model
 
 
@@ -347,6 +377,71 @@ def test_compiled_forward_matches_reference(backend):
         shrunk = shrink_reference(x, a, full, 0.5)
         torch.testing.assert_close(buf_out, shrunk, rtol=1e-3, atol=1e-4)
         _check(y_expand, y0, x, a, b, mapping, 0.5, True)  # expand of the shrink: add_lora_linear's result
+
+
+class _KernelStandIn:
+    """A work-list kernel's stand-in off CUDA (Dynamo does not trace Triton's interpreter): writes
+    into its output argument a value that depends on every tensor it is given, and records its grid
+    and other arguments in ``numbers``, so a traced call that passes other arguments than the eager
+    one gives other bits or other records."""
+
+    def __init__(self, kernel: object, out: str, numbers: list) -> None:
+        self.arg_names, self.out, self.numbers = kernel.arg_names, out, numbers
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def run(**kwargs: object) -> None:
+            total = torch.zeros(())
+            for name in self.arg_names:
+                value = kwargs[name]
+                if isinstance(value, torch.Tensor):
+                    if name != self.out:
+                        total = total + value.float().sum() * 1e-3
+                else:
+                    self.numbers.append((name, value))
+            self.numbers.append(("grid", grid))
+            out = kwargs[self.out]
+            # shrink writes its partials (an uninitialised buffer), expand adds into y
+            out.fill_(total) if self.out == "part_ptr" else out.add_(total.to(out.dtype))
+
+        return run
+
+
+def test_inductor_launch_traces_in_one_graph(monkeypatch):
+    """``compiled_launch="inductor"``: under ``torch.compile(fullgraph=True)`` the implementations,
+    their launch configs and the plain kernel calls trace without a graph break, and each kernel
+    call gets the arguments the eager path's prepared launch gets (the work-list kernels replaced
+    by stand-ins that fold every argument into their output; on a GPU Dynamo records the real
+    ones as user-defined Triton kernels, ``python -m benchmarks.kernels.bench_launch_host``)."""
+    from lora_kernels import expand as expand_kernels
+    from lora_kernels import shrink as shrink_kernels
+
+    numbers: list = []
+    monkeypatch.setattr(shrink_kernels, "_shrink_worklist_kernel",
+                        _KernelStandIn(shrink_kernels._shrink_worklist_kernel, "part_ptr", numbers))
+    monkeypatch.setattr(expand_kernels, "_expand_worklist_kernel",
+                        _KernelStandIn(expand_kernels._expand_worklist_kernel, "y_ptr", numbers))
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(17)
+    a, b = _weights(gen)
+    meta = VllmKernelMeta(MAX_LORAS, MAX_TOKENS)
+    wl = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    eager = _CompiledLoRALayer(a, b, meta, wl, "inductor")
+    layer = torch.compile(eager, fullgraph=True, backend="aot_eager", dynamic=True)
+    mapping = _mapping({-1: 3, 0: 5, 2: 8}, gen)
+    meta.prepare(mapping)
+    gridtrim.refresh_worklist(wl, meta.meta_args(MAX_TOKENS))
+    rows = mapping.numel()
+    x = torch.randn(rows, HIDDEN, generator=gen).to(DEVICE, DTYPE)
+    y0 = torch.randn(rows, sum(WIDTHS), generator=gen).to(DEVICE, DTYPE)
+    buf = torch.randn(len(WIDTHS), rows, RANK, generator=gen).to(DEVICE)
+    expected = eager(y0.clone(), x, buf.clone(), y0.clone())
+    eager_numbers = numbers.copy()
+    numbers.clear()
+    got = layer(y0.clone(), x, buf.clone(), y0.clone())
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert not torch.equal(expected[0], y0)  # the stand-ins wrote
+    assert len(eager_numbers) > 8 and [(k, int(v) if not isinstance(v, tuple) else v) for k, v in numbers] \
+        == [(k, int(v) if not isinstance(v, tuple) else v) for k, v in eager_numbers]
 
 
 def _stub_vllm(monkeypatch) -> type:

@@ -11,7 +11,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from serve_bridge.vllm import compile_cache, lora_manager, plugin, versions
-from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env, parse_adapters,
+from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env,
+                                        gridtrim_launch_from_env, parse_adapters,
                                         refuse)
 from tests.serve_bridge.vllm.stubs import fake_lora_managers
 
@@ -245,6 +246,36 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch, version):
     # vLLM's compile-cache key gains the wrapper, once
     factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
     assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER)]
+
+
+@pytest.mark.parametrize("value, launch", [("", "ops"), ("ops", "ops"), (" Inductor ", "inductor")])
+def test_gridtrim_launch_setting(value, launch):
+    assert gridtrim_launch_from_env({"LORAZOR_GRIDTRIM_LAUNCH": value}) == launch
+    assert gridtrim_launch_from_env({}) == "ops"
+
+
+def test_gridtrim_launch_setting_refuses_other_values():
+    with pytest.raises(BridgeError, match=r"LORAZOR_GRIDTRIM_LAUNCH='triton': use ops or inductor .*or unset it\.$"):
+        gridtrim_launch_from_env({"LORAZOR_GRIDTRIM_LAUNCH": "triton"})
+
+
+def test_register_keys_the_compile_cache_by_the_launch(monkeypatch):
+    """An engine whose compiled forward launches through Inductor never loads one compiled with the
+    ops (nor the reverse); a bad value stops start-up in one line before anything is installed."""
+    platform = _fake_vllm(monkeypatch, type("CudaPlatform", (_Platform,), {}), "0.33.0")
+    monkeypatch.setenv("LORAZOR_GRIDTRIM_LAUNCH", "inductor")
+    plugin.register()
+    factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
+    assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "inductor")]
+    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "inductor") != compile_cache.factor(plugin.GRIDTRIM_WRAPPER)
+    monkeypatch.setenv("LORAZOR_GRIDTRIM_LAUNCH", "ops")
+    plugin.register()  # another launch replaces the factor, never stacks a second one
+    factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
+    assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "ops")]
+    monkeypatch.setenv("LORAZOR_GRIDTRIM_LAUNCH", "fast")
+    with pytest.raises(BridgeError, match="LORAZOR_GRIDTRIM_LAUNCH='fast'"):
+        plugin.register()
+    assert platform.get_punica_wrapper() == plugin.GRIDTRIM_WRAPPER
 
 
 def test_compile_cache_factor_names_the_wrapper_and_its_ops(monkeypatch):

@@ -54,7 +54,8 @@
 # SWEEP="--start-rate 100 --factor 1.1" to bracket a knee known from an earlier call, benchmarks/serving/goodput.py);
 # PROFILE_RATE (chat512: after each mode's sweep, one run at that rate under vLLM's profiler,
 # benchmarks/serving/chat.py); GRAPH_TOKENS (chat512's second line: vLLM's defaults but CUDA graphs up to that many
-# tokens in every mode, a table of its own OUT_DIR); MODES="stock nolora" runs only those modes and adds their rows to
+# tokens in every mode, a table of its own OUT_DIR); GRIDTRIM_LAUNCH (chat512: inductor serves GridTrim's modes with
+# LORAZOR_GRIDTRIM_LAUNCH=inductor, a table of its own OUT_DIR); MODES="stock nolora" runs only those modes and adds their rows to
 # OUT_DIR/<table>/bench.json (one table over several calls: give each call the same OUT_DIR, e.g. one under /tmp
 # that outlives the call, and copy it out).
 set -uo pipefail
@@ -121,7 +122,8 @@ PY
         python3 -m benchmarks.serving.chat --out "$out/$table" --work "/tmp/lorazor_bench_$table" --adapters 512 \
             --max-loras 32 --budget-s $((budget - ($(date +%s) - start))) --gpus all \
             ${MODES:+--modes $MODES --append} ${BUNDLE:+--bundle "$BUNDLE"} ${PROFILE_RATE:+--profile-rate "$PROFILE_RATE"} \
-            ${GRAPH_TOKENS:+--max-capture-size "$GRAPH_TOKENS"} ${SWEEP:-} || rc=1 ;;  # SWEEP unquoted: a list of options
+            ${GRAPH_TOKENS:+--max-capture-size "$GRAPH_TOKENS"} ${GRIDTRIM_LAUNCH:+--gridtrim-launch "$GRIDTRIM_LAUNCH"} \
+            ${SWEEP:-} || rc=1 ;;  # SWEEP unquoted: a list of options
     *)
         echo "unknown table '$table': correctness, uniform512, skewed1024, full128, llama8b256, poisson512, goodput512 or chat512" >&2
         exit 2 ;;

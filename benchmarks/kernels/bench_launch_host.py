@@ -14,10 +14,17 @@ call, best of ``--repeats`` means over ``--calls`` calls, synchronizing once per
 - **no launches**: ``launch_linear`` with ``PreparedLaunch.__call__`` a no-op (the Python around
   the launches);
 - **torch.ops**: ``torch.ops.lorazor.gridtrim_lora_linear``, the call a compiled engine's step past
-  its largest CUDA graph makes (dispatcher, argument rebuild, launch config lookup, prepared launches).
+  its largest CUDA graph makes with ``LORAZOR_GRIDTRIM_LAUNCH=ops`` (dispatcher, argument rebuild,
+  launch config lookup, prepared launches);
+- **compiled, ops** and **compiled, inductor**: a ``torch.compile``'d function (dynamic shapes,
+  one graph) that takes the base layer's output as an intermediate and runs ``COMPILED_LINEARS``
+  of ``serve_bridge.gridtrim.add_lora_linear`` on it, with each ``compiled_launch``; per linear,
+  the call's time over ``COMPILED_LINEARS`` (the compiled call's own overhead shared as a model's
+  graph shares it). The device kernels other than ours that each compiled call runs are listed
+  (a copy of ``y`` around the launches would show there).
 
 A 28-layer model makes 4 such calls per layer per step. In each batch the prepared launches'
-output is checked against the JIT's, bit for bit.
+output is checked against the JIT's, and each compiled function's against eager, bit for bit.
 """
 from __future__ import annotations
 
@@ -30,12 +37,14 @@ import triton
 from lora_kernels.launch import PreparedLaunch
 from lora_kernels.layout import partials_buffer
 from lora_kernels.linear import launch_linear, linear_config
-from lora_kernels.metadata import build_metadata
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
 from lora_kernels.worklist import RowTileWorklist
 from serve_bridge import gridtrim
 from serve_bridge.command_line import Parser, fail, number
 
 ROWS, HIDDEN, SLICE, RANK, ADAPTERS, PROGRAMS = 256, 3072, 1024, 8, 128, 2112
+COMPILED_LINEARS = 28
+OUR_KERNELS = ("_shrink_worklist_kernel", "_expand_worklist_kernel")
 
 
 def best_us(call: Callable[[], None], calls: int, repeats: int) -> float:
@@ -48,6 +57,55 @@ def best_us(call: Callable[[], None], calls: int, repeats: int) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
+
+
+def lora_linears(x: torch.Tensor, y0: torch.Tensor, lora_a: tuple, lora_b: tuple, meta_args: tuple,
+                 worklist: RowTileWorklist, launch: str) -> torch.Tensor:
+    """:data:`COMPILED_LINEARS` LoRA linears on an intermediate copy of ``y0`` (as a base layer's output is
+    in a forward), with ``compiled_launch=launch``."""
+    y = y0 * 1
+    for _ in range(COMPILED_LINEARS):
+        gridtrim.add_lora_linear(y, x, lora_a, lora_b, 1.0, (SLICE,) * 3, meta_args, worklist, num_programs=PROGRAMS,
+                                 compiled_launch=launch)
+    return y
+
+
+def compiled_times(times: dict[str, float], x: torch.Tensor, lora_a: tuple, lora_b: tuple, meta: LoRABatchMeta,
+                   worklist: RowTileWorklist, gen: torch.Generator, calls: int, repeats: int) -> dict[str, str]:
+    """Add each ``compiled, <launch>`` host µs per linear to ``times``; return the other device kernels
+    per compiled call, by launch. Each compiled call's output is checked against eager, bit for bit."""
+    y0 = torch.randn(ROWS, 3 * SLICE, device=x.device, generator=gen).to(torch.bfloat16)
+    meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
+                 meta.slot_lora_ids)
+    linears = (x, y0, lora_a, lora_b, meta_args, worklist)
+    compiled = torch.compile(lora_linears, fullgraph=True, dynamic=True)
+    kernels = {}
+    with torch.inference_mode():
+        reference = lora_linears(*linears, "ops")
+        for mode in gridtrim.COMPILED_LAUNCHES:
+            def call(mode: str = mode) -> torch.Tensor:
+                return compiled(*linears, mode)
+
+            if not torch.equal(call(), reference):
+                fail(f"the compiled LoRA linears with compiled_launch={mode} differ from eager")
+            times[f"compiled, {mode}"] = best_us(call, max(calls // COMPILED_LINEARS, 1), repeats) / COMPILED_LINEARS
+            kernels[mode] = other_kernels(call)
+    return kernels
+
+
+def other_kernels(call: Callable[[], object], calls: int = 10) -> str:
+    """The device kernels besides ours per call of ``call``, by name, from torch's profiler."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith(OUR_KERNELS):
+            counts[event.name[:48]] = counts.get(event.name[:48], 0) + 1
+    return ", ".join(f"{name} ×{n / calls:g}" for name, n in sorted(counts.items())) or "none"
 
 
 def main() -> None:
@@ -108,9 +166,13 @@ def main() -> None:
             times["no launches"] = best_us(prepared, args.calls, args.repeats)
         finally:
             PreparedLaunch.__call__ = real_call  # type: ignore[method-assign]
+        kernels = compiled_times(times, x, lora_a, lora_b, meta, worklist, gen, args.calls, args.repeats)
         print(f"  {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
               + f"  (per 28-layer step past the graphs: JIT {times['JIT'] * 0.112:.1f} ms, prepared "
-              f"{times['prepared'] * 0.112:.1f} ms, torch.ops {times['torch.ops'] * 0.112:.1f} ms)")
+              f"{times['prepared'] * 0.112:.1f} ms, torch.ops {times['torch.ops'] * 0.112:.1f} ms, compiled "
+              f"inductor {times['compiled, inductor'] * 0.112:.1f} ms)")
+        for mode, names in kernels.items():
+            print(f"    other device kernels per compiled call ({mode}): {names}")
 
 
 if __name__ == "__main__":

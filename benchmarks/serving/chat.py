@@ -23,6 +23,8 @@ vLLM's defaults but CUDA graphs captured up to N tokens (``--compilation-config
 '{"max_cudagraph_capture_size": N}'``; vLLM's default is 512 on Hopper): it tells what the steps
 past the default's largest graph, which run without one, cost each mode. Its table is a table of
 its own (another ``--out``), its ratio lines marked ``[vLLM defaults, CUDA graphs up to N tokens]``.
+``--gridtrim-launch inductor`` (``GRIDTRIM_LAUNCH=inductor``) serves the GridTrim modes with
+``LORAZOR_GRIDTRIM_LAUNCH=inductor`` (docs/vllm_integration.md §4c), likewise a table of its own.
 
 (``BUNDLE`` serves the learned bundle the lorazor call wrote into the table's folder, so that the
 async/sync ratio compares one bundle; without it the bundle is prepared again, or taken from
@@ -133,6 +135,8 @@ from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, ch
 from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError, counters, free_port, http_json, tail, warm_up
 from serve_bridge.command_line import Parser, existing_dir, number
+from serve_bridge.gridtrim import COMPILED_LAUNCHES
+from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV
 from serve_bridge.vllm.versions import installed_version
 
 # the vllm bench serve lines whose custom dataset and round-robin assignment this relies on (docs/vllm_integration.md §12b)
@@ -344,10 +348,15 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")
 
 
-def settings_tag(max_capture_size: int | None) -> str:
-    """How the ratio lines mark a table's vLLM settings: vLLM's defaults, or the second line's graphs."""
-    return "[vLLM defaults]" if max_capture_size is None else \
-        f"[vLLM defaults, CUDA graphs up to {max_capture_size} tokens]"
+def settings_tag(max_capture_size: int | None, gridtrim_launch: str = COMPILED_LAUNCHES[0]) -> str:
+    """How the ratio lines mark a table's settings: vLLM's defaults, and a second line's graphs or
+    GridTrim's compiled launch when they are not the defaults."""
+    parts = ["vLLM defaults"]
+    if max_capture_size is not None:
+        parts.append(f"CUDA graphs up to {max_capture_size} tokens")
+    if gridtrim_launch != COMPILED_LAUNCHES[0]:
+        parts.append(f"GridTrim launched by {gridtrim_launch}")
+    return f"[{', '.join(parts)}]"
 
 
 def ratio_lines(n_adapters: int, modes: dict[str, dict[str, Any]], slo: Slo,
@@ -393,6 +402,8 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
     graphs = ("its default CUDA graphs" if args.max_capture_size is None else
               f"its default CUDA-graph mode with graphs up to {args.max_capture_size} tokens (--compilation-config "
               f"max_cudagraph_capture_size={args.max_capture_size} in every mode)")
+    if args.gridtrim_launch != COMPILED_LAUNCHES[0]:
+        graphs += f"; GridTrim's kernels launched by {args.gridtrim_launch} ({GRIDTRIM_LAUNCH_ENV})"
     return [
         f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
         f"{graphs}, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "
@@ -505,6 +516,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     served = [] if mode == "nolora" else list(adapters)
     env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
         gpu, args.work, mode)
+    if "LORAZOR_GRIDTRIM" in env:
+        env[GRIDTRIM_LAUNCH_ENV] = args.gridtrim_launch
 
     trace_dir = directory / "profile" / "trace"  # --profile-rate's: vLLM's worker writes its trace there
 
@@ -520,6 +533,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
             raise HarnessError(f"the engine-config line of {log} gives {shown}, not the {args.max_capture_size} asked")
         if graph_tokens:
             entry["facts"].append(f"vLLM's largest CUDA graph: {graph_tokens} tokens")
+        if GRIDTRIM_LAUNCH_ENV in env and f"compiled launches: {args.gridtrim_launch})" not in log_text:
+            raise HarnessError(f"{log} lacks GridTrim's line with 'compiled launches: {args.gridtrim_launch}'")
         systems = [words(s) for s in system_prompts(shape, args.seed)]
         warm_s = warm_up(base_url, served or [str(model_dir)] * len(systems), systems)
         entry["facts"].append(f"warm-up: each adapter's system prompt once, {warm_s:.1f} s")
@@ -617,7 +632,8 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     @placement.serialized
     def flush() -> None:
-        doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo, settings_tag(args.max_capture_size))
+        doc["ratio"] = ratio_lines(shape.n_adapters, doc["modes"], slo,
+                                   settings_tag(args.max_capture_size, args.gridtrim_launch))
         (args.out / "chat.json").write_text(json.dumps(doc, indent=1))
         (args.out / "chat.txt").write_text(render(doc, slo))
 
@@ -667,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-capture-size", type=number("positive_int"), default=None, metavar="N",
                     help="the second line: vLLM's defaults but CUDA graphs captured up to N tokens in every mode "
                          "(default: vLLM's own, 512 on Hopper); a table of its own")
+    ap.add_argument("--gridtrim-launch", choices=COMPILED_LAUNCHES, default=COMPILED_LAUNCHES[0],
+                    help="how GridTrim's servers launch their kernels in the compiled forward "
+                         "(LORAZOR_GRIDTRIM_LAUNCH, docs/serving.md); a value other than the default is a table of "
+                         "its own")
     ap.set_defaults(duration_s=DURATION_S, min_prompts=MIN_PROMPTS, ready_timeout_s=400, min_mode_s=300)
     return orchestrate(ap.parse_args(argv))
 

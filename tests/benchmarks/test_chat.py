@@ -248,7 +248,8 @@ def _args(tmp_path: Path, **kw) -> argparse.Namespace:
     goodput.add_sweep_arguments(ap)
     args = ap.parse_args(["--adapters", "4"])
     return argparse.Namespace(**vars(args) | {"out": tmp_path / "out", "work": tmp_path / "work", "seed": 0,
-                                              "max_loras": 2, "bundle": None, "max_capture_size": None} | kw)
+                                              "max_loras": 2, "bundle": None, "max_capture_size": None,
+                                              "gridtrim_launch": "ops"} | kw)
 
 
 def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
@@ -417,6 +418,28 @@ def test_the_graphs_line_checks_the_servers_largest_graph(tmp_path, monkeypatch)
     assert chat.main(argv + other) == 1
     error = json.loads((tmp_path / "other" / "chat.json").read_text())["modes"]["gridtrim"]["error"]
     assert "gives a largest CUDA graph of 512 tokens, not the 2048 asked" in error
+
+
+def test_the_inductor_launch_line(tmp_path, monkeypatch):
+    """``--gridtrim-launch inductor``: GridTrim's servers (and only theirs) get
+    ``LORAZOR_GRIDTRIM_LAUNCH=inductor``, the ratio lines say so, and a server whose GridTrim line
+    names another launch is an error of that mode."""
+    argv, record = _stand_in(tmp_path, monkeypatch)
+    assert chat.main(argv + ["--modes", "gridtrim", "stock", "--gridtrim-launch", "inductor"]) == 0
+    doc = json.loads((tmp_path / "out" / "chat.json").read_text())
+    assert doc["modes"]["gridtrim"]["error"] is None
+    assert doc["ratio"][0].startswith("chat4 goodput [vLLM defaults, GridTrim launched by inductor]: ")
+    assert "GridTrim's kernels launched by inductor (LORAZOR_GRIDTRIM_LAUNCH)" in doc["preamble"][0]
+    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    servers = [s for s in seen if s["what"] == "serve"]
+    assert [s["env"].get("LORAZOR_GRIDTRIM_LAUNCH") for s in servers] == ["inductor", None]
+    monkeypatch.setenv("FAKE_GRIDTRIM_LAUNCH", "ops")
+    other = ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--gridtrim-launch", "inductor"]
+    assert chat.main(argv + other) == 1
+    error = json.loads((tmp_path / "other" / "chat.json").read_text())["modes"]["gridtrim"]["error"]
+    assert "lacks GridTrim's line with 'compiled launches: inductor'" in error
+    assert chat.settings_tag(2048, "inductor") == (
+        "[vLLM defaults, CUDA graphs up to 2048 tokens, GridTrim launched by inductor]")
 
 
 def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):

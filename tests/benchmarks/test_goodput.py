@@ -441,7 +441,9 @@ if sys.argv[1] == "serve":
           "enable_prefix_caching=True, compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, "
           f"'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>, 'max_cudagraph_capture_size': {graphs}}}")
     if os.environ.get("LORAZOR_GRIDTRIM") == "1":
-        print("(EngineCore_DP0 pid=1) INFO [punica_wrapper.py:39] LoRazor GridTrim active: LoRA linears ...")
+        print("(EngineCore_DP0 pid=1) INFO [punica_wrapper.py:39] LoRazor GridTrim active: LoRA linears use the "
+              "work-list kernels (8 tokens, 3 slots, 16 persistent programs; compiled launches: "
+              f"{os.environ.get('FAKE_GRIDTRIM_LAUNCH') or os.environ.get('LORAZOR_GRIDTRIM_LAUNCH') or 'ops'}).")
     if os.environ.get("LORAZOR_BUNDLE"):
         print("(EngineCore_DP0 pid=1) INFO [runner_setup.py:33] LoRazor StepTrim active: bundle ...")
         print("(EngineCore_DP0 pid=1) INFO [scheduler.py:101] LoRazor slot hand-back active: ...")

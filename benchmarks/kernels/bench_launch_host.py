@@ -73,7 +73,8 @@ def lora_linears(x: torch.Tensor, y0: torch.Tensor, lora_a: tuple, lora_b: tuple
 def compiled_times(times: dict[str, float], x: torch.Tensor, lora_a: tuple, lora_b: tuple, meta: LoRABatchMeta,
                    worklist: RowTileWorklist, gen: torch.Generator, calls: int, repeats: int) -> dict[str, str]:
     """Add each ``compiled, <launch>`` host µs per linear to ``times``; return the other device kernels
-    per compiled call, by launch. Each compiled call's output is checked against eager, bit for bit."""
+    per compiled call by launch (or why it did not compile). Each compiled call's output is checked
+    against eager, bit for bit."""
     y0 = torch.randn(ROWS, 3 * SLICE, device=x.device, generator=gen).to(torch.bfloat16)
     meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
                  meta.slot_lora_ids)
@@ -86,7 +87,12 @@ def compiled_times(times: dict[str, float], x: torch.Tensor, lora_a: tuple, lora
             def call(mode: str = mode) -> torch.Tensor:
                 return compiled(*linears, mode)
 
-            if not torch.equal(call(), reference):
+            try:
+                first = call()
+            except Exception as err:  # noqa: BLE001 - this torch/Triton cannot compile it: say so, time the rest
+                kernels[mode] = f"not compiled ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+                continue
+            if not torch.equal(first, reference):
                 fail(f"the compiled LoRA linears with compiled_launch={mode} differ from eager")
             times[f"compiled, {mode}"] = best_us(call, max(calls // COMPILED_LINEARS, 1), repeats) / COMPILED_LINEARS
             kernels[mode] = other_kernels(call)
@@ -169,8 +175,7 @@ def main() -> None:
         kernels = compiled_times(times, x, lora_a, lora_b, meta, worklist, gen, args.calls, args.repeats)
         print(f"  {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
               + f"  (per 28-layer step past the graphs: JIT {times['JIT'] * 0.112:.1f} ms, prepared "
-              f"{times['prepared'] * 0.112:.1f} ms, torch.ops {times['torch.ops'] * 0.112:.1f} ms, compiled "
-              f"inductor {times['compiled, inductor'] * 0.112:.1f} ms)")
+              f"{times['prepared'] * 0.112:.1f} ms, torch.ops {times['torch.ops'] * 0.112:.1f} ms)")
         for mode, names in kernels.items():
             print(f"    other device kernels per compiled call ({mode}): {names}")
 

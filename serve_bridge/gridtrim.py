@@ -231,8 +231,9 @@ def _cached(weights: tuple[torch.Tensor, ...], key: tuple, compute: Callable[[],
 def _plan(weights: tuple[torch.Tensor, ...], key: tuple, reason: Callable[[], str | None],
           config: Callable[[], Any]) -> tuple[str | None, Any]:
     """(``reason()``, and when None the layer's launch config ``config()``) once per layer and
-    layout through :func:`_cached`; while torch.compile traces, the reason alone (the traced op
-    path rebuilds the config at run time; keep it out of the trace)."""
+    layout through :func:`_cached`; while torch.compile traces, the reason alone (the op path
+    rebuilds the config at run time, the traced implementation in the trace: keep the cache out of
+    the trace)."""
     if torch.compiler.is_compiling():
         return reason(), None
 
@@ -325,12 +326,12 @@ def _call(name: str, head: tuple, meta_args: Sequence[torch.Tensor], worklist: R
     if compiled_launch not in COMPILED_LAUNCHES:
         raise ValueError(f"compiled_launch={compiled_launch!r}: use one of {COMPILED_LAUNCHES}")
     meta = LoRABatchMeta.from_vllm_meta_args(meta_args)
-    if torch.compiler.is_compiling() and compiled_launch == "ops":
-        _OPS[name](*op_arguments(head, meta, worklist, tail))
-    elif torch.compiler.is_compiling():
-        _DIRECT[name][0](*head, meta, worklist, *tail)
-    else:
+    if not torch.compiler.is_compiling():
         _DIRECT[name][0](*head, meta, worklist, *tail, **eager)
+    elif compiled_launch == "ops":
+        _OPS[name](*op_arguments(head, meta, worklist, tail))
+    else:  # traced: the implementation builds its launch config in the trace
+        _DIRECT[name][0](*head, meta, worklist, *tail)
 
 
 def op_arguments(head: tuple, meta: LoRABatchMeta, worklist: RowTileWorklist, tail: tuple) -> tuple:

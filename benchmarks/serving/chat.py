@@ -136,7 +136,7 @@ from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError, counters, free_port, http_json, tail, warm_up
 from serve_bridge.command_line import Parser, existing_dir, number
 from serve_bridge.gridtrim import COMPILED_LAUNCHES
-from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV
+from serve_bridge.vllm.settings import GRIDTRIM_ENV, GRIDTRIM_LAUNCH_ENV
 from serve_bridge.vllm.versions import installed_version
 
 # the vllm bench serve lines whose custom dataset and round-robin assignment this relies on (docs/vllm_integration.md §12b)
@@ -516,7 +516,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     served = [] if mode == "nolora" else list(adapters)
     env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
         gpu, args.work, mode)
-    if "LORAZOR_GRIDTRIM" in env:
+    if GRIDTRIM_ENV in env:
         env[GRIDTRIM_LAUNCH_ENV] = args.gridtrim_launch
 
     trace_dir = directory / "profile" / "trace"  # --profile-rate's: vLLM's worker writes its trace there

@@ -13,9 +13,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV
 from serve_bridge.vllm.versions import runner_environment
-from tests.gpu.harness import ROOT
+from tests.gpu.harness import ROOT, engine_environ
 
 
 def _cuda() -> bool:
@@ -41,9 +40,7 @@ def _plugin_visible() -> bool:
 
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for a vLLM engine process started from the checkout root: no ``LORAZOR_*``
-    variable but ``LORAZOR_GRIDTRIM_LAUNCH``, kept so that the suite can run its GridTrim engines
-    with Inductor's launches (docs/vllm_integration.md §4c)."""
+    """Environment for a vLLM engine process started from the checkout root (:func:`engine_environ`)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a supported vLLM (pip install -e '.[vllm]')")
     paths = [str(ROOT)]
@@ -52,7 +49,7 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         paths.insert(0, str(module.write_dist_info(tmp_path_factory.mktemp("entry_points"))))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_") or k == GRIDTRIM_LAUNCH_ENV}
+    env = engine_environ()
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # the engines' read-outs are collective_rpc callables, which cross to an engine core in another
     # process only with insecure serialization: keep the engine core in-process unless a test says

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -12,11 +13,19 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serving.placement import compile_cache
+from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # Start-up budget of a GPU test's `vllm serve`: torch.compile and CUDA-graph capture while the suite's other
 # engines start beside it (200 s was short with every file at once on an H100, 2026-12-05).
 SERVER_READY_S = 400
+
+
+def engine_environ() -> dict[str, str]:
+    """This process's environment for an engine the tests start: no ``LORAZOR_*`` variable (each
+    engine gets its own) but ``LORAZOR_GRIDTRIM_LAUNCH``, kept so that the suite can run its GridTrim
+    engines with Inductor's launches (docs/vllm_integration.md §4c)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_") or k == GRIDTRIM_LAUNCH_ENV}
 
 
 def gpu_count() -> int:

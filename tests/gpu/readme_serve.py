@@ -34,7 +34,6 @@ port, a tenth of the GPU and a 4 GiB KV cache (``check_slots.ENGINE_MEMORY``), a
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,8 +41,7 @@ from typing import Any
 
 from benchmarks.serving.check_slots import ENGINE_MEMORY, TOP_LOGPROBS
 from benchmarks.serving.vllm_server import free_port, http_json, start_server, stop_server, wait_ready
-from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV
-from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments
+from tests.gpu.harness import ROOT, SERVER_READY_S, demo_arguments, engine_environ
 from tests.gpu.real_engines import backbone_dir
 
 ADAPTERS = {"arith": "arith-a", "counter": "counter-a"}  # task part → the adapter serving it (conf/adapter/demo.yaml)
@@ -169,8 +167,7 @@ def serve(name: str, run: Path, gguf_dir: str | None, work: Path) -> None:
         cmd += ["--no-async-scheduling"]
     cmd += ["--port", str(port), "--gpu-memory-utilization", str(ENGINE_MEMORY["gpu_memory_utilization"]),
             "--kv-cache-memory-bytes", str(ENGINE_MEMORY["kv_cache_memory_bytes"])]
-    # no LoRazor variable but how GridTrim's compiled forward launches (kept for a second line)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAZOR_") or k == GRIDTRIM_LAUNCH_ENV}
+    env = engine_environ()
     env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "LORAZOR_LOG_INTERVAL_S": "0"}
     if plugin:
         env |= {"LORAZOR_BUNDLE": str(run / "bundle")}

@@ -22,8 +22,8 @@ from lora_kernels.gridtrim import SMALL_ROWS, GridTrimPlan
 from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import as_3d
 from lora_kernels.metadata import LoRABatchMeta
-from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, load_worklist_tile,
-                           pick_slice)
+from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, pick_slice,
+                           worklist_rows)
 from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
@@ -66,7 +66,8 @@ def _expand_worklist_kernel(
     item = tl.program_id(0)
     while item < total:
         tile = item // col_chunks
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
+        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+        rows, row_mask = worklist_rows(tl.load(tile_tokens_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M)))
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             item % col_chunks, n0, n1, n2, out0, out1, out2, sbl0, sbl1, sbl2,
                             chunks0, chunks1, rank, stride_ps, stride_pc, stride_pm, stride_pr,

@@ -31,8 +31,8 @@ import triton.language as tl
 
 from lora_kernels.expand import b_kwargs, check_b
 from lora_kernels.shrink import a_kwargs, check_a
-from lora_kernels.tiles import (block_rank, column_chunk, expand_columns, load_worklist_tile, pick_slice,
-                           shrink_acc)
+from lora_kernels.tiles import (block_rank, column_chunk, expand_columns, pick_slice, shrink_acc,
+                           worklist_rows)
 from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 
@@ -101,7 +101,8 @@ def _fused_worklist_kernel(
     while item < total:
         tile = item // col_chunks
         # The tile's record and token indices, loaded once per item for shrink and expand.
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
+        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+        rows, row_mask = worklist_rows(tl.load(tile_tokens_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M)))
         slice_id, col0 = column_chunk(item % col_chunks, chunks0, chunks1, CHUNK_N)
         acc = shrink_acc(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), rows, row_mask,
                          lora, 0, K, rank, stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

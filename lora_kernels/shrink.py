@@ -21,7 +21,7 @@ from lora_kernels.gridtrim import GridTrimPlan
 from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import K_CHUNK, as_3d, num_splits
 from lora_kernels.metadata import LoRABatchMeta
-from lora_kernels.tiles import block_rank, load_tile_rows, load_worklist_tile, pick_slice, shrink_tile
+from lora_kernels.tiles import block_rank, load_tile_rows, pick_slice, shrink_tile, worklist_rows
 from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
@@ -47,7 +47,8 @@ def _shrink_worklist_kernel(
         sub = item % per_tile
         slice_id = sub // N_SPLITS
         split = sub % N_SPLITS
-        lora, rows, row_mask = load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M)
+        lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
+        rows, row_mask = worklist_rows(tl.load(tile_tokens_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M)))
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

@@ -35,13 +35,15 @@ def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_worklist_tile(tile_lora_ptr, tile_tokens_ptr, tile, BLOCK_M: tl.constexpr):
-    """Work-list tile `tile` (lora_kernels/worklist.py): its adapter id (int64) and its token indices
-    with their mask, as :func:`load_tile_rows` gives them. The two loads are independent, so
-    they are in flight together."""
-    lora = tl.load(tile_lora_ptr + tile).to(tl.int64)
-    tokens = tl.load(tile_tokens_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    return lora, tl.maximum(tokens, 0).to(tl.int64), tokens >= 0
+def worklist_rows(tokens):
+    """A work-list tile's token indices (lora_kernels/worklist.py; -1 past the group's end), loaded
+    by the kernel itself, as :func:`load_tile_rows` gives rows: int64 indices and their mask.
+
+    The kernels load a tile's record (``tile_lora``, ``tile_tokens``) in their own body, not in a
+    helper: torch.compile's analysis of a user-defined Triton kernel (``identify_accessed_tensors``,
+    torch 2.13-2.14) takes every pointer argument of a called helper whose result feeds a store's
+    address as written, so a helper's loads would make the work list look mutated (docs/vllm_integration.md §4c)."""
+    return tl.maximum(tokens, 0).to(tl.int64), tokens >= 0
 
 
 @triton.jit

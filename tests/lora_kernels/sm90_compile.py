@@ -7,7 +7,10 @@ recorders, then compiles each recorded launch with Triton's ahead-of-time path f
 target. Catches GPU codegen
 errors (layouts, tl.dot shapes, pointer selects) that the interpreter does not see, and fails if
 an expand kernel loads B two bytes at a time instead of in 16-byte vectors or adds to y other than
-in 16-byte atomic adds.
+in 16-byte atomic adds. For each work-list launch (the ones a torch.compile'd forward makes under
+``LORAZOR_GRIDTRIM_LAUNCH=inductor``) it also checks that torch's analysis of a user-defined Triton
+kernel takes it to write its output alone: a tensor wrongly taken as written is cloned and copied
+back around every compiled launch (docs/vllm_integration.md §4c).
 """
 from __future__ import annotations
 
@@ -42,6 +45,27 @@ class _Recorder:
 
     def __getitem__(self, grid: tuple) -> Any:
         return lambda **kw: self.launches.append((self.fn, kw))
+
+
+WRITES = {"_shrink_worklist_kernel": {"part_ptr"}, "_expand_worklist_kernel": {"y_ptr"},
+          "_fused_worklist_kernel": {"y_ptr"}}  # what each work-list kernel writes
+
+
+class _Sm90:
+    """Triton's active driver as far as torch's kernel analysis asks: an sm_90 target, no GPU."""
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+def _written(fn: triton.JITFunction, kwargs: dict[str, Any]) -> set[str]:
+    """The tensor arguments that torch.compile takes this launch to write (Inductor's TTIR analysis,
+    ``identify_accessed_tensors``; every tensor when that analysis fails)."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    args = {k: v for k, v in kwargs.items() if k in fn.arg_names}
+    accesses = identify_accessed_tensors(fn, args, {})
+    return {dep.name for dep in accesses.read_writes.writes if isinstance(args.get(dep.name), torch.Tensor)}
 
 
 def _compile(fn: triton.JITFunction, kwargs: dict[str, Any]) -> Any:
@@ -98,7 +122,11 @@ def main() -> None:
                                    (576, torch.float32, True), (3072, torch.bfloat16, False)):
         table = torch.zeros(loras + 1, steptrim.COLUMNS + (hidden if learned else 0))
         steptrim.launch_steptrim(meta, src, dtype, table, learned, score, fire)
+    triton.runtime.driver.set_active(_Sm90())
     for fn, kwargs in launches:
+        if fn.__name__ in WRITES:
+            written = _written(fn, kwargs)
+            assert written == WRITES[fn.__name__], f"{fn.__name__}: torch.compile takes it to write {sorted(written)}"
         compiled = _compile(fn, kwargs)
         if "expand" in fn.__name__ or "fused" in fn.__name__:
             # B must load in 16-byte vectors (lora_kernels/expand.py), not two bytes at a time, and y

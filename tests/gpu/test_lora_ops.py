@@ -5,7 +5,9 @@ bf16 and fp16, on the layer shapes of Llama-3.2-3B, Mistral-7B-v0.3 and SmolLM2-
 design with its default knobs (the fused launch: ``FusedConfig()``). Each case checks the LoRA
 update's relative error (< 1e-2), that rows without an adapter are left bit-for-bit untouched,
 and (add_inputs=False, output poisoned with NaN) that every element the reference writes is
-written. About a minute on one H200, most of it Triton compiles.
+written. The serving path's LoRA linear (``serve_bridge.gridtrim.add_lora_linear``) is also checked
+inside a torch.compile'd function with each ``LORAZOR_GRIDTRIM_LAUNCH`` value. About a minute on one
+H200, most of it Triton compiles.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from lora_kernels.linear import add_lora_linear, launch_linear, linear_config
 from lora_kernels.metadata import build_metadata
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.worklist import RowTileWorklist
+from serve_bridge import gridtrim
 
 DEVICE = "cuda"
 MAX_LORAS = 128
@@ -162,3 +165,43 @@ def test_prepared_launches_reuse_the_compiled_kernels() -> None:
     for y in (first, third):
         assert update_rel_err(y[mapped], ref[mapped], tensors.y[mapped]) < TOLERANCE
         assert torch.equal(y[~mapped], tensors.y[~mapped])
+
+
+@pytest.mark.parametrize("launch", gridtrim.COMPILED_LAUNCHES)
+def test_compiled_launches_match_the_reference(launch: str) -> None:
+    """Two LoRA linears on a forward's intermediate output (as a base layer's), in a torch.compile'd
+    function (the token dimension dynamic, as vLLM marks it) with each ``compiled_launch``: the update
+    within the tolerance of the torch reference, rows without an adapter untouched; the custom ops'
+    launch bit-equal to eager (the same kernels, the same specialization). Inductor compiles the
+    kernels itself, so its bit-equality to eager is printed, not required."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    op, rank, tokens = MODELS["llama-3.2-3b"][0], 8, 96
+    tensors = random_op(op, MAX_LORAS, rank, tokens, torch.bfloat16, DEVICE, gen)
+    mapping = release(mapping_from_groups({i: 3 for i in range(32)}, torch.Generator().manual_seed(11)), 0.25,
+                      torch.Generator().manual_seed(12)).to(DEVICE)
+    meta = build_metadata(mapping, MAX_LORAS)
+    worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    worklist.update(meta)
+    meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
+                 meta.slot_lora_ids)
+    once = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, tensors.y, mapping)
+    ref = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, once, mapping)
+
+    def two_linears(x: torch.Tensor, y0: torch.Tensor, how: str) -> torch.Tensor:
+        y = y0 * 1
+        for _ in range(2):
+            gridtrim.add_lora_linear(y, x, tensors.lora_a, tensors.lora_b, 1.0, op.widths, meta_args, worklist,
+                                     compiled_launch=how)
+        return y
+
+    with torch.inference_mode():
+        eager = two_linears(tensors.x, tensors.y, launch)
+        for t in (tensors.x, tensors.y, *meta_args[:2]):
+            torch._dynamo.mark_dynamic(t, 0)
+        compiled = torch.compile(two_linears, fullgraph=True)(tensors.x, tensors.y, launch)
+    mapped = mapping >= 0
+    differ = int((compiled != eager).sum())
+    print(f"compiled_launch={launch}: {differ} of {compiled.numel()} elements differ from eager")
+    assert update_rel_err(compiled[mapped], ref[mapped], tensors.y[mapped]) < TOLERANCE
+    assert torch.equal(compiled[~mapped], tensors.y[~mapped])
+    assert launch != "ops" or differ == 0

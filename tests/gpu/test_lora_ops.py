@@ -19,11 +19,12 @@ import torch
 if not torch.cuda.is_available():  # before Triton loads: the CPU tests set up its interpreter first
     pytest.skip("needs an NVIDIA GPU (CUDA)", allow_module_level=True)
 
-from benchmarks.kernels.lora_shapes import MODELS, LoRAOp, mapping_from_groups, random_op, release, update_rel_err
+from benchmarks.kernels.lora_shapes import (MODELS, LoRAOp, OpTensors, mapping_from_groups, random_op, release,
+                                           update_rel_err)
 from lora_kernels.gridtrim import plan_gridtrim
 from lora_kernels.layout import partials_buffer
 from lora_kernels.linear import add_lora_linear, launch_linear, linear_config
-from lora_kernels.metadata import build_metadata
+from lora_kernels.metadata import LoRABatchMeta, build_metadata
 from lora_kernels.reference import expand_reference, shrink_reference
 from lora_kernels.worklist import RowTileWorklist
 from serve_bridge import gridtrim
@@ -129,18 +130,26 @@ def test_designs_match_the_reference(inputs, model, op, rank, dtype, add_inputs,
     assert not bad, f"relative update error ≥ {TOLERANCE} or wrong elements touched (NaN): {bad}"
 
 
+def qkv_batch(op: LoRAOp, rank: int, tokens: int, seed: int,
+              released: float) -> tuple[OpTensors, torch.Tensor, LoRABatchMeta, RowTileWorklist]:
+    """Random bf16 tensors of ``op`` over :data:`MAX_LORAS` adapters, 32 adapters of 3 rows each with
+    ``released`` of the rows released (-1), their metadata and a work list refreshed from it."""
+    tensors = random_op(op, MAX_LORAS, rank, tokens, torch.bfloat16, DEVICE,
+                        torch.Generator(device=DEVICE).manual_seed(seed))
+    mapping = release(mapping_from_groups({i: 3 for i in range(32)}, torch.Generator().manual_seed(seed)), released,
+                      torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    meta = build_metadata(mapping, MAX_LORAS)
+    worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
+    worklist.update(meta)
+    return tensors, mapping, meta, worklist
+
+
 def test_prepared_launches_reuse_the_compiled_kernels() -> None:
     """The work list's second launch of a specialization goes through the compiled kernel's runner
     (lora_kernels.launch) and writes what the JIT's first launch wrote; an input of another
     alignment is another specialization, launched by the JIT first, and matches the reference."""
-    gen = torch.Generator(device=DEVICE).manual_seed(7)
     op, rank, tokens = MODELS["llama-3.2-3b"][0], 8, 96
-    tensors = random_op(op, MAX_LORAS, rank, tokens, torch.bfloat16, DEVICE, gen)
-    mapping = release(mapping_from_groups({i: 3 for i in range(32)}, torch.Generator().manual_seed(7)), 0.2,
-                      torch.Generator().manual_seed(8)).to(DEVICE)
-    meta = build_metadata(mapping, MAX_LORAS)
-    worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    worklist.update(meta)
+    tensors, mapping, meta, worklist = qkv_batch(op, rank, tokens, 7, 0.2)
     ref = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, tensors.y, mapping)
     config = linear_config(tensors.y, tensors.x, tensors.lora_a, tensors.lora_b)
 
@@ -174,14 +183,8 @@ def test_compiled_launches_match_the_reference(launch: str) -> None:
     within the tolerance of the torch reference, rows without an adapter untouched; the custom ops'
     launch bit-equal to eager (the same kernels, the same specialization). Inductor compiles the
     kernels itself, so its bit-equality to eager is printed, not required."""
-    gen = torch.Generator(device=DEVICE).manual_seed(11)
-    op, rank, tokens = MODELS["llama-3.2-3b"][0], 8, 96
-    tensors = random_op(op, MAX_LORAS, rank, tokens, torch.bfloat16, DEVICE, gen)
-    mapping = release(mapping_from_groups({i: 3 for i in range(32)}, torch.Generator().manual_seed(11)), 0.25,
-                      torch.Generator().manual_seed(12)).to(DEVICE)
-    meta = build_metadata(mapping, MAX_LORAS)
-    worklist = RowTileWorklist.allocate(MAX_TOKENS, MAX_LORAS + 1, DEVICE)
-    worklist.update(meta)
+    op = MODELS["llama-3.2-3b"][0]
+    tensors, mapping, meta, worklist = qkv_batch(op, 8, 96, 11, 0.25)
     meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
                  meta.slot_lora_ids)
     once = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, tensors.y, mapping)

@@ -6,9 +6,9 @@ defaults (torch.compile in its default CUDA-graph mode, async scheduling, prefix
 server in its own process group (``python -m tests.gpu.readme_serve --server NAME``):
 
 - ``lorazor``: the README's command (``LORAZOR_BUNDLE``, ``LORAZOR_GRIDTRIM=1``, the worker
-  extension). The demo's requests one at a time, twice: cold, then warm (the prefix cache holds
-  the first pass's blocks). Tokens, each request's release point, the StepTrim counters and the
-  scheduler's prefix-cache hits of each pass.
+  extension). The demo's test requests one at a time, twice: cold, then warm (the prefix cache holds
+  the first pass's blocks). Tokens and each position's most likely tokens, each request's release
+  point, the StepTrim counters and the scheduler's prefix-cache hits of each pass.
 - ``lorazor-sync``: the same plus ``--no-async-scheduling`` (the one flag that turns a default
   off, to compare): the cold pass.
 - ``stock``: vLLM without the plugin; every request of the demo's three splits, one at a time.
@@ -140,12 +140,13 @@ def tokens_alone(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> di
 
 
 def one_by_one(url: str, reqs: dict[str, Any], model_of: dict[str, str]) -> dict[str, Any]:
-    """Every prompt alone, adapter after adapter: tokens and release points per adapter, the
-    StepTrim counters and the prefix-cache hits."""
-    out: dict[str, Any] = {"tokens": {}, "release": {}}
+    """Every prompt alone, adapter after adapter: tokens, most likely tokens (as
+    :func:`tokens_alone`) and release points per adapter, the StepTrim counters and the prefix-cache
+    hits."""
+    out: dict[str, Any] = {"tokens": {}, "top": {}, "release": {}}
     rpc(url, "lorazor_requests", clear="true")
     for adapter in reqs["prompts"]:
-        ids, out["tokens"][adapter], _ = alone(url, reqs, adapter, model_of[adapter])
+        ids, out["tokens"][adapter], out["top"][adapter] = alone(url, reqs, adapter, model_of[adapter], TOP_LOGPROBS)
         out["release"][adapter] = releases(rpc(url, "lorazor_requests", clear="true"), ids)
     out["counters"] = rpc(url, "lorazor_counters")
     out["prefix_cache"] = rpc(url, "lorazor_prefix_cache")

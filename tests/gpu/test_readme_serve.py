@@ -96,6 +96,20 @@ def test_async_scheduling_releases_as_the_synchronous_server(servers):
     assert a["release"] == s["release"] and a["tokens"] == s["tokens"]
 
 
+def test_gridtrim_serves_an_unreleased_adapter_as_stock_does(servers):
+    """arith-a is never released (its policy), so the README server computes every one of its tokens
+    with GridTrim's kernels (under the launch ``LORAZOR_GRIDTRIM_LAUNCH`` picks): against stock vLLM
+    on the same test prompts, one at a time, token-identical up to near-ties (``readme_serve``'s doc),
+    no far difference, which a wrong or missing LoRA update causes."""
+    cold, stock = _result(servers, "lorazor")["cold"], _result(servers, "stock")
+    n = len(cold["tokens"]["arith-a"])  # the test split, which stock's three splits end with
+    ours = {k: cold[k]["arith-a"] for k in ("tokens", "top")}
+    theirs = {k: stock[k]["arith-a"][-n:] for k in ("tokens", "top")}
+    counts, detail = divergences(ours, theirs, range(n))
+    print(f"GridTrim (arith-a, never released) vs stock: {detail}")
+    assert n > 0 and counts["far"] == 0, detail
+
+
 def test_policy_off_is_stock_under_vllms_defaults(servers):
     """The plugin with the bundle, adapters the bundle lacks (policy off), against vLLM without the
     plugin, both with every default on, one request at a time, ≥ 320 requests: token-identical up to

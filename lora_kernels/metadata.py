@@ -59,6 +59,11 @@ class LoRABatchMeta:
         if num_tokens is not None and tokens > num_tokens:
             raise ValueError(f"LoRABatchMeta maps {tokens} tokens but the batch has {num_tokens} rows")
 
+    def vllm_meta_args(self) -> tuple[torch.Tensor, ...]:
+        """The five tensors in the order of vLLM's ``meta_args`` tuple, which :meth:`from_vllm_meta_args` reads."""
+        return (self.token_lora_mapping, self.token_indices_sorted, self.num_tokens_per_slot, self.slot_start_loc,
+                self.slot_lora_ids)
+
     @classmethod
     def from_vllm_meta_args(cls, args: Sequence[torch.Tensor]) -> LoRABatchMeta:
         """Wrap the first five tensors of vLLM's `LoRAKernelMeta.meta_args(...)` tuple.

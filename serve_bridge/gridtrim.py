@@ -338,9 +338,8 @@ def op_arguments(head: tuple, meta: LoRABatchMeta, worklist: RowTileWorklist, ta
     """The flat arguments of ``torch.ops.lorazor.<name>`` (its schema's order), as a compiled graph
     passes them at run time: ``head`` (y, x, then the weight sequences as lists), the metadata and
     work-list tensors, ``block_m``, then ``tail``."""
-    return (*head[:2], *map(list, head[2:]), meta.token_lora_mapping, meta.token_indices_sorted,
-            meta.num_tokens_per_slot, meta.slot_start_loc, meta.slot_lora_ids, worklist.tile_lora,
-            worklist.tile_tokens, worklist.num_tiles, worklist.positions, worklist.block_m, *tail)
+    return (*head[:2], *map(list, head[2:]), *meta.vllm_meta_args(), worklist.tile_lora, worklist.tile_tokens,
+            worklist.num_tiles, worklist.positions, worklist.block_m, *tail)
 
 
 def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],

@@ -54,8 +54,7 @@ def main() -> None:
     lora_b = tuple(torch.randn(ADAPTERS, 1, SLICE, RANK, generator=g).to(torch.bfloat16) for _ in range(3))
     meta = build_metadata(torch.randint(-1, ADAPTERS, (ROWS,), generator=g), ADAPTERS)
     # vLLM's meta_args order (lora_kernel_metadata.py:197-205); the last two are not read
-    meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
-                 meta.slot_lora_ids, None, None)
+    meta_args = (*meta.vllm_meta_args(), None, None)
     worklist = RowTileWorklist.allocate(ROWS, ADAPTERS + 1, "cpu")
     gridtrim.refresh_worklist(worklist, meta_args)
 

@@ -185,8 +185,7 @@ def test_compiled_launches_match_the_reference(launch: str) -> None:
     kernels itself, so its bit-equality to eager is printed, not required."""
     op = MODELS["llama-3.2-3b"][0]
     tensors, mapping, meta, worklist = qkv_batch(op, 8, 96, 11, 0.25)
-    meta_args = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot, meta.slot_start_loc,
-                 meta.slot_lora_ids)
+    meta_args = meta.vllm_meta_args()
     once = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, tensors.y, mapping)
     ref = expand_reference(shrink_reference(tensors.x, tensors.lora_a, mapping), tensors.lora_b, once, mapping)
 

@@ -82,9 +82,7 @@ def test_shrink_expand_match_reference(case: str, kind: str, dtype: torch.dtype,
         meta, num_slots = vllm_style_metadata(mapping, max_loras)
     else:
         meta, num_slots = build_metadata(mapping, max_loras), max_loras + 1
-    meta = LoRABatchMeta(*(t.to(DEVICE) for t in (
-        meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot,
-        meta.slot_start_loc, meta.slot_lora_ids)))
+    meta = LoRABatchMeta(*(t.to(DEVICE) for t in meta.vllm_meta_args()))
     mapping = mapping.to(DEVICE)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -64,12 +64,16 @@ def test_vllm_layout_satisfies_contract(gen: torch.Generator) -> None:
 
 
 def test_from_vllm_meta_args_keeps_order_and_storage() -> None:
+    """from_vllm_meta_args takes vLLM's first five tensors in order, sharing storage, and
+    vllm_meta_args gives them back in that order."""
     args = [torch.arange(i + 1, dtype=torch.int32) for i in range(5)]
     args += [torch.tensor([False]), torch.tensor([3])]
     meta = LoRABatchMeta.from_vllm_meta_args(args)
     fields = (meta.token_lora_mapping, meta.token_indices_sorted, meta.num_tokens_per_slot,
               meta.slot_start_loc, meta.slot_lora_ids)
     assert all(f.data_ptr() == a.data_ptr() for f, a in zip(fields, args))
+    back = meta.vllm_meta_args()
+    assert len(back) == 5 and all(t is a for t, a in zip(back, args))
 
 
 def test_builder_owns_its_tensors_and_checks_the_mapping() -> None:

@@ -514,8 +514,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     model_dir, port = args.work / "model", args.port or free_port()
     base_url, log = f"http://127.0.0.1:{port}", directory / "server.log"
     served = [] if mode == "nolora" else list(adapters)
-    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(
-        gpu, args.work, mode)
+    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(gpu, args.work)
     if GRIDTRIM_ENV in env:
         env[GRIDTRIM_LAUNCH_ENV] = args.gridtrim_launch
 
@@ -582,7 +581,7 @@ def learned_bundle(args: argparse.Namespace, shape: ChatShape, deadline: float,
         print(f"  preparing the learned bundle ({log})", flush=True)
         with open(log, "w") as out:
             try:
-                env = goodput.client_env(dict(os.environ)) | placement.env(gpu, args.work, "learned")
+                env = goodput.client_env(dict(os.environ)) | placement.env(gpu, args.work)
                 code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                       timeout=max(1.0, deadline - time.monotonic() - args.min_mode_s)).returncode
             except subprocess.TimeoutExpired:

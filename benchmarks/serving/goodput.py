@@ -540,7 +540,7 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, bundle:
         flush()
         sweep_mode(lambda rate, n: run_rate(m, client, rate, n, args, slo), entry, args, slo, deadline, flush)
 
-    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters) | placement.env(gpu, work, mode),
+    with_server(entry, command, server_env(mode, dict(os.environ), bundle, adapters) | placement.env(gpu, work),
                 directory / "server.log", m.base_url, m.adapters, expected_markers(mode), args.ready_timeout_s, deadline,
                 body, flush)
 

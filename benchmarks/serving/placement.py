@@ -6,11 +6,13 @@ call on a machine with as many GPUs.
 Semantics: each GPU takes the next mode of ``--modes`` once its previous mode has ended, while
 ``--min-mode-s`` of the call's budget is left (else the table notes the mode as not run). A mode on
 a named GPU sees only that GPU (``CUDA_VISIBLE_DEVICES``, for its server and the processes it
-prepares with) and compiles into a vLLM cache of its own (``VLLM_CACHE_ROOT`` under ``--work``):
+prepares with) and compiles into that GPU's vLLM cache (``VLLM_CACHE_ROOT`` under ``--work``):
 vLLM 0.33.0 writes its compile cache's index in place (``compilation/backends.py:233-237``) under a
-key that the lorazor modes share (the same traced files and config, ``backends.py:1060-1098``), so
-two of them starting at once must not read each other's half-written file (vLLM puts Inductor's
-and Triton's caches there too: docs/vllm_integration.md §12c). The clients
+key that the lorazor and gridtrim modes share (the same traced files and config,
+``backends.py:1060-1098``), so two of them starting at once must not read each other's half-written
+file (vLLM puts Inductor's and Triton's caches there too: docs/vllm_integration.md §12c). Modes on
+one GPU run one after another, so they share its cache: a mode whose key an earlier mode (or an
+earlier table with the same ``--work``) compiled starts from the cache, as a restarted server does. The clients
 (``vllm bench serve``) use no GPU and are not placed. Every server keeps vLLM's defaults, including
 its share of the GPU's memory, whatever runs on the other GPUs.
 """
@@ -86,9 +88,10 @@ def compile_cache(work: Path, name: str) -> dict[str, str]:
     return {"VLLM_CACHE_ROOT": str(work / "vllm-cache" / name)}
 
 
-def env(gpu: Gpu, work: Path, mode: str) -> dict[str, str]:
-    """The environment a mode's processes add on ``gpu`` (module doc); nothing when not placed."""
-    return {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu} | compile_cache(work, mode)
+def env(gpu: Gpu, work: Path) -> dict[str, str]:
+    """The environment a mode's processes add on ``gpu`` (module doc): that GPU alone and its compile
+    cache; nothing when not placed."""
+    return {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu} | compile_cache(work, f"gpu{gpu}")
 
 
 def serialized(fn: F) -> F:

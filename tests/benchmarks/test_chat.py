@@ -465,7 +465,7 @@ def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):
 def test_the_six_modes_run_at_once_one_gpu_each(tmp_path, monkeypatch):
     """``--gpus 0 1 2 3 4 5``: one call, the six servers at once (the stand-in's servers become
     healthy only once all six have started: one after another, none would), each seeing its own
-    GPU and compiling into a vLLM cache of its own; the same table as over several calls."""
+    GPU and compiling into that GPU's vLLM cache; the same table as over several calls."""
     argv, _ = _stand_in(tmp_path, monkeypatch)
     (tmp_path / "together").mkdir()
     monkeypatch.setenv("FAKE_TOGETHER", f"6:{tmp_path / 'together'}")

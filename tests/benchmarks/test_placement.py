@@ -60,9 +60,11 @@ def test_resolve(capsys):
 
 
 def test_env_of_a_placed_mode():
-    assert placement.env(None, Path("/w"), "stock") == {}
-    assert placement.env("3", Path("/w"), "stock") == {"CUDA_VISIBLE_DEVICES": "3",
-                                                       "VLLM_CACHE_ROOT": "/w/vllm-cache/stock"}
+    """A placed mode sees its GPU alone and compiles into that GPU's cache, which the modes placed
+    on it one after another share and a mode on another GPU never writes."""
+    assert placement.env(None, Path("/w")) == {}
+    assert placement.env("3", Path("/w")) == {"CUDA_VISIBLE_DEVICES": "3", "VLLM_CACHE_ROOT": "/w/vllm-cache/gpu3"}
+    assert placement.env("0", Path("/w"))["VLLM_CACHE_ROOT"] != placement.env("1", Path("/w"))["VLLM_CACHE_ROOT"]
 
 
 def test_concurrent_servers():

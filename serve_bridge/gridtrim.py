@@ -55,6 +55,7 @@ EXPAND_OP = "gridtrim_expand"
 _T = TypeVar("_T")
 # How a compiled forward launches the kernels (module doc): through the custom ops, or traced by Dynamo.
 COMPILED_LAUNCHES = ("ops", "inductor")
+DEFAULT_LAUNCH = COMPILED_LAUNCHES[0]  # LORAZOR_GRIDTRIM_LAUNCH unset
 _warned: set[tuple[str, str]] = set()
 # Eligibility per layer (and, for LoRA linears, the launch config it allows), keyed by the identity
 # of its stacked-weight tensors (vLLM allocates them once per layer) and the activation's dtype, widths and strides;
@@ -346,7 +347,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
                     lora_b: Sequence[torch.Tensor], scale: float, output_slices: Sequence[int],
                     meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
                     offset_start: int = 0, add_inputs: bool = True,
-                    num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
+                    num_programs: int | None = None, compiled_launch: str = DEFAULT_LAUNCH) -> bool:
     """vLLM's ``add_lora_linear`` contract on our kernels: for rows m whose adapter id ≥ 0, slice s with columns ``[c_s, c_s + N_s)``
     (``c_0 = offset_start``, slices back to back)::
 
@@ -370,7 +371,7 @@ def add_lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
 
 def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], scale: float,
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *,
-           num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
+           num_programs: int | None = None, compiled_launch: str = DEFAULT_LAUNCH) -> bool:
     """vLLM's ``add_shrink`` contract on our kernels::
 
         y[s, m] = scale · x[m] @ A_s[id_m]ᵀ   (fp32) for rows m whose adapter id ≥ 0, else 0
@@ -396,7 +397,7 @@ def shrink(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], sca
 
 def expand(y: torch.Tensor, x: torch.Tensor, lora_b: Sequence[torch.Tensor], output_slices: Sequence[int],
            meta_args: Sequence[torch.Tensor], worklist: RowTileWorklist, *, offset_start: int = 0,
-           add_inputs: bool = True, num_programs: int | None = None, compiled_launch: str = "ops") -> bool:
+           add_inputs: bool = True, num_programs: int | None = None, compiled_launch: str = DEFAULT_LAUNCH) -> bool:
     """vLLM's ``add_expand`` contract on our kernels: for rows m whose adapter id ≥ 0,
     slice s with columns ``[c_s, c_s + N_s)`` (``c_0 = offset_start``, slices back to back)::
 

@@ -135,7 +135,7 @@ from benchmarks.serving.chat_workload import (ChatShape, add_shape_arguments, ch
 from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError, counters, free_port, http_json, tail, warm_up
 from serve_bridge.command_line import Parser, existing_dir, number
-from serve_bridge.gridtrim import COMPILED_LAUNCHES
+from serve_bridge.gridtrim import COMPILED_LAUNCHES, DEFAULT_LAUNCH
 from serve_bridge.vllm.settings import GRIDTRIM_ENV, GRIDTRIM_LAUNCH_ENV
 from serve_bridge.vllm.versions import installed_version
 
@@ -348,13 +348,13 @@ def summary_row(mode: str, entry: dict[str, Any], stock: float | None, slo: Slo)
             f"{f'{best / stock:.2f}' if best and stock else '—'} |")
 
 
-def settings_tag(max_capture_size: int | None, gridtrim_launch: str = COMPILED_LAUNCHES[0]) -> str:
+def settings_tag(max_capture_size: int | None, gridtrim_launch: str = DEFAULT_LAUNCH) -> str:
     """How the ratio lines mark a table's settings: vLLM's defaults, and a second line's graphs or
     GridTrim's compiled launch when they are not the defaults."""
     parts = ["vLLM defaults"]
     if max_capture_size is not None:
         parts.append(f"CUDA graphs up to {max_capture_size} tokens")
-    if gridtrim_launch != COMPILED_LAUNCHES[0]:
+    if gridtrim_launch != DEFAULT_LAUNCH:
         parts.append(f"GridTrim launched by {gridtrim_launch}")
     return f"[{', '.join(parts)}]"
 
@@ -402,7 +402,7 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
     graphs = ("its default CUDA graphs" if args.max_capture_size is None else
               f"its default CUDA-graph mode with graphs up to {args.max_capture_size} tokens (--compilation-config "
               f"max_cudagraph_capture_size={args.max_capture_size} in every mode)")
-    if args.gridtrim_launch != COMPILED_LAUNCHES[0]:
+    if args.gridtrim_launch != DEFAULT_LAUNCH:
         graphs += f"; GridTrim's kernels launched by {args.gridtrim_launch} ({GRIDTRIM_LAUNCH_ENV})"
     return [
         f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
@@ -682,7 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-capture-size", type=number("positive_int"), default=None, metavar="N",
                     help="the second line: vLLM's defaults but CUDA graphs captured up to N tokens in every mode "
                          "(default: vLLM's own, 512 on Hopper); a table of its own")
-    ap.add_argument("--gridtrim-launch", choices=COMPILED_LAUNCHES, default=COMPILED_LAUNCHES[0],
+    ap.add_argument("--gridtrim-launch", choices=COMPILED_LAUNCHES, default=DEFAULT_LAUNCH,
                     help="how GridTrim's servers launch their kernels in the compiled forward "
                          "(LORAZOR_GRIDTRIM_LAUNCH, docs/serving.md); a value other than the default is a table of "
                          "its own")

@@ -14,7 +14,7 @@ import hashlib
 from typing import Any
 
 
-def factor(wrapper: str, launch: str = "ops") -> str:
+def factor(wrapper: str, launch: str) -> str:
     """The key factor of a GridTrim engine: the punica wrapper's qualified name, a digest of the
     ``torch.ops.lorazor`` schemas its compiled graph calls, and ``launch`` (``"ops"``: through them;
     ``"inductor"``: Inductor launches the kernels, serve_bridge.gridtrim)."""
@@ -24,7 +24,7 @@ def factor(wrapper: str, launch: str = "ops") -> str:
     return f"lorazor.gridtrim wrapper={wrapper} ops={schemas[:16]} launch={launch}"
 
 
-def install(wrapper: str, launch: str = "ops") -> None:
+def install(wrapper: str, launch: str) -> None:
     """Append :func:`factor` to vLLM's AOT compile-cache factors (idempotent for one factor; a
     second install with another factor replaces the first's)."""
     from vllm.compilation import caching

@@ -49,7 +49,7 @@ def register() -> None:
         seam.install_prefix_cache()
 
 
-def install_gridtrim(launch: str = "ops") -> None:
+def install_gridtrim(launch: str) -> None:
     """Make ``current_platform.get_punica_wrapper()`` return :data:`GRIDTRIM_WRAPPER`, and key vLLM's
     compile cache by it and by ``launch``, how its compiled forward launches the kernels
     (:mod:`serve_bridge.vllm.compile_cache`); idempotent.

@@ -173,11 +173,11 @@ def gridtrim_launch_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``LORAZOR_GRIDTRIM_LAUNCH``: how a compiled forward launches GridTrim's kernels, ``"ops"``
     (unset or empty) or ``"inductor"`` (case and surrounding whitespace ignored); anything else is
     refused."""
-    from serve_bridge.gridtrim import COMPILED_LAUNCHES
+    from serve_bridge.gridtrim import COMPILED_LAUNCHES, DEFAULT_LAUNCH
 
     env = os.environ if environ is None else environ
     raw = env.get(GRIDTRIM_LAUNCH_ENV, "")
-    value = raw.strip().lower() or COMPILED_LAUNCHES[0]
+    value = raw.strip().lower() or DEFAULT_LAUNCH
     if value not in COMPILED_LAUNCHES:
         raise BridgeError(f"{GRIDTRIM_LAUNCH_ENV}={raw!r}: use {' or '.join(COMPILED_LAUNCHES)} (how a compiled "
                           f"forward launches GridTrim's kernels), or unset it.")

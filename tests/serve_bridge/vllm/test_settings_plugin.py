@@ -10,6 +10,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from serve_bridge.gridtrim import DEFAULT_LAUNCH
 from serve_bridge.vllm import compile_cache, lora_manager, plugin, versions
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env,
                                         gridtrim_launch_from_env, parse_adapters,
@@ -245,13 +246,13 @@ def test_register_gridtrim_selects_the_wrapper(monkeypatch, version):
     assert _Platform.get_punica_wrapper() != plugin.GRIDTRIM_WRAPPER  # only the live platform's class
     # vLLM's compile-cache key gains the wrapper, once
     factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
-    assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER)]
+    assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER, DEFAULT_LAUNCH)]
 
 
-@pytest.mark.parametrize("value, launch", [("", "ops"), ("ops", "ops"), (" Inductor ", "inductor")])
+@pytest.mark.parametrize("value, launch", [("", DEFAULT_LAUNCH), ("ops", "ops"), (" Inductor ", "inductor")])
 def test_gridtrim_launch_setting(value, launch):
     assert gridtrim_launch_from_env({"LORAZOR_GRIDTRIM_LAUNCH": value}) == launch
-    assert gridtrim_launch_from_env({}) == "ops"
+    assert gridtrim_launch_from_env({}) == DEFAULT_LAUNCH
 
 
 def test_gridtrim_launch_setting_refuses_other_values():
@@ -267,7 +268,7 @@ def test_register_keys_the_compile_cache_by_the_launch(monkeypatch):
     plugin.register()
     factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
     assert factors == ["env-hash", "config-hash:cfg", compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "inductor")]
-    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "inductor") != compile_cache.factor(plugin.GRIDTRIM_WRAPPER)
+    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "inductor") != compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "ops")
     monkeypatch.setenv("LORAZOR_GRIDTRIM_LAUNCH", "ops")
     plugin.register()  # another launch replaces the factor, never stacks a second one
     factors = sys.modules["vllm.compilation.caching"].aot_compile_hash_factors("cfg")
@@ -283,12 +284,12 @@ def test_compile_cache_factor_names_the_wrapper_and_its_ops(monkeypatch):
     (or one of an older GridTrim) is never loaded by a GridTrim engine, nor GridTrim's by stock."""
     from serve_bridge import gridtrim
 
-    factor = compile_cache.factor(plugin.GRIDTRIM_WRAPPER)
+    factor = compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "ops")
     assert plugin.GRIDTRIM_WRAPPER in factor
-    assert compile_cache.factor("vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU") != factor
+    assert compile_cache.factor("vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU", "ops") != factor
     name = sorted(gridtrim.OP_SCHEMAS)[0]
     monkeypatch.setitem(gridtrim.OP_SCHEMAS, name, gridtrim.OP_SCHEMAS[name].replace("-> ()", ", int extra) -> ()"))
-    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER) != factor
+    assert compile_cache.factor(plugin.GRIDTRIM_WRAPPER, "ops") != factor
 
 
 def test_register_gridtrim_refuses_non_cuda(monkeypatch):

@@ -22,8 +22,7 @@ from lora_kernels.gridtrim import SMALL_ROWS, GridTrimPlan
 from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import as_3d
 from lora_kernels.metadata import LoRABatchMeta
-from lora_kernels.tiles import (block_rank, column_chunk, expand_tile, load_tile_rows, pick_slice,
-                           worklist_rows)
+from lora_kernels.tiles import block_rank, column_chunk, expand_tile, pick_slice, tile_row_mask, worklist_rows
 from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 NUM_WARPS = 4
@@ -95,7 +94,8 @@ def _expand_grid_kernel(
     first = tl.load(starts_ptr + safe_slot) + row0
     if (slot >= 0) & (lora >= 0) & (row0 < n_rows) & (n_rows >= min_rows) & (n_rows <= max_rows) \
             & (first >= 0):
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, first, n_rows - row0, BLOCK_M)
+        offs, row_mask = tile_row_mask(n_rows - row0, BLOCK_M)
+        rows = tl.load(sorted_idx_ptr + first + offs, mask=row_mask, other=0).to(tl.int64)
         _expand_column_tile(part_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, rows, row_mask, lora,
                             tl.program_id(0) % col_chunks, n0, n1, n2, out0, out1, out2,
                             sbl0, sbl1, sbl2, chunks0, chunks1, rank,

@@ -21,7 +21,7 @@ from lora_kernels.gridtrim import GridTrimPlan
 from lora_kernels.launch import PreparedKernel
 from lora_kernels.layout import K_CHUNK, as_3d, num_splits
 from lora_kernels.metadata import LoRABatchMeta
-from lora_kernels.tiles import block_rank, load_tile_rows, pick_slice, shrink_tile, worklist_rows
+from lora_kernels.tiles import block_rank, pick_slice, shrink_tile, tile_row_mask, worklist_rows
 from lora_kernels.worklist import RowTileWorklist, persistent_programs
 
 BLOCK_K = 256
@@ -76,7 +76,8 @@ def _shrink_grid_kernel(
     n_rows = tl.load(counts_ptr + slot)
     first = tl.load(starts_ptr + slot) + row0
     if (lora >= 0) & (row0 < n_rows) & (first >= 0):
-        rows, row_mask = load_tile_rows(sorted_idx_ptr, first, n_rows - row0, BLOCK_M)
+        offs, row_mask = tile_row_mask(n_rows - row0, BLOCK_M)
+        rows = tl.load(sorted_idx_ptr + first + offs, mask=row_mask, other=0).to(tl.int64)
         shrink_tile(x_ptr, pick_slice(slice_id, a0_ptr, a1_ptr, a2_ptr), part_ptr, rows, row_mask,
                     lora, slice_id, split, K, rank, scale,
                     stride_xm, stride_xk, stride_al, stride_ar, stride_ak,

@@ -26,18 +26,17 @@ def pick_slice(slice_id, v0, v1, v2):
 
 
 @triton.jit
-def load_tile_rows(sorted_idx_ptr, first, n_rows, BLOCK_M: tl.constexpr):
-    """Token indices `sorted_idx[first : first + min(n_rows, BLOCK_M)]` and their mask."""
+def tile_row_mask(n_rows, BLOCK_M: tl.constexpr):
+    """A grid tile's offsets `0..BLOCK_M` and which of them hold one of its `n_rows` rows; the
+    kernel loads `sorted_idx[first + offs]` under that mask itself (:func:`worklist_rows` says why)."""
     offs = tl.arange(0, BLOCK_M)
-    mask = offs < n_rows
-    rows = tl.load(sorted_idx_ptr + first + offs, mask=mask, other=0)
-    return rows.to(tl.int64), mask
+    return offs, offs < n_rows
 
 
 @triton.jit
 def worklist_rows(tokens):
     """A work-list tile's token indices (lora_kernels/worklist.py; -1 past the group's end), loaded
-    by the kernel itself, as :func:`load_tile_rows` gives rows: int64 indices and their mask.
+    by the kernel itself, as int64 indices and their mask.
 
     The kernels load a tile's record (``tile_lora``, ``tile_tokens``) in their own body, not in a
     helper: torch.compile's analysis of a user-defined Triton kernel (``identify_accessed_tensors``,

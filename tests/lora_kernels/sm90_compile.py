@@ -48,7 +48,8 @@ class _Recorder:
 
 
 WRITES = {"_shrink_worklist_kernel": {"part_ptr"}, "_expand_worklist_kernel": {"y_ptr"},
-          "_fused_worklist_kernel": {"y_ptr"}}  # what each work-list kernel writes
+          "_fused_worklist_kernel": {"y_ptr"}, "_shrink_grid_kernel": {"part_ptr"},
+          "_expand_grid_kernel": {"y_ptr"}}  # what each kernel writes
 
 
 class _Sm90:

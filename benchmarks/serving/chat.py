@@ -514,7 +514,8 @@ def run_mode(mode: str, entry: dict[str, Any], args: argparse.Namespace, shape: 
     model_dir, port = args.work / "model", args.port or free_port()
     base_url, log = f"http://127.0.0.1:{port}", directory / "server.log"
     served = [] if mode == "nolora" else list(adapters)
-    env = goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters) | placement.env(gpu, args.work)
+    env = (goodput.server_env(BENCH_MODE[mode], dict(os.environ), bundle or Path(), adapters)
+           | placement.env(gpu, args.work))
     if GRIDTRIM_ENV in env:
         env[GRIDTRIM_LAUNCH_ENV] = args.gridtrim_launch
 

@@ -12,8 +12,8 @@ key that the lorazor and gridtrim modes share (the same traced files and config,
 ``backends.py:1060-1098``), so two of them starting at once must not read each other's half-written
 file (vLLM puts Inductor's and Triton's caches there too: docs/vllm_integration.md §12c). Modes on
 one GPU run one after another, so they share its cache: a mode whose key an earlier mode (or an
-earlier table with the same ``--work``) compiled starts from the cache, as a restarted server does. The clients
-(``vllm bench serve``) use no GPU and are not placed. Every server keeps vLLM's defaults, including
+earlier table with the same ``--work``) compiled starts from the cache, as a restarted server does.
+The clients (``vllm bench serve``) use no GPU and are not placed. Every server keeps vLLM's defaults, including
 its share of the GPU's memory, whatever runs on the other GPUs.
 """
 from __future__ import annotations

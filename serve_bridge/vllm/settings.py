@@ -170,9 +170,9 @@ def gridtrim_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def gridtrim_launch_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """``LORAZOR_GRIDTRIM_LAUNCH``: how a compiled forward launches GridTrim's kernels, ``"ops"``
-    (unset or empty) or ``"inductor"`` (case and surrounding whitespace ignored); anything else is
-    refused."""
+    """``LORAZOR_GRIDTRIM_LAUNCH``: how a compiled forward launches GridTrim's kernels, ``"ops"`` or
+    ``"inductor"`` (case and surrounding whitespace ignored), ``gridtrim.DEFAULT_LAUNCH`` when unset
+    or empty; anything else is refused."""
     from serve_bridge.gridtrim import COMPILED_LAUNCHES, DEFAULT_LAUNCH
 
     env = os.environ if environ is None else environ

@@ -73,7 +73,8 @@ tenants.
 TPOT ≤ 50 ms, every request completed) over the requests' vLLM metrics; the P99s; the prefix-cache
 hit rate (Δ ``vllm:prefix_cache_hits`` / Δ ``vllm:prefix_cache_queries`` of the server's
 ``/metrics``, :func:`metrics_delta`); the share of adapters with requests whose own requests meet
-the SLO (:func:`adapter_slo`, from ``--save-detailed``); the mean decode batch (Δ
+the SLO (:func:`adapter_slo`, from ``--save-detailed``) and the P90 TTFT of the requests of the most
+popular adapters against the least popular (:func:`ttft_by_popularity`); the mean decode batch (Δ
 ``vllm:generation_tokens`` over Δ engine steps with output); the mean engine step (:func:`step_ms`:
 the run's duration over those steps, the step time the slot capacity model takes,
 ``python -m serve_bridge.capacity --step-ms``); the share of those steps that processed more tokens
@@ -249,6 +250,22 @@ def adapter_slo(names: Sequence[str], data: dict[str, Any], slo: Slo) -> dict[st
     return {"adapters": len(by), "meeting": meeting}
 
 
+RANK_BANDS = (8, 32, 128)  # popularity ranks 1–8, 9–32, 33–128, 129 and after: the per-rate table's TTFT bands
+
+
+def ttft_by_popularity(adapters: Sequence[int], data: dict[str, Any]) -> list[float | None]:
+    """P90 TTFT in ms of the requests of each popularity band (:data:`RANK_BANDS`; request i on adapter
+    ``adapters[i]``, adapter a the (a+1)-th most popular), None for a band without requests. Past a
+    mode's knee the bands part: the adapters that are not resident wait for a slot."""
+    ttft = np.asarray(data["ttfts"], dtype=float)
+    rank = np.asarray(adapters)
+    if len(rank) != len(ttft):
+        raise HarnessError(f"{len(rank)} requests sent, {len(ttft)} in the detailed result")
+    edges = (0, *RANK_BANDS, None)
+    bands = [(rank >= lo) & (True if hi is None else rank < hi) for lo, hi in zip(edges, edges[1:])]
+    return [float(np.percentile(ttft[b], 90) * 1e3) if b.any() else None for b in bands]
+
+
 def missing_defaults(log_text: str) -> list[str]:
     """The :data:`ENGINE_DEFAULTS` that the server's engine-config line lacks (all when there is none)."""
     line = engine_line(log_text)
@@ -304,7 +321,7 @@ def client_command(base_url: str, model_dir: Path, rate: float, n_rows: int, dat
 
 HEADER = ("| rate req/s | prompts | completed | req/s | TTFT P90 ms | TTFT P99 ms | TPOT P90 ms | TPOT P99 ms | "
           "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | GPU busy | "
-          "realized skip | SLO on the P90s |")
+          "realized skip | TTFT P90 ms by popularity rank 1–8 / 9–32 / 33–128 / 129+ | SLO on the P90s |")
 SUMMARY_HEADER = ("| mode | goodput req/s | lowest rate missing | probe req/s | TTFT P99 ms | TPOT P99 ms | "
                   "prefix-cache hits | adapters meeting the SLO | decode batch | step ms | steps past graphs | "
                   "GPU busy | realized skip | vs stock |")
@@ -328,8 +345,10 @@ def format_row(row: dict[str, Any], slo: Slo) -> str:
     rate = "inf" if row["rate"] is None else f"{row['rate']:g}"
     verdict = "probe" if row["rate"] is None else ("met" if goodput.meets_slo(row, slo) else "missed: " + ", ".join(
         goodput.misses(row, slo)))
+    bands = row.get("ttft_by_popularity")  # kept rows from before it have none
+    by_rank = "—" if bands is None else " / ".join("—" if b is None else f"{b:.0f}" for b in bands)
     return (f"| {rate} | {row['prompts']} | {row['completed']} | {row['request_throughput']:.1f} | {_cells(row)} | "
-            f"{verdict} |")
+            f"{by_rank} | {verdict} |")
 
 
 def rates(modes: dict[str, dict[str, Any]], slo: Slo) -> dict[str, float | None]:
@@ -463,6 +482,7 @@ def measure(mode: str, base_url: str, model_dir: Path, directory: Path, args: ar
         row = {"rate": None if math.isinf(rate) else rate, "prompts": n, **parsed, "wall_s": wall_s,
                "result": result.name, "server_metrics": metrics_delta(before, metrics(base_url), graph_tokens),
                "adapter_slo": adapter_slo(names, data, slo),
+               "ttft_by_popularity": ttft_by_popularity([r.adapter for r in rows], data),
                "gpu_busy": busy.mean(*gpu_busy.steady_window(exited, parsed["duration_s"]))}
         if counted is not None:
             row["counters"] = goodput.counter_delta(counted, counters(base_url))

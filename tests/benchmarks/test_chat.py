@@ -170,6 +170,17 @@ def test_share_of_adapters_meeting_the_slo():
         chat.adapter_slo(names[:5], data, SLO)
 
 
+def test_ttft_by_popularity_band():
+    # request i on adapter adapters[i]; bands by rank 1–8, 9–32, 33–128, 129+ (adapter a has rank a+1)
+    adapters = [0, 7, 7, 8, 31, 200, 511]
+    data = {"ttfts": [0.1, 0.2, 0.3, 1.0, 2.0, 3.0, 5.0]}
+    got = chat.ttft_by_popularity(adapters, data)
+    assert got[0] == pytest.approx(np.percentile([100, 200, 300], 90)) and got[0] == pytest.approx(280.0)
+    assert got[1] == pytest.approx(1900.0) and got[2] is None and got[3] == pytest.approx(4800.0)
+    with pytest.raises(HarnessError, match="6 requests sent, 7"):
+        chat.ttft_by_popularity(adapters[:6], data)
+
+
 # vLLM 0.33.0's engine-config line (v1/engine/core.py:140-142), as a server with its defaults logs it (cut short)
 ENGINE_LINE = ("(EngineCore pid=211) INFO 12-05 09:00:01 [core.py:139] Initializing a V1 LLM engine (v0.33.0) with "
                "config: model='/w/model', dtype=torch.bfloat16, max_seq_len=131072, load_format=dummy, seed=0, "
@@ -200,7 +211,8 @@ def _row(rate: float | None, ttft90: float, tpot90: float = 30.0, **extra) -> di
 def test_table_and_ratio_lines():
     learned = {"sha256": "abc", "planned_skip": 0.5}
     modes = {"lorazor": {"facts": ["server ready after 240 s"], "error": None, "bundle": learned,
-                         "rows": [_row(None, 9000.0), _row(60.0, 500.0, counters={"realized_skip": 0.4921}),
+                         "rows": [_row(None, 9000.0), _row(60.0, 500.0, counters={"realized_skip": 0.4921},
+                                                              ttft_by_popularity=[83.2, 124.5, None, 1121.0]),
                                   _row(90.0, 2000.0), _row(75.0, 900.0)]},
              "lorazor-sync": {"facts": [], "error": None, "bundle": learned,
                               "rows": [_row(40.0, 500.0), _row(60.0, 1500.0), _row(50.0, 700.0)]},
@@ -231,13 +243,13 @@ def test_table_and_ratio_lines():
     i = lines.index(chat.HEADER)
     assert lines[i - 2] == "lorazor (GridTrim + the learned bundle); server ready after 240 s"
     assert lines[i + 2] == ("| inf | 300 | 300 | 60.0 | 9000.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | "
-                            "12.5 | 4.2% | 93% | — | probe |")  # 12.5 ms: 15 s over 1200 engine steps
+                            "12.5 | 4.2% | 93% | — | — | probe |")  # 12.5 ms: 15 s over 1200 engine steps
     assert lines[i + 3] == ("| 60 | 300 | 300 | 19.5 | 500.0 | 1500.0 | 30.0 | 44.0 | 81.0% | 290/300 | 64.5 | 12.5 | "
-                            "4.2% | 93% | 0.492 | met |")
+                            "4.2% | 93% | 0.492 | 83 / 124 / — / 1121 | met |")
     old = _row(60.0, 500.0)
     # a row kept from before steps, graphs and GPU were recorded
     del old["server_metrics"]["engine_steps"], old["server_metrics"]["past_graphs"], old["gpu_busy"]
-    assert chat.step_ms(old) is None and " | 64.5 | — | — | — | — | met |" in chat.format_row(old, SLO)
+    assert chat.step_ms(old) is None and " | 64.5 | — | — | — | — | — | met |" in chat.format_row(old, SLO)
     assert "stopped: rate 20: vllm bench serve failed (rc 1)" in lines
     assert lines[-3:] == doc["ratio"] and lines[-5] == "note"
 

@@ -383,6 +383,8 @@ def _check_table(out: Path, order: list[str]) -> list[dict]:
         row = entry["rows"][1]
         assert row["server_metrics"]["cache_hit_rate"] == pytest.approx(0.6)
         assert row["adapter_slo"]["adapters"] > 0 and ("counters" in row) == (mode in chat.LEARNED)
+        bands = row["ttft_by_popularity"]
+        assert len(bands) == len(chat.RANK_BANDS) + 1 and bands[0] is not None and bands[0] > 0
         best, low_miss = goodput.goodput_rate(goodput.points_of(entry, SLO))
         assert best is not None and low_miss is not None and best < low_miss
     assert doc["modes"]["lorazor"]["bundle"] == doc["modes"]["lorazor-sync"]["bundle"]

@@ -230,13 +230,20 @@ def step_ms(row: dict[str, Any]) -> float | None:
     return row["duration_s"] * 1e3 / steps if steps else None
 
 
+def per_request(data: dict[str, Any], sent: int, keys: Sequence[str]) -> list[list[Any]]:
+    """The ``--save-detailed`` result's per-request lists ``keys`` (the first named in the error),
+    each checked to hold one entry per request sent."""
+    lists = [data[k] for k in keys]
+    if any(len(v) != sent for v in lists):
+        raise HarnessError(f"{sent} requests sent, {len(lists[0])} in the detailed result")
+    return lists
+
+
 def adapter_slo(names: Sequence[str], data: dict[str, Any], slo: Slo) -> dict[str, int]:
     """Adapters with requests in the run (request i's is ``names[i]``), and those whose requests all
     completed with their own P90 TTFT and P90 TPOT within the SLO; per request as vLLM counts it:
     TTFT, and TPOT = (latency − TTFT) / (output tokens − 1) over requests of more than one token."""
-    ttft, latency, out, err = (data[k] for k in ("ttfts", "latencies", "output_lens", "errors"))
-    if not len(names) == len(ttft) == len(latency) == len(out) == len(err):
-        raise HarnessError(f"{len(names)} requests sent, {len(ttft)} in the detailed result")
+    ttft, latency, out, err = per_request(data, len(names), ("ttfts", "latencies", "output_lens", "errors"))
     by: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         by.setdefault(name, []).append(i)
@@ -257,12 +264,9 @@ def ttft_by_popularity(adapters: Sequence[int], data: dict[str, Any]) -> list[fl
     """P90 TTFT in ms of the requests of each popularity band (:data:`RANK_BANDS`; request i on adapter
     ``adapters[i]``, adapter a the (a+1)-th most popular), None for a band without requests. Past a
     mode's knee the bands part: the adapters that are not resident wait for a slot."""
-    ttft = np.asarray(data["ttfts"], dtype=float)
-    rank = np.asarray(adapters)
-    if len(rank) != len(ttft):
-        raise HarnessError(f"{len(rank)} requests sent, {len(ttft)} in the detailed result")
-    edges = (0, *RANK_BANDS, None)
-    bands = [(rank >= lo) & (True if hi is None else rank < hi) for lo, hi in zip(edges, edges[1:])]
+    ttft = np.asarray(per_request(data, len(adapters), ("ttfts",))[0], dtype=float)
+    rank, edges = np.asarray(adapters), (0, *RANK_BANDS, np.inf)
+    bands = [(rank >= lo) & (rank < hi) for lo, hi in zip(edges, edges[1:])]
     return [float(np.percentile(ttft[b], 90) * 1e3) if b.any() else None for b in bands]
 
 

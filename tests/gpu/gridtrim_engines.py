@@ -59,15 +59,15 @@ def options(mode: str, defaults: bool, tp: int, fully_sharded: bool) -> dict:
 
 
 def phase(name: str, work: Path, base_env: dict[str, str], n_requests: int, tp: int = 1,
-          fully_sharded: bool = False) -> Phase:
+          fully_sharded: bool = False, run: str = "") -> Phase:
     """The engine process of phase ``name`` on ``release_engines.prepare``'s ``work``: its results under
-    ``work/out``, its log ``work/<name>.log``; ``base_env`` with the pinned shrink config, and
-    ``LORAZOR_GRIDTRIM=1`` for the gridtrim phases."""
-    args = ["--phase", name, "--work", str(work), "--out", str(work / "out"), "--requests", str(n_requests),
+    ``work/out<run>``, its log ``work/<name><run>.log`` (``run`` tells apart two starts of one phase);
+    ``base_env`` with the pinned shrink config, and ``LORAZOR_GRIDTRIM=1`` for the gridtrim phases."""
+    args = ["--phase", name, "--work", str(work), "--out", str(work / f"out{run}"), "--requests", str(n_requests),
             "--tensor-parallel-size", str(tp)] + (["--fully-sharded-loras"] if fully_sharded else [])
     env = release_engines.phase_env(work, base_env, "stock")
     return Phase(__name__, args, env | ({"LORAZOR_GRIDTRIM": "1"} if name.startswith("gridtrim") else {}),
-                 work / f"{name}.log")
+                 work / f"{name}{run}.log")
 
 
 def aot_keys(cache_root: Path) -> set[str]:
@@ -146,11 +146,13 @@ def compare(ref: list[dict], other: list[dict], subset: list[int]) -> dict:
             "first_missing": missing, "first_missing_bound": bound, "prefix_max": along}
 
 
-def report(out: Path, n_requests: int, tol: float, defaults: bool = False) -> tuple[str, bool]:
-    """The check rows and the pass verdict of the two engines of one line (module doc)."""
+def report(out: Path, n_requests: int, tol: float, defaults: bool = False,
+           grid_out: Path | None = None) -> tuple[str, bool]:
+    """The check rows and the pass verdict of the two engines of one line (module doc); the gridtrim
+    engine's results from ``grid_out`` when given (another start of it), else from ``out``."""
     stock_phase, grid_phase = phases(defaults)
     stock = json.loads((out / f"{stock_phase}.json").read_text())
-    grid = json.loads((out / f"{grid_phase}.json").read_text())
+    grid = json.loads(((grid_out or out) / f"{grid_phase}.json").read_text())
     lora = [i for i in range(n_requests) if uses_adapter(i)]
     base = [i for i in range(n_requests) if not uses_adapter(i)]
     g_lora = compare(stock["mixed"], grid["mixed"], lora)

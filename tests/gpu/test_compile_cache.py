@@ -41,6 +41,7 @@ def test_gridtrim_after_stock_compiles_its_own_model_and_loads_it_warm(vllm_env,
     assert not _lines(log, LOADED), _lines(log, LOADED)
     assert len(engines.aot_keys(cache)) == 2, engines.aot_keys(cache)
     text, ok = engines.report(tmp_path / "out", N_REQUESTS, engines.TOLERANCE, True)
+    print(f"cold GridTrim engine against stock:\n{text}", flush=True)
     assert ok, text
 
     warm = engines.phase(grid_name, tmp_path, env, N_REQUESTS, run="-warm")
@@ -52,5 +53,5 @@ def test_gridtrim_after_stock_compiles_its_own_model_and_loads_it_warm(vllm_env,
     assert _lines(log, f"compiled launches: {launch})"), _lines(log, "LoRazor GridTrim active")
     assert len(engines.aot_keys(cache)) == 2, engines.aot_keys(cache)
     text, ok = engines.report(tmp_path / "out", N_REQUESTS, engines.TOLERANCE, True, grid_out=tmp_path / "out-warm")
-    print(f"warm GridTrim engine ({launch} launch) against stock:\n{text}")
+    print(f"warm GridTrim engine ({launch} launch) against stock:\n{text}", flush=True)
     assert ok, text

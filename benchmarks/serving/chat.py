@@ -425,8 +425,7 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
     graphs = ("its default CUDA graphs" if args.max_capture_size is None else
               f"its default CUDA-graph mode with graphs up to {args.max_capture_size} tokens (--compilation-config "
               f"max_cudagraph_capture_size={args.max_capture_size} in every mode)")
-    if args.gridtrim_launch != DEFAULT_LAUNCH:
-        graphs += f"; GridTrim's kernels launched by {args.gridtrim_launch} ({GRIDTRIM_LAUNCH_ENV})"
+    graphs += f"; GridTrim's kernels launched by {args.gridtrim_launch} ({GRIDTRIM_LAUNCH_ENV})"
     return [
         f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
         f"{graphs}, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "

@@ -20,7 +20,10 @@ from benchmarks.serving.goodput import Slo
 from benchmarks.serving.vllm_server import HarnessError
 from predictors.heads import Head
 from serve_bridge.bundle import load_bundle
+from serve_bridge.gridtrim import COMPILED_LAUNCHES, DEFAULT_LAUNCH
 from tests.benchmarks.test_goodput import flags, use_stand_in
+
+OTHER_LAUNCH = next(launch for launch in COMPILED_LAUNCHES if launch != DEFAULT_LAUNCH)
 
 SLO = Slo()
 ADAPTERS = {bench.adapter_name(a): Path(f"/w/adapters/{bench.adapter_name(a)}") for a in range(3)}
@@ -261,7 +264,7 @@ def _args(tmp_path: Path, **kw) -> argparse.Namespace:
     args = ap.parse_args(["--adapters", "4"])
     return argparse.Namespace(**vars(args) | {"out": tmp_path / "out", "work": tmp_path / "work", "seed": 0,
                                               "max_loras": 2, "bundle": None, "max_capture_size": None,
-                                              "gridtrim_launch": "ops"} | kw)
+                                              "gridtrim_launch": DEFAULT_LAUNCH} | kw)
 
 
 def test_a_given_bundle_is_served_and_kept_with_the_table(tmp_path):
@@ -336,7 +339,8 @@ def test_the_graphs_line_is_a_table_of_its_own(tmp_path):
         assert json.loads(f["--compilation-config"][0]) == {"max_cudagraph_capture_size": 2048}
     args, graphs = _args(tmp_path), _args(tmp_path, max_capture_size=2048)
     pre, pre_graphs = (chat.preamble(a, "0.33.0", SLO, chat.shape_from(a)) for a in (args, graphs))
-    assert "its default CUDA graphs," in pre[0]
+    launch = f"GridTrim's kernels launched by {DEFAULT_LAUNCH} (LORAZOR_GRIDTRIM_LAUNCH)"
+    assert f"its default CUDA graphs; {launch}," in pre[0]  # every table names its launch, the default too
     assert ("graphs up to 2048 tokens (--compilation-config max_cudagraph_capture_size=2048 in every mode)"
             in pre_graphs[0])
     path = tmp_path / "chat.json"
@@ -434,26 +438,27 @@ def test_the_graphs_line_checks_the_servers_largest_graph(tmp_path, monkeypatch)
     assert "gives a largest CUDA graph of 512 tokens, not the 2048 asked" in error
 
 
-def test_the_inductor_launch_line(tmp_path, monkeypatch):
-    """``--gridtrim-launch inductor``: GridTrim's servers (and only theirs) get
-    ``LORAZOR_GRIDTRIM_LAUNCH=inductor``, the ratio lines say so, and a server whose GridTrim line
-    names another launch is an error of that mode."""
+def test_the_other_launch_line(tmp_path, monkeypatch):
+    """``--gridtrim-launch`` other than the default: GridTrim's servers (and only theirs) get it in
+    ``LORAZOR_GRIDTRIM_LAUNCH``, the preamble and the ratio lines say so, and a server whose GridTrim
+    line names another launch is an error of that mode."""
     argv, record = _stand_in(tmp_path, monkeypatch)
-    assert chat.main(argv + ["--modes", "gridtrim", "stock", "--gridtrim-launch", "inductor"]) == 0
+    assert chat.main(argv + ["--modes", "gridtrim", "stock", "--gridtrim-launch", OTHER_LAUNCH]) == 0
     doc = json.loads((tmp_path / "out" / "chat.json").read_text())
     assert doc["modes"]["gridtrim"]["error"] is None
-    assert doc["ratio"][0].startswith("chat4 goodput [vLLM defaults, GridTrim launched by inductor]: ")
-    assert "GridTrim's kernels launched by inductor (LORAZOR_GRIDTRIM_LAUNCH)" in doc["preamble"][0]
+    assert doc["ratio"][0].startswith(f"chat4 goodput [vLLM defaults, GridTrim launched by {OTHER_LAUNCH}]: ")
+    assert f"GridTrim's kernels launched by {OTHER_LAUNCH} (LORAZOR_GRIDTRIM_LAUNCH)" in doc["preamble"][0]
     seen = [json.loads(line) for line in record.read_text().splitlines()]
     servers = [s for s in seen if s["what"] == "serve"]
-    assert [s["env"].get("LORAZOR_GRIDTRIM_LAUNCH") for s in servers] == ["inductor", None]
-    monkeypatch.setenv("FAKE_GRIDTRIM_LAUNCH", "ops")
-    other = ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--gridtrim-launch", "inductor"]
+    assert [s["env"].get("LORAZOR_GRIDTRIM_LAUNCH") for s in servers] == [OTHER_LAUNCH, None]
+    monkeypatch.setenv("FAKE_GRIDTRIM_LAUNCH", DEFAULT_LAUNCH)
+    other = ["--out", str(tmp_path / "other"), "--modes", "gridtrim", "--gridtrim-launch", OTHER_LAUNCH]
     assert chat.main(argv + other) == 1
     error = json.loads((tmp_path / "other" / "chat.json").read_text())["modes"]["gridtrim"]["error"]
-    assert "lacks GridTrim's line with 'compiled launches: inductor'" in error
-    assert chat.settings_tag(2048, "inductor") == (
-        "[vLLM defaults, CUDA graphs up to 2048 tokens, GridTrim launched by inductor]")
+    assert f"lacks GridTrim's line with 'compiled launches: {OTHER_LAUNCH}'" in error
+    assert chat.settings_tag(2048, OTHER_LAUNCH) == (
+        f"[vLLM defaults, CUDA graphs up to 2048 tokens, GridTrim launched by {OTHER_LAUNCH}]")
+    assert chat.settings_tag(None, DEFAULT_LAUNCH) == "[vLLM defaults]"
 
 
 def test_a_profiled_run_after_the_sweep(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from serve_bridge.gridtrim import DEFAULT_LAUNCH
+from serve_bridge.gridtrim import COMPILED_LAUNCHES, DEFAULT_LAUNCH
 from serve_bridge.vllm import compile_cache, lora_manager, plugin, versions
 from serve_bridge.vllm.settings import (BridgeError, BridgeSettings, engine_fixes, gridtrim_from_env,
                                         gridtrim_launch_from_env, parse_adapters,
@@ -256,7 +256,8 @@ def test_gridtrim_launch_setting(value, launch):
 
 
 def test_gridtrim_launch_setting_refuses_other_values():
-    with pytest.raises(BridgeError, match=r"LORAZOR_GRIDTRIM_LAUNCH='triton': use ops or inductor .*or unset it\.$"):
+    choices = " or ".join(COMPILED_LAUNCHES)
+    with pytest.raises(BridgeError, match=rf"LORAZOR_GRIDTRIM_LAUNCH='triton': use {choices} .*or unset it\.$"):
         gridtrim_launch_from_env({"LORAZOR_GRIDTRIM_LAUNCH": "triton"})
 
 

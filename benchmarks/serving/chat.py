@@ -127,7 +127,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import bench, goodput, gpu_busy, placement, step_profile
+from benchmarks.serving import bench, goodput, gpu_busy, placement, step_profile, vllm_settings
 from benchmarks.serving.bench_client import BenchClient
 from benchmarks.serving.bench_workload import N_REQUESTS
 from benchmarks.serving.chat_bundle import summary_path, with_lag
@@ -425,7 +425,7 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, shape: ChatShape)
     graphs = ("its default CUDA graphs" if args.max_capture_size is None else
               f"its default CUDA-graph mode with graphs up to {args.max_capture_size} tokens (--compilation-config "
               f"max_cudagraph_capture_size={args.max_capture_size} in every mode)")
-    graphs += f"; GridTrim's kernels launched by {args.gridtrim_launch} ({GRIDTRIM_LAUNCH_ENV})"
+    graphs += f"; {vllm_settings.gridtrim_launch_note(args.gridtrim_launch)}"
     return [
         f"Chat workload goodput against vLLM's defaults: vLLM {version}, one `vllm serve` per mode (torch.compile, "
         f"{graphs}, async scheduling, prefix caching; lorazor-sync alone adds --no-async-scheduling), "

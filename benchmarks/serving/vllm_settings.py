@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from serve_bridge.command_line import number
+from serve_bridge.vllm.settings import GRIDTRIM_LAUNCH_ENV, gridtrim_launch_from_env
 
 GRAPHS = ("default", "full", "decode")
 GRAPH_LABEL = {"full": "full CUDA graphs", "decode": "decode-only CUDA graphs"}
@@ -111,3 +112,9 @@ def from_arguments(args: argparse.Namespace) -> VllmSettings:
     return VllmSettings(args.graphs, not args.sync, not args.no_prefix_caching,
                         tuple(args.capture_sizes) if args.capture_sizes else None, args.specialize_active_lora)
 
+
+
+def gridtrim_launch_note(launch: str | None = None) -> str:
+    """How a table names GridTrim's compiled launch (docs/vllm_integration.md §4c): ``launch``, else
+    the one ``LORAZOR_GRIDTRIM_LAUNCH`` gives this process and so every engine it starts."""
+    return f"GridTrim's kernels launched by {launch or gridtrim_launch_from_env()} ({GRIDTRIM_LAUNCH_ENV})"

@@ -16,6 +16,7 @@ from benchmarks.serving import bench, bench_client, bench_workload, goodput, syn
 from benchmarks.serving.goodput import Slo, Sweep
 from benchmarks.serving.synthetic import write_word_tokenizer
 from benchmarks.serving.vllm_settings import VllmSettings
+from serve_bridge.gridtrim import DEFAULT_LAUNCH
 from serve_bridge.steptrim import skip_fraction
 
 SLO = Slo()
@@ -545,7 +546,9 @@ serve(lambda: run)
 
 
 def use_stand_in(tmp_path: Path, monkeypatch) -> Path:
-    """The stand-in `vllm` (:data:`FAKE_VLLM`) for the harnesses' servers and client processes."""
+    """The stand-in `vllm` (:data:`FAKE_VLLM`) for the harnesses' servers and client processes, and
+    GridTrim's default launch whatever the shell sets."""
+    monkeypatch.delenv("LORAZOR_GRIDTRIM_LAUNCH", raising=False)
     fake, client = tmp_path / "fake_vllm.py", tmp_path / "fake_client.py"
     fake.write_text(FAKE_VLLM)
     client.write_text(FAKE_CLIENT)
@@ -572,7 +575,8 @@ def test_a_whole_call_against_a_stand_in_vllm(tmp_path, monkeypatch):
 
     doc = json.loads(table)
     assert doc["preamble"][0].endswith("vLLM settings of every server: vLLM's defaults (torch.compile and its "
-                                       "CUDA-graph mode, async scheduling, prefix caching)")
+                                       "CUDA-graph mode, async scheduling, prefix caching); GridTrim's kernels "
+                                       f"launched by {DEFAULT_LAUNCH} (LORAZOR_GRIDTRIM_LAUNCH)")
     assert list(doc["modes"]) == ["both", "gridtrim", "stock"] and len(doc["notes"]) == 2
     for mode, limit in (("both", 30.0), ("gridtrim", 20.0), ("stock", 10.0)):
         entry = doc["modes"][mode]

@@ -113,7 +113,6 @@ def from_arguments(args: argparse.Namespace) -> VllmSettings:
                         tuple(args.capture_sizes) if args.capture_sizes else None, args.specialize_active_lora)
 
 
-
 def gridtrim_launch_note(launch: str | None = None) -> str:
     """How a table names GridTrim's compiled launch (docs/vllm_integration.md §4c): ``launch``, else
     the one ``LORAZOR_GRIDTRIM_LAUNCH`` gives this process and so every engine it starts."""

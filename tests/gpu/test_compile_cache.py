@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from serve_bridge.vllm.settings import gridtrim_launch_from_env
 from tests.gpu import gridtrim_engines as engines
 from tests.gpu import release_engines
-from serve_bridge.vllm.settings import gridtrim_launch_from_env
 from tests.gpu.harness import run_phases
 
 pytestmark = pytest.mark.gpu

@@ -850,8 +850,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         f"LoRazor serve_bridge throughput: stock vLLM {versions_named(lines) if args.vllm_python else installed_vllm()} "
         "vs the LoRazor plugin (GridTrim kernels, "
         "StepTrim release, both), same machine, back-to-back subprocesses; vLLM settings of every mode: "
-        + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching)")
-        + (f"; {vllm_settings.gridtrim_launch_note()}" if settings.graphs == "default" else ""),  # else no compile
+        + settings.described(),
         f"model: {MODEL_NAME[args.model]} config ({cfg['architectures'][0]}), dummy weights, bf16; rank-{args.rank} "
         f"random peft adapters on q,k,v,o,gate,up,down ({DISTINCT_WEIGHTS} distinct weight files hard-linked under the "
         "N adapter names: each name is loaded from disk and written into its slot on its own, as vLLM does)",

@@ -577,9 +577,7 @@ def preamble(args: argparse.Namespace, version: str, slo: Slo, ks: Sequence[int]
     return [
         f"Goodput under a latency SLO: vLLM {version}, `vllm serve` with the LoRazor plugin (OpenAI HTTP server, "
         "engine core in its own process) driven by `vllm bench serve`, one server per mode; vLLM "
-        "settings of every server: " + (settings.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, "
-                                                       "async scheduling, prefix caching)")
-        + (f"; {vllm_settings.gridtrim_launch_note()}" if settings.graphs == "default" else ""),  # else no compile
+        "settings of every server: " + settings.described(),
         f"model: {bench.MODEL_NAME['llama3b']} config, dummy weights, bf16, word-level tokenizer of its 128256 "
         f"tokens; {args.adapters} rank-{bench.RANK} random peft adapters "
         f"({min(bench.DISTINCT_WEIGHTS, args.adapters)} distinct weight files), --lora-modules, max_loras {args.max_loras}; server: "

@@ -63,6 +63,12 @@ class VllmSettings:
             ["adapter-count graphs for vLLM's kernels"] if self.specialize_active_lora else [])
         return f"[{', '.join(parts)}]" if parts else ""
 
+    def described(self) -> str:
+        """How a table's preamble names these settings: their tag, or vLLM's defaults spelled out; under
+        vLLM's compilation (the default graphs) also GridTrim's compiled launch (:func:`gridtrim_launch_note`)."""
+        text = self.tag or "vLLM's defaults (torch.compile and its CUDA-graph mode, async scheduling, prefix caching)"
+        return text + (f"; {gridtrim_launch_note()}" if self.graphs == "default" else "")  # else no compile
+
     def engine_options(self) -> dict[str, Any]:
         """The ``LLM``/``vllm serve`` options that differ from vLLM's defaults (none for them), but
         ``specialize_active_lora``, which is a LoRA option of some modes (``bench.engine_options``)."""

@@ -160,7 +160,7 @@ def test_launcher_warm_up_prepares_buckets_and_decides_nothing(gen: torch.Genera
     launcher = DecisionLauncher(StepTrim(policies, hidden_size, "cuda"), max_rows=32, cuda_graphs=cuda_graphs)
     dummy = torch.randn(32, hidden_size, generator=gen).to("cuda", torch.bfloat16)
     assert launcher.warm_up(dummy) == 3 and launcher.warm_up(dummy[:5]) == 3  # buckets 8, 16, 32
-    for b in launcher._buckets.values():
+    for b in (b for lane in launcher._lanes for b in lane.buckets.values()):
         assert list(b.graphs) == ([torch.bfloat16] if cuda_graphs else [])
         assert b.filled == 0 and (b.meta_np[1] == NO_SLOT).all() and (b.meta_np[0] == 0).all()
     same = StepTrim(policies, hidden_size, "cuda")

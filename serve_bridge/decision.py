@@ -77,6 +77,23 @@ class _Lane:
     events: tuple[Any, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Launched:
+    """One launch's result as it will be once the GPU has run it, for a reader outside the launch
+    order (:meth:`DecisionLauncher.newest`). Valid until its lane's next launch, ``depth`` launches
+    later; it neither reads nor frees the launch, which :meth:`DecisionLauncher.result` still does."""
+
+    lane: _Lane
+    bucket: _Bucket
+    n: int
+
+    def fired(self) -> np.ndarray:
+        """Wait for the launch (its second event) and copy out its fired rows, bool [n]."""
+        if self.lane.events is not None:
+            self.lane.events[1].synchronize()
+        return self.bucket.out_np[:self.n].copy()
+
+
 class DecisionLauncher:
     """Launches StepTrim decisions, one engine step per launch, up to ``depth`` in flight.
 
@@ -191,6 +208,13 @@ class DecisionLauncher:
             gpu_ms = ev0.elapsed_time(ev1)
         self._last = (b, n)
         return b.out_np[:n], gpu_ms
+
+    def newest(self) -> Launched:
+        """The newest unread launch, to be read ahead of :meth:`result` (:class:`Launched`)."""
+        if not self._inflight:
+            raise RuntimeError("DecisionLauncher.newest: nothing is unread")
+        lane, b, n, _ = self._inflight[-1]
+        return Launched(lane, b, n)
 
     def last_scores(self) -> torch.Tensor:
         """The scores s of the last read decision's rows (float32 [n], on StepTrim's device; for

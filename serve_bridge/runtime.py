@@ -46,7 +46,7 @@ import torch
 
 from serve_bridge.bundle import (Bundle, BundleError, BundleWarning, adapter_fingerprint, adapter_weights_file,
                                  load_bundle)
-from serve_bridge.decision import DecisionLauncher
+from serve_bridge.decision import DecisionLauncher, Launched
 from serve_bridge.steptrim import NO_SLOT, ProfiledPolicy, StepTrim
 
 # A child of vLLM's "vllm" logger, so records go wherever vLLM's logging sends them.
@@ -240,6 +240,36 @@ class _Pending:
     forwards: list[int]
     req_ids: list[str]
     host_ms: float  # engine-thread time spent in decide()
+    launched: Launched  # its result, readable ahead of the launch order (ReleasePreview)
+
+
+class ReleasePreview:
+    """The releases that launched, still unread decisions will make, read once the GPU has run
+    them: what an asynchronous step output can bring the scheduler a step before
+    :meth:`ReleaseRuntime.take_releases` does (docs/vllm_integration.md §11, learned releases).
+
+    Semantics: req_id → r for each row that fired and whose request had no release when
+    :meth:`releases` ran, the earliest of the decisions firing, r from the StepTrim that launched
+    it: exactly what reading those decisions in order will release, since a request's release
+    comes from its earliest firing decision and every older one was read before the preview was
+    taken. It only reads runtime state, so it may run on another thread than the runner (vLLM's
+    output thread under multiprocessing), before the launcher's lanes are reused ``depth``
+    launches later.
+    """
+
+    def __init__(self, pending: Sequence[_Pending], steptrim: StepTrim) -> None:
+        self._pending = list(pending)
+        self._steptrim = steptrim
+
+    def releases(self) -> dict[str, int]:
+        """Wait for the decisions (each behind its own step's forward) and return their releases."""
+        out: dict[str, int] = {}
+        for p in self._pending:
+            for i in np.flatnonzero(p.launched.fired()).tolist():
+                st, req_id = p.states[i], p.req_ids[i]
+                if st.release is None and req_id not in out:
+                    out[req_id] = self._steptrim.release_point(st.slot, p.forwards[i])
+        return out
 
 
 class ReleaseRuntime:
@@ -426,7 +456,8 @@ class ReleaseRuntime:
         self.resolve(self._launcher.depth - 1)  # room for this launch (begin_step has normally made it)
         start = time.perf_counter()
         self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
-        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3))
+        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3,
+                                      self._launcher.newest()))
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Compile and capture the decision launcher's work for hidden states like ``hidden``
@@ -481,6 +512,14 @@ class ReleaseRuntime:
         self.resolve(self.hold)
         out, self.new_releases = self.new_releases, {}
         return out
+
+    def preview_releases(self) -> ReleasePreview | None:
+        """After :meth:`take_releases`: the releases of the decisions it left unread (None if there
+        are none), for an output the scheduler reads once the GPU has run this step. A decision
+        after forward t with lag L ≥ 1 is then reported with forward t's output as well as with
+        forward t + L's; the scheduler, which under async scheduling plans step t + 2 after reading
+        step t's output, then hands the slot on from the first step without the adapter when L = 1."""
+        return ReleasePreview(self._pending, self.steptrim) if self._pending and self.report_releases else None
 
     def reset_latency(self) -> None:
         """Forget the latency samples (e.g. after a warm-up); totals and counts are kept."""

@@ -5,7 +5,8 @@ runner's seams: the step is planned where the batch is gathered, before the CUDA
 (the masked mapping's group count picks the graph); :class:`ReleaseLoraState`, a subclass of
 vLLM's ``LoraState``, hands the masked mapping to ``_set_active_loras``; decisions launch on the
 forward's hidden states at the sampled rows; learned releases ride on the step output for the
-scheduler. A preempted request keeps its release state: the V2 runner drops and re-adds it
+scheduler, those of the step's own decisions too (:class:`ReleasesAhead`). A preempted request
+keeps its release state: the V2 runner drops and re-adds it
 (``preempted_req_ids``, ``scheduled_new_reqs``), and its recompute is masked by position like
 any step. The two lines differ here only in ``make_lora_inputs``' signature; what else differs
 is in their seams (:mod:`serve_bridge.vllm.versions`). vLLM lines: docs/vllm_integration.md §2b.
@@ -17,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 import vllm.v1.worker.gpu.model_runner as v2_runner
+from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.worker.gpu.lora_utils import LoraState
 
-from serve_bridge.runtime import ReleaseRuntime, StepMapping, lora_ids
+from serve_bridge.runtime import ReleasePreview, ReleaseRuntime, StepMapping, lora_ids
 from serve_bridge.vllm.runner_setup import start_runtime
 from serve_bridge.vllm.settings import RELEASES_ATTR
 
@@ -62,6 +64,27 @@ class ReleaseLoraState(LoraState):
             raise RuntimeError("ReleaseLoraState.make_lora_inputs: no step was planned for this batch")
         by_id = {lora.lora_int_id: lora for lora in map(self.lora_requests.get, req_ids) if lora is not None}
         return lora_ids(step.sampled_mapping), lora_ids(step.token_mapping), {by_id[i] for i in step.adapter_ids}
+
+
+class ReleasesAhead(AsyncModelRunnerOutput):
+    """vLLM's asynchronous step output whose ``ModelRunnerOutput`` also holds the releases of the
+    decisions still unread on the worker (:class:`serve_bridge.runtime.ReleasePreview`), read where
+    vLLM waits for the step's copy to the host: the decisions ran on the same stream before it.
+    Releases already read take precedence (they are the same or older)."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, preview: ReleasePreview) -> None:
+        self.inner = inner
+        self.preview = preview
+
+    def get_output(self) -> Any:
+        out = self.inner.get_output()
+        ahead = self.preview.releases()
+        if ahead:
+            setattr(out, RELEASES_ATTR, ahead | (getattr(out, RELEASES_ATTR, None) or {}))
+        return out
+
+    def get_kv_connector_output(self) -> Any:
+        return self.inner.get_kv_connector_output()
 
 
 def num_active_loras_for_dispatch(lora_config: Any, lora_state: Any, req_ids: list[str], dummy_run: bool) -> int:
@@ -122,10 +145,14 @@ class LoRazorGPUModelRunner(_BaseRunner):
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)
-        if self.lorazor.report_releases:
-            releases = self.lorazor.take_releases()
-            if releases and out is not None:  # AsyncOutput.get_output() returns this ModelRunnerOutput
+        rt = self.lorazor
+        if rt.report_releases and out is not None:
+            releases = rt.take_releases()
+            if releases:  # AsyncOutput.get_output() returns this ModelRunnerOutput
                 setattr(getattr(out, "model_runner_output", out), RELEASES_ATTR, releases)
+            preview = rt.preview_releases()
+            if preview is not None and isinstance(out, AsyncModelRunnerOutput):
+                out = ReleasesAhead(out, preview)
         return out
 
     def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:

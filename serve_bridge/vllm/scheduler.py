@@ -12,9 +12,12 @@ Where p comes from (the same sources as the worker's :class:`~serve_bridge.runti
 with the same :class:`~serve_bridge.runtime.CalibratedAdapters` check, so both sides agree):
 profiled k → p = P + k, known at admission (:func:`serve_bridge.steptrim.release_point_profiled`);
 a forced release (``extra_args``) → its position; learned → p = P + r once the worker's decision
-arrives with a step's output (:data:`RELEASES_ATTR`, set by ``serve_bridge.vllm.model_runner``):
-with decision lag L, a decision after forward t (r = t + L) arrives with forward r's output, before
-the token whose KV first runs without the adapter is appended and its block hashed. An adapter
+arrives with a step's output (:data:`RELEASES_ATTR`, set by ``serve_bridge.vllm.model_runner`` and
+``model_runner_v2``): with decision lag L, a decision after forward t (r = t + L) arrives with
+forward r's output, and on the V2 runner already with forward t's (read where vLLM waits for that
+step's copy to the host), so under async scheduling the slot is handed on from the first step
+planned without the adapter; either way before the token whose KV first runs without the adapter
+is appended and its block hashed. The same r may arrive twice. An adapter
 without a usable policy always holds its slot. Each known p is marked on vLLM's request
 (:func:`serve_bridge.vllm.prefix_cache.mark_release`), so blocks reaching it hash apart.
 

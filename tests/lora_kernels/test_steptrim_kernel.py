@@ -125,7 +125,8 @@ def test_bad_inputs_are_refused(gen: torch.Generator) -> None:
 def test_serving_launcher_matches_steptrim_bit_for_bit(gen: torch.Generator, cuda_graphs: bool) -> None:
     """The runtime's launcher (pinned inputs and result read/written by the kernel, the hidden
     states' address as data, graph replays) against StepTrim on the same device: fired rows and
-    scores identical, across buckets, dtypes and hidden tensors at new addresses every step."""
+    scores identical, across buckets, dtypes and hidden tensors at new addresses every step; the
+    result read ahead of the launch order (``newest``) too."""
     hidden_size, n = 3072, 9
     policies = _policies(gen, n, hidden_size)
     launcher = DecisionLauncher(StepTrim(policies, hidden_size, "cuda"), max_rows=32, cuda_graphs=cuda_graphs)
@@ -138,11 +139,12 @@ def test_serving_launcher_matches_steptrim_bit_for_bit(gen: torch.Generator, cud
         slots = torch.randint(0, n, (m,), generator=gen)
         t = torch.randint(0, 7, (m,), generator=gen)
         launcher.launch(rows, slots.tolist(), t.tolist(), hidden)
+        ahead = launcher.newest().fired()  # waits for the launch's own event
         fired, gpu_ms = launcher.result()
         assert gpu_ms is not None and gpu_ms > 0
         h = hidden[torch.tensor(rows, device="cuda")]
         want = same.fires(slots.cuda(), t.cuda(), h).cpu().numpy()
-        assert (fired == want).all()
+        assert (fired == want).all() and (ahead == want).all()
         outcomes |= set(want.tolist())
         assert torch.equal(launcher.last_scores(), same.scores(slots.cuda(), h))
     assert outcomes == {True, False}  # both outcomes were compared

@@ -9,6 +9,7 @@ points independently of the runtime.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,15 +40,16 @@ class WalkRequest:
     generated: int = 0
 
 
-def walk(rt, reqs: list[WalkRequest], budget: int, preempt: set[str],
-         preempt_after: int, read_early: bool = True) -> dict[str, list[tuple[int, int]]]:
+def walk(rt, reqs: list[WalkRequest], budget: int, preempt: set[str], preempt_after: int, read_early: bool = True,
+         after_decide: Callable[[], None] | None = None) -> dict[str, list[tuple[int, int]]]:
     """Run ``reqs`` (already added to ``rt``) to completion; return, per request, the masked
     LoRA id the runtime mapped to every position it scheduled, as (position, lora id).
 
     A runtime with a ``capture`` method (calibration mode) is given each step's hidden states
     before ``decide``, as the runner does. ``read_early``: read every launched decision before
     the next step, as a synchronous engine can at no cost; otherwise the runtime reads only what
-    its :attr:`hold` requires, as under vLLM's async scheduling.
+    its :attr:`hold` requires, as under vLLM's async scheduling. ``after_decide`` is called after
+    each step's ``decide``, where the runner samples and builds the step's output.
     """
     seen: dict[str, list[tuple[int, int]]] = {r.req_id: [] for r in reqs}
     running, preempted = list(reqs), set()
@@ -76,6 +78,8 @@ def walk(rt, reqs: list[WalkRequest], budget: int, preempt: set[str],
         if hasattr(rt, "capture"):
             rt.capture(hidden)
         rt.decide(hidden)
+        if after_decide is not None:
+            after_decide()
         for r, n in rows:
             r.computed += n
             if r.computed == r.prompt + r.generated:

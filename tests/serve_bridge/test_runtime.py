@@ -139,6 +139,47 @@ def test_engine_walk_matches_steptrim_semantics(tmp_path, served, caplog, lag, r
     assert lorazor_counters(SimpleNamespace(model_runner=SimpleNamespace(lorazor=rt))) == c
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+def test_previews_report_each_learned_release_at_the_step_that_decided_it(tmp_path, served, lag):
+    """Under async scheduling (decisions read only as the hold requires), the preview taken after
+    each step's take_releases reports a learned release with the step whose decision fired, with
+    the same r as take_releases, which reads it `lag` launched decisions later (`lag` steps or
+    more); it reports nothing else (chunked prefill and preemption included)."""
+    paths = dict(served)
+    rt = build_runtime(_bundle(tmp_path, served, lag=lag), H, "cpu")
+    rt.report_releases = True
+    ids = {"learn": 3, "prof2": 2, None: 0}
+    rng = np.random.default_rng(1)
+    reqs = [WalkRequest(f"r{i}", a, ids[a], prompt=int(rng.integers(2, 14)), length=int(rng.integers(2, 12)))
+            for i, a in enumerate(["learn", "learn", "prof2", None] * 6)]
+    victims = {reqs[0].req_id, reqs[2].req_id}
+    for r in reqs:
+        rt.add(r.req_id, r.adapter, str(paths[r.adapter]) if r.adapter else None, r.prompt)
+        if r.req_id in victims:
+            r.length = 11
+    first_ahead: dict[str, tuple[int, int]] = {}
+    first_taken: dict[str, tuple[int, int]] = {}
+    steps = []
+
+    def after_decide() -> None:
+        steps.append(len(steps))
+        taken = rt.take_releases()
+        preview = rt.preview_releases()
+        ahead = preview.releases() if preview is not None else {}
+        for seen, got in ((first_ahead, ahead), (first_taken, taken)):
+            for req_id, r in got.items():
+                assert seen.setdefault(req_id, (steps[-1], r))[1] == r, (req_id, r, seen[req_id])
+
+    walk(rt, reqs, budget=10, preempt=victims, preempt_after=4, read_early=False, after_decide=after_decide)
+    learned = {r.req_id: _reference_release(r.adapter, lag)(r.req_id, r.length) for r in reqs if r.adapter == "learn"}
+    released = {req_id: ref for req_id, ref in learned.items() if ref is not None}
+    assert released and set(first_ahead) == set(released)
+    for req_id, ref in released.items():
+        (ahead_step, ahead_r), (taken_step, taken_r) = first_ahead[req_id], first_taken[req_id]
+        assert ahead_r == taken_r == ref and taken_step - ahead_step >= lag, (req_id, first_ahead[req_id],
+                                                                              first_taken[req_id])
+
+
 def test_partial_prefill_chunk_does_not_decide(tmp_path, served):
     rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
     rt.add("a", "prof0", str(served["prof0"]), 10)

@@ -8,13 +8,16 @@ decodes first, ``sort_batch_req_ids``); the CUDA-graph LoRA count from the modul
 ``get_num_active_loras_for_dispatch`` (:1818-1823; 0.34: :1880-1885); ``LoraState.make_lora_inputs``
 into ``_set_active_loras`` (:1877-1884; 0.34: :1939-1947, with one logits row per request,
 ``cu_num_logits_np`` at :1484-1488); the forward's hidden states for every token, sampled at
-``logits_indices`` (:1655; 0.34: :1729); ``sample_tokens`` returning an ``AsyncOutput`` whose
-``model_runner_output`` the executor returns (``v1/worker/gpu/async_utils.py:116-204``). 0.34 has
-no V1 runner module. A real :class:`ReleaseRuntime` decides.
+``logits_indices`` (:1655; 0.34: :1729); ``sample_tokens`` returning, synchronous or not, an
+``AsyncOutput`` (:2247-2347; 0.34: :2311-2411), a ``vllm.v1.outputs.AsyncModelRunnerOutput``
+(``v1/outputs.py:354-372``; 0.34: :352-370) whose ``get_output()`` the executor calls and whose
+``model_runner_output`` it returns (``v1/worker/gpu/async_utils.py:116-204``). 0.34 has no V1
+runner module. A real :class:`ReleaseRuntime` decides.
 """
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
@@ -102,6 +105,32 @@ def hidden_for(req_id: str, fire: bool) -> torch.Tensor:
     return torch.tensor(W_LEARN * (-10.0 if fire else 10.0), dtype=torch.float32)
 
 
+class AsyncModelRunnerOutput(ABC):
+    """vllm.v1.outputs.AsyncModelRunnerOutput (v1/outputs.py:354-372 in 0.33.0, :352-370 in 0.34.0), restated."""
+
+    @abstractmethod
+    def get_output(self):
+        ...
+
+    @abstractmethod
+    def get_kv_connector_output(self):
+        ...
+
+
+class AsyncOutput(AsyncModelRunnerOutput):
+    """The V2 runner's step output (v1/worker/gpu/async_utils.py:116-222): its ModelRunnerOutput
+    once the copy to the host is done."""
+
+    def __init__(self, model_runner_output):
+        self.model_runner_output = model_runner_output
+
+    def get_output(self):
+        return self.model_runner_output
+
+    def get_kv_connector_output(self):
+        return "kv connector output"
+
+
 @pytest.fixture(params=list(LINES))
 def v2(monkeypatch, request):
     """serve_bridge.vllm.model_runner_v2 over stand-ins of the modules of vLLM ``line`` it imports
@@ -109,7 +138,8 @@ def v2(monkeypatch, request):
     line = request.param
     lora_state_cls, lora_request_cls = LINES[line]
     names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.model_runner",
-             "vllm.v1.worker.gpu.lora_utils"] + (["vllm.v1.worker.gpu_model_runner"] if line == "0.33.0" else [])
+             "vllm.v1.worker.gpu.lora_utils", "vllm.v1.outputs"] + (
+                 ["vllm.v1.worker.gpu_model_runner"] if line == "0.33.0" else [])
     modules = {name: ModuleType(name) for name in names}
     runner_module = modules["vllm.v1.worker.gpu.model_runner"]
 
@@ -180,7 +210,7 @@ def v2(monkeypatch, request):
 
         def sample_tokens(self, grammar_output):
             self.execute_model_state = None
-            return SimpleNamespace(model_runner_output=SimpleNamespace(req_ids=["stand-in output"]))
+            return AsyncOutput(SimpleNamespace(req_ids=["stand-in output"]))
 
         def _dummy_sampler_run(self, hidden_states):
             pass
@@ -188,6 +218,7 @@ def v2(monkeypatch, request):
     runner_module.GPUModelRunner = GPUModelRunner
     runner_module.get_num_active_loras_for_dispatch = stock_dispatch_count
     modules["vllm.v1.worker.gpu.lora_utils"].LoraState = lora_state_cls
+    modules["vllm.v1.outputs"].AsyncModelRunnerOutput = AsyncModelRunnerOutput
     modules["vllm.v1.worker.gpu"].model_runner = runner_module
     if line == "0.33.0":
         modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner = type("GPUModelRunner", (), {})
@@ -196,9 +227,9 @@ def v2(monkeypatch, request):
     return SimpleNamespace(line=line, module=module, modules=modules, LoRARequest=lora_request_cls)
 
 
-def make_runner(v2, tmp_path, served, slots=True):  # noqa: F811
+def make_runner(v2, tmp_path, served, slots=True, lag=0):  # noqa: F811
     v2.module.install()  # as the plugin does: the dispatch count is the module function's
-    rt = build_runtime(_bundle(tmp_path, served), H, "cpu")
+    rt = build_runtime(_bundle(tmp_path, served, lag=lag), H, "cpu")
     rt.report_releases = slots
     runner = object.__new__(v2.module.LoRazorGPUModelRunner)
     v2.module._BaseRunner.__init__(runner, SimpleNamespace(lora_config=SimpleNamespace(max_loras=4)), "cpu")
@@ -264,6 +295,35 @@ def test_decisions_read_the_sampled_rows_in_batch_order_and_ride_on_the_output(v
     sampled, tokens, _ = runner.calls[-1]
     assert dict(zip(["l2", "l1"], tokens)) == {"l2": 3, "l1": 0}  # l1 runs without its adapter from forward 2
     assert not hasattr(runner.sample_tokens(None).model_runner_output, RELEASES_ATTR)  # reported once
+
+
+def test_a_lag_1_release_rides_on_the_output_of_the_step_that_decided_it(v2, tmp_path, served):  # noqa: F811
+    """Under a decision lag of 1 the runtime reads a decision a step late, but the step's own output
+    already brings its releases, read where vLLM waits for the step's copy (ReleasesAhead): the
+    scheduler, which under async scheduling plans step t + 2 after reading step t's output, hands
+    the slot on from the first forward without the adapter. The later read reports the same r."""
+    runner = make_runner(v2, tmp_path, served, lag=1)
+    runner.execute_model(step(new=[new_req(v2, "l1", "learn", 5, served), new_req(v2, "l2", "learn", 3, served)],
+                              scheduled={"l1": 5, "l2": 3}))
+    runner.hidden_rows = {"l1": hidden_for("l1", fire=False), "l2": hidden_for("l2", fire=False)}
+    out = runner.sample_tokens(None)
+    assert isinstance(out, v2.module.ReleasesAhead) and out.get_kv_connector_output() == "kv connector output"
+    assert not hasattr(out.get_output(), RELEASES_ATTR)
+    runner.hidden_rows = {"l1": hidden_for("l1", fire=True), "l2": hidden_for("l2", fire=False)}
+    runner.execute_model(step(cached={"l2": 3, "l1": 5}, scheduled={"l2": 1, "l1": 1}))
+    assert runner.lorazor.states["l1"].release is None  # not read on the worker yet
+    assert getattr(runner.sample_tokens(None).get_output(), RELEASES_ATTR) == {"l1": 2}  # fired at t = 1, lag 1
+    runner.hidden_rows = {"l1": hidden_for("l1", fire=True), "l2": hidden_for("l2", fire=True)}
+    runner.execute_model(step(cached={"l2": 4, "l1": 6}, scheduled={"l2": 1, "l1": 1}))
+    _, tokens, _ = runner.calls[-1]
+    assert dict(zip(["l2", "l1"], tokens)) == {"l2": 3, "l1": 3}  # forward 2 still runs l1's adapter
+    out = runner.sample_tokens(None)
+    # l1's release read on the worker (the same r); l2 fired at t = 2; l1's second firing changes nothing
+    assert getattr(out.get_output(), RELEASES_ATTR) == {"l1": 2, "l2": 3}
+    runner.execute_model(step(cached={"l2": 5, "l1": 7}, scheduled={"l2": 1, "l1": 1}))
+    _, tokens, _ = runner.calls[-1]
+    assert dict(zip(["l2", "l1"], tokens)) == {"l2": 3, "l1": 0}
+    assert getattr(runner.sample_tokens(None).get_output(), RELEASES_ATTR) == {"l2": 3}  # read now; nothing new
 
 
 def test_a_preempted_request_keeps_its_release(v2, tmp_path, served):  # noqa: F811

@@ -161,6 +161,15 @@ def test_v2_runner_data_the_hooks_read():
         source = inspect.getsource(_attr(path))
         assert all(f in source for f in fragments), (path, [f for f in fragments if f not in source])
     assert "self.model_runner_output" in inspect.getsource(AsyncOutput.get_output)
+    # ReleasesAhead: the step output is an AsyncModelRunnerOutput of these two abstract methods,
+    # whose get_output() waits for a copy that waited for the main stream
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    assert issubclass(AsyncOutput, AsyncModelRunnerOutput)
+    assert AsyncModelRunnerOutput.__abstractmethods__ == {"get_output", "get_kv_connector_output"}
+    assert "copy_stream.wait_stream(main_stream)" in inspect.getsource(AsyncOutput.__init__)
+    assert "self.copy_event.synchronize()" in inspect.getsource(AsyncOutput.get_output)
+    assert "AsyncOutput(" in inspect.getsource(_attr(V2 + ".sample_tokens"))
 
 
 def test_vllm_0_34_has_no_v1_runner_and_takes_frontend_block_hashes():

@@ -80,7 +80,7 @@ class _Lane:
 @dataclass(frozen=True)
 class Launched:
     """One launch's result as it will be once the GPU has run it, for a reader outside the launch
-    order (:meth:`DecisionLauncher.newest`). Valid until its lane's next launch, ``depth`` launches
+    order (:meth:`DecisionLauncher.unread`). Valid until its lane's next launch, ``depth`` launches
     later; it neither reads nor frees the launch, which :meth:`DecisionLauncher.result` still does."""
 
     lane: _Lane
@@ -209,12 +209,9 @@ class DecisionLauncher:
         self._last = (b, n)
         return b.out_np[:n], gpu_ms
 
-    def newest(self) -> Launched:
-        """The newest unread launch, to be read ahead of :meth:`result` (:class:`Launched`)."""
-        if not self._inflight:
-            raise RuntimeError("DecisionLauncher.newest: nothing is unread")
-        lane, b, n, _ = self._inflight[-1]
-        return Launched(lane, b, n)
+    def unread(self) -> list[Launched]:
+        """The unread launches, oldest first, to be read ahead of :meth:`result` (:class:`Launched`)."""
+        return [Launched(lane, b, n) for lane, b, n, _ in self._inflight]
 
     def last_scores(self) -> torch.Tensor:
         """The scores s of the last read decision's rows (float32 [n], on StepTrim's device; for

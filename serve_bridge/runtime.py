@@ -240,7 +240,6 @@ class _Pending:
     forwards: list[int]
     req_ids: list[str]
     host_ms: float  # engine-thread time spent in decide()
-    launched: Launched  # its result, readable ahead of the launch order (ReleasePreview)
 
 
 class ReleasePreview:
@@ -257,15 +256,15 @@ class ReleasePreview:
     launches later.
     """
 
-    def __init__(self, pending: Sequence[_Pending], steptrim: StepTrim) -> None:
+    def __init__(self, pending: Sequence[tuple[_Pending, Launched]], steptrim: StepTrim) -> None:
         self._pending = list(pending)
         self._steptrim = steptrim
 
     def releases(self) -> dict[str, int]:
         """Wait for the decisions (each behind its own step's forward) and return their releases."""
         out: dict[str, int] = {}
-        for p in self._pending:
-            for i in np.flatnonzero(p.launched.fired()).tolist():
+        for p, launched in self._pending:
+            for i in np.flatnonzero(launched.fired()).tolist():
                 st, req_id = p.states[i], p.req_ids[i]
                 if st.release is None and req_id not in out:
                     out[req_id] = self._steptrim.release_point(st.slot, p.forwards[i])
@@ -456,8 +455,7 @@ class ReleaseRuntime:
         self.resolve(self._launcher.depth - 1)  # room for this launch (begin_step has normally made it)
         start = time.perf_counter()
         self._launcher.launch(plan.rows, [s.slot for s in plan.states], plan.forwards, hidden)
-        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3,
-                                      self._launcher.newest()))
+        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3))
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Compile and capture the decision launcher's work for hidden states like ``hidden``
@@ -519,7 +517,10 @@ class ReleaseRuntime:
         after forward t with lag L ≥ 1 is then reported with forward t's output as well as with
         forward t + L's; the scheduler, which under async scheduling plans step t + 2 after reading
         step t's output, then hands the slot on from the first step without the adapter when L = 1."""
-        return ReleasePreview(self._pending, self.steptrim) if self._pending and self.report_releases else None
+        if not (self._pending and self.report_releases):
+            return None
+        # the launcher's unread launches are these decisions', in the same order (decide and _apply)
+        return ReleasePreview(list(zip(self._pending, self._launcher.unread(), strict=True)), self.steptrim)
 
     def reset_latency(self) -> None:
         """Forget the latency samples (e.g. after a warm-up); totals and counts are kept."""

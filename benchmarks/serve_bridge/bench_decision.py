@@ -106,18 +106,6 @@ class _OldStepTrim:
         return released | fire
 
 
-class _OldLaunch:
-    """One launch of the old path, readable as ``serve_bridge.decision.Launched`` is."""
-
-    def __init__(self, fired: torch.Tensor, events: tuple | None) -> None:
-        self._fired, self.events = fired, events
-
-    def fired(self) -> np.ndarray:
-        if self.events is not None:
-            self.events[1].synchronize()
-        return self._fired.numpy().copy()
-
-
 class OldRuntime(ReleaseRuntime):
     """decide()/resolve() as they were before this change, with the same latency records."""
 
@@ -145,8 +133,7 @@ class OldRuntime(ReleaseRuntime):
         if events is not None:
             events[1].record()
         self._old_launches.append((fired, events))
-        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3,
-                                      _OldLaunch(fired, events)))
+        self._pending.append(_Pending(plan.states, plan.forwards, plan.req_ids, (time.perf_counter() - start) * 1e3))
 
     def _apply(self, p: _Pending) -> None:
         start = time.perf_counter()

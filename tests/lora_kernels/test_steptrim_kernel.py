@@ -126,7 +126,7 @@ def test_serving_launcher_matches_steptrim_bit_for_bit(gen: torch.Generator, cud
     """The runtime's launcher (pinned inputs and result read/written by the kernel, the hidden
     states' address as data, graph replays) against StepTrim on the same device: fired rows and
     scores identical, across buckets, dtypes and hidden tensors at new addresses every step; the
-    result read ahead of the launch order (``newest``) too."""
+    result read ahead of the launch order (``unread``) too."""
     hidden_size, n = 3072, 9
     policies = _policies(gen, n, hidden_size)
     launcher = DecisionLauncher(StepTrim(policies, hidden_size, "cuda"), max_rows=32, cuda_graphs=cuda_graphs)
@@ -139,7 +139,7 @@ def test_serving_launcher_matches_steptrim_bit_for_bit(gen: torch.Generator, cud
         slots = torch.randint(0, n, (m,), generator=gen)
         t = torch.randint(0, 7, (m,), generator=gen)
         launcher.launch(rows, slots.tolist(), t.tolist(), hidden)
-        ahead = launcher.newest().fired()  # waits for the launch's own event
+        (ahead,) = (u.fired() for u in launcher.unread())  # waits for the launch's own event
         fired, gpu_ms = launcher.result()
         assert gpu_ms is not None and gpu_ms > 0
         h = hidden[torch.tensor(rows, device="cuda")]

@@ -167,7 +167,7 @@ def test_launcher_matches_steptrim_across_buckets(learned):
 
 def test_launches_in_flight_are_read_oldest_first():
     """With depth 2 two launches may be unread, each in its own lane (its own input buffers), and
-    results come back in launch order; a third launch waits for a read. The newest unread launch
+    results come back in launch order; a third launch waits for a read. The unread launches
     can be read ahead (Launched) without changing that order."""
     g = torch.Generator().manual_seed(21)
     st = StepTrim(_policies(g, 4), H)
@@ -180,16 +180,15 @@ def test_launches_in_flight_are_read_oldest_first():
     assert launcher.in_flight == 2
     with pytest.raises(RuntimeError, match="2 decisions are unread"):
         launcher.launch(*calls[2], hidden[2])
-    newest = launcher.newest()
-    assert newest.fired().tolist() == expect[1]  # read ahead, without reading it
+    ahead = launcher.unread()
+    assert [u.fired().tolist() for u in ahead] == expect[:2]  # read ahead, without reading them
     assert launcher.in_flight == 2
     assert launcher.result()[0].tolist() == expect[0]
-    assert newest.fired().tolist() == expect[1]  # a copy each time, until its lane's next launch
+    assert ahead[1].fired().tolist() == expect[1]  # a copy each time, until its lane's next launch
     launcher.launch(*calls[2], hidden[2])  # reuses the first lane, whose result was read
-    assert launcher.newest().fired().tolist() == expect[2]
+    assert [u.fired().tolist() for u in launcher.unread()] == expect[1:]
     assert [launcher.result()[0].tolist() for _ in range(2)] == expect[1:]
-    with pytest.raises(RuntimeError, match="nothing is unread"):
-        launcher.newest()
+    assert launcher.unread() == []
     with pytest.raises(ValueError, match="depth must be"):
         DecisionLauncher(st, depth=0)
 

@@ -37,7 +37,7 @@ import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,6 +241,14 @@ class _Pending:
     req_ids: list[str]
     host_ms: float  # engine-thread time spent in decide()
 
+    def new_releases(self, fired: np.ndarray, steptrim: StepTrim) -> Iterator[tuple[RequestState, str, int]]:
+        """(state, req_id, r) of each row that ``fired`` whose request has no release yet: the
+        earliest firing decision wins, since release is one-way; r from ``steptrim``'s lag."""
+        for i in np.flatnonzero(fired).tolist():
+            st = self.states[i]
+            if st.release is None:
+                yield st, self.req_ids[i], steptrim.release_point(st.slot, self.forwards[i])
+
 
 class ReleasePreview:
     """The releases that launched, still unread decisions will make, read once the GPU has run
@@ -256,7 +264,7 @@ class ReleasePreview:
     launches later.
     """
 
-    def __init__(self, pending: Sequence[tuple[_Pending, Launched]], steptrim: StepTrim) -> None:
+    def __init__(self, pending: Iterable[tuple[_Pending, Launched]], steptrim: StepTrim) -> None:
         self._pending = list(pending)
         self._steptrim = steptrim
 
@@ -264,10 +272,8 @@ class ReleasePreview:
         """Wait for the decisions (each behind its own step's forward) and return their releases."""
         out: dict[str, int] = {}
         for p, launched in self._pending:
-            for i in np.flatnonzero(launched.fired()).tolist():
-                st, req_id = p.states[i], p.req_ids[i]
-                if st.release is None and req_id not in out:
-                    out[req_id] = self._steptrim.release_point(st.slot, p.forwards[i])
+            for _, req_id, r in p.new_releases(launched.fired(), self._steptrim):
+                out.setdefault(req_id, r)
         return out
 
 
@@ -481,10 +487,8 @@ class ReleaseRuntime:
             for st, t, m in zip(p.states, p.forwards, margins):
                 if math.isfinite(m):
                     st.margins[t] = m
-        for i in fired.nonzero()[0].tolist():
-            st, req_id = p.states[i], p.req_ids[i]
-            if st.release is None:  # the earliest firing decision wins: release is one-way
-                self._release(st, self.steptrim.release_point(st.slot, p.forwards[i]), req_id)
+        for st, req_id, r in p.new_releases(fired, self.steptrim):
+            self._release(st, r, req_id)
         self.decision_steps += 1
         self.decided_rows += len(p.states)
         ms = p.host_ms if gpu_ms is None else gpu_ms
@@ -520,7 +524,7 @@ class ReleaseRuntime:
         if not (self._pending and self.report_releases):
             return None
         # the launcher's unread launches are these decisions', in the same order (decide and _apply)
-        return ReleasePreview(list(zip(self._pending, self._launcher.unread(), strict=True)), self.steptrim)
+        return ReleasePreview(zip(self._pending, self._launcher.unread(), strict=True), self.steptrim)
 
     def reset_latency(self) -> None:
         """Forget the latency samples (e.g. after a warm-up); totals and counts are kept."""
